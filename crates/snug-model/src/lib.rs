@@ -1,0 +1,15 @@
+//! snug's model layer: everything read from a model file before any compute
+//! runs. GGUF parsing ([`gguf`]), tokenizers built from its metadata
+//! ([`tokenizer`]), chat templates ([`template`]), model facts for `snug
+//! info` ([`info`]), and the catalog of known models with the pull that
+//! fetches them ([`catalog`], [`pull`]).
+
+pub mod catalog;
+pub mod gguf;
+pub mod info;
+pub mod pull;
+pub mod template;
+pub mod tokenizer;
+
+pub use gguf::{GgufError, GgufFile, GgufHeader};
+pub use tokenizer::{EncodeOptions, Tokenizer};

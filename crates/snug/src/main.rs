@@ -1,0 +1,328 @@
+//! The `snug` command line: flags are parsed into one struct per command,
+//! then handed to the library crates. Errors become one line on stderr and
+//! a non-zero exit code.
+
+mod progress;
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use snug_model::catalog::{self, DEFAULT_ALIAS};
+use snug_model::info::ModelInfo;
+use snug_model::pull::{self, Pip, PullOutcome};
+use snug_model::{EncodeOptions, GgufFile, Tokenizer};
+
+#[derive(Parser)]
+#[command(
+    name = "snug",
+    version,
+    about = "Run language models where memory is the limit."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download a known model into the cache (or check a local GGUF file);
+    /// prints the file's path as the last line.
+    Pull(PullArgs),
+    /// Show a model's architecture, size, tensor types, geometry, tokenizer
+    /// and memory estimate.
+    Info(InfoArgs),
+    /// Turn text into token ids, as the model's tokenizer does.
+    Tokenize(TokenizeArgs),
+    /// List the known model aliases and whether each is cached.
+    List,
+}
+
+#[derive(Args)]
+struct PullArgs {
+    /// A model alias or a path to a GGUF file.
+    #[arg(default_value = DEFAULT_ALIAS)]
+    model: String,
+}
+
+#[derive(Args)]
+struct InfoArgs {
+    /// A model alias (pulled if needed) or a path to a GGUF file.
+    #[arg(default_value = DEFAULT_ALIAS)]
+    model: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Also list every metadata key (long arrays are summarised).
+    #[arg(long)]
+    metadata: bool,
+}
+
+#[derive(Args)]
+struct TokenizeArgs {
+    /// A model alias (pulled if needed) or a path to a GGUF file.
+    model: String,
+    /// The text to tokenize; `-` reads standard input.
+    text: String,
+    /// Print `{"ids": [...], "pieces": [...]}` instead of one token a line.
+    #[arg(long)]
+    json: bool,
+    /// Never add BOS/EOS, whatever the model's metadata says.
+    #[arg(long)]
+    no_bos: bool,
+    /// Treat control-token text such as `<|im_start|>` as plain text.
+    #[arg(long)]
+    no_parse_special: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Pull(a) => cmd_pull(a),
+        Command::Info(a) => cmd_info(a),
+        Command::Tokenize(a) => cmd_tokenize(a),
+        Command::List => cmd_list(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let msg = format!("{e:#}").replace('\n', " ");
+            let _ = writeln!(std::io::stderr(), "error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A model alias or path, pulled if it is an alias not yet cached.
+fn resolve_model(name: &str) -> Result<PathBuf> {
+    let bar = progress::PullBar::new();
+    Ok(pull::resolve(name, &bar)?)
+}
+
+fn open_model(name: &str) -> Result<GgufFile> {
+    let path = resolve_model(name)?;
+    GgufFile::open(&path).with_context(|| format!("{}", path.display()))
+}
+
+fn cmd_pull(a: PullArgs) -> Result<()> {
+    let path = PathBuf::from(&a.model);
+    if path.exists() {
+        GgufFile::open(&path).with_context(|| format!("{}", path.display()))?;
+        println!("{}", path.display());
+        return Ok(());
+    }
+    let Some(entry) = catalog::lookup(&a.model) else {
+        bail!(
+            "unknown model {:?}: not a file, and not one of the aliases {}",
+            a.model,
+            catalog::alias_list()
+        );
+    };
+    let bar = progress::PullBar::new();
+    let outcome = pull::pull(&entry, &catalog::cache_dir(), &Pip::from_env(), &bar)?;
+    match &outcome {
+        PullOutcome::AlreadyCached(_) => eprintln!("{} is already cached", entry.alias),
+        PullOutcome::Downloaded(_) => eprintln!(
+            "{} pulled and verified (sha256 {})",
+            entry.alias, entry.sha256
+        ),
+    }
+    println!("{}", outcome.path().display());
+    Ok(())
+}
+
+fn cmd_list() -> Result<()> {
+    let cache = catalog::cache_dir();
+    for e in catalog::catalog() {
+        let state = match e.cached(&cache) {
+            Some(p) => format!("cached at {}", p.display()),
+            None => "not pulled".to_string(),
+        };
+        println!(
+            "{:<20} {:>8}  {:<44} {}",
+            e.alias,
+            human_bytes(e.size),
+            e.description,
+            state
+        );
+    }
+    Ok(())
+}
+
+fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_string(), |v| v.to_string())
+}
+
+fn cmd_info(a: InfoArgs) -> Result<()> {
+    let file = open_model(&a.model)?;
+    let info = ModelInfo::from_header(&file, file.file_size());
+    if a.json {
+        let mut v = serde_json::to_value(&info)?;
+        if a.metadata {
+            let md: serde_json::Map<String, serde_json::Value> = file
+                .metadata
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::String(summarise(v))))
+                .collect();
+            v["metadata"] = serde_json::Value::Object(md);
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let g = &info.geometry;
+    let mut out = String::new();
+    use std::fmt::Write as _;
+    writeln!(out, "name:            {}", opt(info.name.as_deref()))?;
+    writeln!(
+        out,
+        "architecture:    {}",
+        opt(info.architecture.as_deref())
+    )?;
+    writeln!(
+        out,
+        "file:            {} (GGUF v{})",
+        human_bytes(info.file_bytes),
+        info.gguf_version
+    )?;
+    writeln!(
+        out,
+        "parameters:      {:.1} M in {} tensors",
+        info.parameters as f64 / 1e6,
+        info.tensor_count
+    )?;
+    writeln!(out, "tensor types:")?;
+    for (ty, u) in &info.tensor_types {
+        writeln!(
+            out,
+            "  {:<6} {:>4} tensors {:>10}  ({} bytes)",
+            ty,
+            u.tensors,
+            human_bytes(u.bytes),
+            u.bytes
+        )?;
+    }
+    writeln!(out, "context length:  {}", opt(g.context_length))?;
+    writeln!(
+        out,
+        "geometry:        {} layers, embedding {}, feed-forward {}",
+        opt(g.layers),
+        opt(g.embedding),
+        opt(g.feed_forward)
+    )?;
+    writeln!(
+        out,
+        "attention:       {} heads, {} KV heads, key length {}, value length {}",
+        opt(g.heads),
+        opt(g.kv_heads),
+        opt(g.key_length),
+        opt(g.value_length)
+    )?;
+    if let Some(w) = g.sliding_window {
+        writeln!(out, "sliding window:  {w}")?;
+    }
+    writeln!(out, "rope base:       {}", opt(g.rope_base))?;
+    writeln!(out, "rms eps:         {}", opt(g.rms_eps))?;
+    let t = &info.tokenizer;
+    match &t.error {
+        None => writeln!(
+            out,
+            "tokenizer:       {} (pre {}), {} tokens, bos {}, eos {}, adds BOS: {}",
+            t.kind,
+            opt(t.pre.as_deref()),
+            t.vocab_size,
+            opt(t.bos),
+            opt(t.eos),
+            if t.add_bos { "yes" } else { "no" }
+        )?,
+        Some(e) => writeln!(out, "tokenizer:       {} ({e})", t.kind)?,
+    }
+    writeln!(
+        out,
+        "chat template:   {}",
+        if info.chat_template {
+            "yes"
+        } else {
+            "no (plain fallback)"
+        }
+    )?;
+    writeln!(
+        out,
+        "memory:          weights {}",
+        human_bytes(info.weights_bytes)
+    )?;
+    if let Some(kv) = info.kv_f16_bytes_per_1k_tokens {
+        writeln!(
+            out,
+            "                 KV cache (f16) {} per 1K tokens",
+            human_bytes(kv)
+        )?;
+    }
+    if a.metadata {
+        writeln!(out, "metadata:")?;
+        for (k, v) in &file.metadata {
+            writeln!(out, "  {k} = {}", summarise(v))?;
+        }
+    }
+    print!("{out}");
+    Ok(())
+}
+
+/// A metadata value for display: strings shortened, arrays summarised.
+fn summarise(v: &snug_model::gguf::Value) -> String {
+    match v {
+        snug_model::gguf::Value::String(s) if s.chars().count() > 80 => {
+            let head: String = s.chars().take(77).collect();
+            format!("{head:?}... ({} bytes)", s.len())
+        }
+        other => other.to_string(),
+    }
+}
+
+fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
+    let text = if a.text == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading standard input")?;
+        s
+    } else {
+        a.text
+    };
+    let file = open_model(&a.model)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    let ids = tok.encode(
+        &text,
+        EncodeOptions {
+            add_special: !a.no_bos,
+            parse_special: !a.no_parse_special,
+        },
+    );
+    let pieces: Vec<String> = ids.iter().map(|&id| tok.piece(id, true)).collect();
+    let mut stdout = std::io::stdout().lock();
+    if a.json {
+        let v = serde_json::json!({ "ids": ids, "pieces": pieces });
+        writeln!(stdout, "{v}")?;
+    } else {
+        for (id, p) in ids.iter().zip(&pieces) {
+            writeln!(stdout, "{id:>7} {p:?}")?;
+        }
+    }
+    Ok(())
+}
