@@ -75,6 +75,10 @@ struct TokenizeArgs {
     /// Treat control-token text such as `<|im_start|>` as plain text.
     #[arg(long)]
     no_parse_special: bool,
+    /// Batch mode: TEXT is a file (or `-`) holding one JSON string per line;
+    /// prints one JSON object per line.
+    #[arg(long, conflicts_with = "json")]
+    jsonl: bool,
 }
 
 fn main() -> ExitCode {
@@ -296,6 +300,35 @@ fn summarise(v: &snug_model::gguf::Value) -> String {
 }
 
 fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
+    let opts = EncodeOptions {
+        add_special: !a.no_bos,
+        parse_special: !a.no_parse_special,
+    };
+    if a.jsonl {
+        let input = if a.text == "-" {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .context("reading standard input")?;
+            s
+        } else {
+            std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text))?
+        };
+        let file = open_model(&a.model)?;
+        let tok = Tokenizer::from_gguf(&file)?;
+        let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
+        for (n, line) in input
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let text: String = serde_json::from_str(line)
+                .with_context(|| format!("line {}: not a JSON string", n + 1))?;
+            let ids = tok.encode(&text, opts);
+            writeln!(stdout, "{}", serde_json::json!({ "ids": ids }))?;
+        }
+        return Ok(());
+    }
     let text = if a.text == "-" {
         let mut s = String::new();
         std::io::stdin()
@@ -307,13 +340,7 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
     };
     let file = open_model(&a.model)?;
     let tok = Tokenizer::from_gguf(&file)?;
-    let ids = tok.encode(
-        &text,
-        EncodeOptions {
-            add_special: !a.no_bos,
-            parse_special: !a.no_parse_special,
-        },
-    );
+    let ids = tok.encode(&text, opts);
     let pieces: Vec<String> = ids.iter().map(|&id| tok.piece(id, true)).collect();
     let mut stdout = std::io::stdout().lock();
     if a.json {

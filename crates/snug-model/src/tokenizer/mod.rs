@@ -152,19 +152,169 @@ pub struct Tokenizer {
     eog: Vec<TokenId>,
 }
 
-/// Token texts that end a turn in common chat formats; llama.cpp treats
-/// them as end-of-generation whatever the file says.
-const EOG_TEXTS: &[&str] = &[
+/// Texts that llama.cpp recognises as end-of-turn when the file names no
+/// EOT token; the first present becomes EOT and is made a control token.
+const EOT_TEXTS: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
     "<end_of_turn>",
     "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
     "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
     "<end_of_utterance>",
 ];
+
+/// Fill-in-the-middle roles, their metadata keys and the texts llama.cpp
+/// recognises for them when the key is absent (these become control tokens).
+const FIM_TEXTS: &[(&str, &[&str])] = &[
+    (
+        "tokenizer.ggml.fim_pre_token_id",
+        &[
+            "<|fim_prefix|>",
+            "<fim-prefix>",
+            "<fim_prefix>",
+            "<｜fim▁begin｜>",
+            "<PRE>",
+            "▁<PRE>",
+            "<|code_prefix|>",
+            "<|prefix|>",
+        ],
+    ),
+    (
+        "tokenizer.ggml.fim_suf_token_id",
+        &[
+            "<|fim_suffix|>",
+            "<fim-suffix>",
+            "<fim_suffix>",
+            "<｜fim▁hole｜>",
+            "<SUF>",
+            "▁<SUF>",
+            "<|code_suffix|>",
+            "<|suffix|>",
+        ],
+    ),
+    (
+        "tokenizer.ggml.fim_mid_token_id",
+        &[
+            "<|fim_middle|>",
+            "<fim-middle>",
+            "<fim_middle>",
+            "<｜fim▁end｜>",
+            "<MID>",
+            "▁<MID>",
+            "<|code_middle|>",
+            "<|middle|>",
+        ],
+    ),
+    (
+        "tokenizer.ggml.fim_pad_token_id",
+        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+    ),
+    (
+        "tokenizer.ggml.fim_rep_token_id",
+        &[
+            "<|fim_repo|>",
+            "<|repo_name|>",
+            "<fim-repo>",
+            "<REPO>",
+            "<reponame>",
+        ],
+    ),
+    ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
+];
+
+/// Texts that end generation whatever the file says; llama.cpp also makes
+/// them control tokens, which changes how text containing them is split.
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+/// Special-token roles recovered from metadata and from llama.cpp's
+/// by-name conventions, applied to `kinds` the way llama.cpp applies them.
+fn special_roles(
+    h: &GgufHeader,
+    texts: &[String],
+    ids: &HashMap<String, TokenId>,
+    kinds: &mut [TokenKind],
+) -> Result<(Option<TokenId>, Vec<TokenId>), TokenizerError> {
+    let n = texts.len();
+    let find_first = |cands: &[&str]| cands.iter().filter_map(|t| ids.get(*t).copied()).min();
+    let mut eot = token_id(h, "tokenizer.ggml.eot_token_id", n)?;
+    if eot.is_none() {
+        eot = find_first(EOT_TEXTS);
+        if let Some(id) = eot {
+            kinds[id as usize] = TokenKind::Control;
+        }
+    }
+    let eom =
+        token_id(h, "tokenizer.ggml.eom_token_id", n)?.or_else(|| ids.get("<|eom_id|>").copied());
+    let mut fim = Vec::with_capacity(FIM_TEXTS.len());
+    for (key, cands) in FIM_TEXTS {
+        let mut id = token_id(h, key, n)?;
+        if id.is_none() {
+            id = find_first(cands);
+            if let Some(i) = id {
+                kinds[i as usize] = TokenKind::Control;
+            }
+        }
+        fim.push(id);
+    }
+    // EOG: FIM pad, repo and separator, the named texts, then EOS/EOT/EOM.
+    let mut eog: Vec<TokenId> = fim[3..].iter().flatten().copied().collect();
+    for text in EOG_TEXTS {
+        if let Some(&id) = ids.get(*text) {
+            eog.push(id);
+            kinds[id as usize] = TokenKind::Control;
+        }
+    }
+    let eos = token_id(h, "tokenizer.ggml.eos_token_id", n)?;
+    eog.extend(eos.into_iter().chain(eot).chain(eom));
+    eog.sort_unstable();
+    eog.dedup();
+    let in_eog = |eog: &[TokenId], t: &str| eog.iter().any(|&i| texts[i as usize] == t);
+    // Harmony-style vocabularies: "<|end|>" ends a message, not generation.
+    let harmony = in_eog(&eog, "<|return|>") && in_eog(&eog, "<|call|>");
+    let solar = in_eog(&eog, "<|calls|>") && in_eog(&eog, "<|flush|>");
+    if (harmony || solar) && in_eog(&eog, "<|end|>") {
+        if let Some(&id) = ids.get("<|end|>") {
+            eog.retain(|&i| i != id);
+            kinds[id as usize] = TokenKind::UserDefined;
+        }
+    }
+    // Vocabularies where "</s>" is an ordinary word.
+    if (in_eog(&eog, "<|tool_response>") || in_eog(&eog, "<|plamo:eos|>")) && in_eog(&eog, "</s>") {
+        if let Some(&id) = ids.get("</s>") {
+            eog.retain(|&i| i != id);
+            kinds[id as usize] = TokenKind::Normal;
+        }
+    }
+    Ok((eot, eog))
+}
 
 fn token_id(h: &GgufHeader, key: &str, n: usize) -> Result<Option<TokenId>, TokenizerError> {
     match h.get(key) {
@@ -239,22 +389,9 @@ impl Tokenizer {
         }
         let bos = token_id(h, "tokenizer.ggml.bos_token_id", n)?;
         let eos = token_id(h, "tokenizer.ggml.eos_token_id", n)?;
-        let eot = token_id(h, "tokenizer.ggml.eot_token_id", n)?;
         let pad = token_id(h, "tokenizer.ggml.padding_token_id", n)?;
         let unk = token_id(h, "tokenizer.ggml.unknown_token_id", n)?;
-
-        // End-of-generation tokens; llama.cpp also forces them to be control
-        // tokens, which matters for how text is partitioned.
-        let mut eog: Vec<TokenId> = Vec::new();
-        for text in EOG_TEXTS {
-            if let Some(&id) = ids.get(*text) {
-                eog.push(id);
-                kinds[id as usize] = TokenKind::Control;
-            }
-        }
-        eog.extend(eos.into_iter().chain(eot));
-        eog.sort_unstable();
-        eog.dedup();
+        let (eot, eog) = special_roles(h, &texts, &ids, &mut kinds)?;
 
         let vocab = Vocab {
             texts,
