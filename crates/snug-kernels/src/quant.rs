@@ -179,7 +179,7 @@ impl GgmlType {
     /// of blocks or the size overflows.
     pub fn bytes_for(self, n: u64) -> Option<u64> {
         let bs = self.block_size() as u64;
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return None;
         }
         (n / bs).checked_mul(self.type_size() as u64)
@@ -213,7 +213,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
     }
     let bs = ty.block_size();
     let ts = ty.type_size();
-    if dst.len() % bs != 0 || src.len() != dst.len() / bs * ts {
+    if !dst.len().is_multiple_of(bs) || src.len() != dst.len() / bs * ts {
         return Err(DequantError::SizeMismatch {
             ty,
             bytes: src.len(),

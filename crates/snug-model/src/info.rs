@@ -29,6 +29,9 @@ pub struct Geometry {
     pub context_length: Option<u64>,
     pub rope_base: Option<f64>,
     pub sliding_window: Option<u64>,
+    /// Layers that attend only within the sliding window (the rest are
+    /// global). The split is fixed by the architecture, not stored in files.
+    pub sliding_window_layers: Option<u64>,
     pub rms_eps: Option<f64>,
 }
 
@@ -60,8 +63,25 @@ pub struct ModelInfo {
     pub chat_template: bool,
     /// Bytes of tensor data (what the weights occupy once mapped).
     pub weights_bytes: u64,
-    /// KV cache bytes per 1,024 tokens with f16 keys and values, all layers.
+    /// KV cache bytes per 1,024 tokens with f16 keys and values, all layers
+    /// holding every token.
     pub kv_f16_bytes_per_1k_tokens: Option<u64>,
+    /// KV cache bytes for a 1,024-token context when sliding-window layers
+    /// keep only their window; equal to the above without a window.
+    pub kv_f16_bytes_at_1k_context: Option<u64>,
+}
+
+/// How many of `layers` attend within a sliding window, for architectures
+/// that have one (Gemma 3: every sixth layer is global).
+fn sliding_window_layers(
+    arch: Option<&str>,
+    layers: Option<u64>,
+    window: Option<u64>,
+) -> Option<u64> {
+    match (arch, layers, window) {
+        (Some("gemma3"), Some(l), Some(_)) => Some(l - l / 6),
+        _ => None,
+    }
 }
 
 impl ModelInfo {
@@ -92,6 +112,11 @@ impl ModelInfo {
             context_length: u("context_length"),
             rope_base: f("rope.freq_base"),
             sliding_window: u("attention.sliding_window"),
+            sliding_window_layers: sliding_window_layers(
+                arch.as_deref(),
+                u("block_count"),
+                u("attention.sliding_window"),
+            ),
             rms_eps: f("attention.layer_norm_rms_epsilon"),
         };
         let mut tensor_types: BTreeMap<String, TypeUsage> = BTreeMap::new();
@@ -123,6 +148,19 @@ impl ModelInfo {
                 .and_then(|x| x.checked_mul(2 * 1024)),
             _ => None,
         };
+        let kv_at_1k = kv.map(|full| {
+            match (
+                geometry.sliding_window_layers,
+                geometry.sliding_window,
+                geometry.layers,
+            ) {
+                (Some(swa), Some(w), Some(l)) if l > 0 && w < 1024 => {
+                    let per_layer = full / l;
+                    (l - swa) * per_layer + swa * per_layer * w / 1024
+                }
+                _ => full,
+            }
+        });
         let tokenizer = match Tokenizer::from_gguf(h) {
             Ok(t) => TokenizerFacts {
                 kind: t.kind().gguf_name().to_string(),
@@ -159,6 +197,7 @@ impl ModelInfo {
             chat_template: h.get_str("tokenizer.chat_template").is_some(),
             weights_bytes,
             kv_f16_bytes_per_1k_tokens: kv,
+            kv_f16_bytes_at_1k_context: kv_at_1k,
         }
     }
 }

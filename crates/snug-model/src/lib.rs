@@ -9,6 +9,7 @@ pub mod gguf;
 pub mod info;
 pub mod pull;
 pub mod template;
+pub mod testing;
 pub mod tokenizer;
 
 pub use gguf::{GgufError, GgufFile, GgufHeader};

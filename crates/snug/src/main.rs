@@ -239,10 +239,26 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
         opt(g.value_length)
     )?;
     if let Some(w) = g.sliding_window {
-        writeln!(out, "sliding window:  {w}")?;
+        match g.sliding_window_layers {
+            Some(n) => writeln!(
+                out,
+                "sliding window:  {w} tokens on {n} of {} layers",
+                opt(g.layers)
+            )?,
+            None => writeln!(out, "sliding window:  {w}")?,
+        }
     }
-    writeln!(out, "rope base:       {}", opt(g.rope_base))?;
-    writeln!(out, "rms eps:         {}", opt(g.rms_eps))?;
+    // Stored as f32: print the f32's shortest form, not its f64 widening.
+    writeln!(
+        out,
+        "rope base:       {}",
+        opt(g.rope_base.map(|v| v as f32))
+    )?;
+    writeln!(
+        out,
+        "rms eps:         {}",
+        opt(g.rms_eps.map(|v| format!("{:e}", v as f32)))
+    )?;
     let t = &info.tokenizer;
     match &t.error {
         None => writeln!(
@@ -277,6 +293,13 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
             "                 KV cache (f16) {} per 1K tokens",
             human_bytes(kv)
         )?;
+        if let Some(at) = info.kv_f16_bytes_at_1k_context.filter(|&a| a != kv) {
+            writeln!(
+                out,
+                "                 ({} for a 1K context: windowed layers keep only their window)",
+                human_bytes(at)
+            )?;
+        }
     }
     if a.metadata {
         writeln!(out, "metadata:")?;

@@ -9,6 +9,7 @@
 use std::collections::{BinaryHeap, HashMap};
 
 use super::pretokenize::{byte_to_char_table, PreTokenizer, Splitter};
+use super::symbols::Symbols;
 use super::{TokenId, TokenizerError, Vocab};
 
 pub(super) struct Bpe {
@@ -108,58 +109,37 @@ impl Bpe {
                 return;
             }
         }
-        // Symbols as byte ranges of `word`, linked as a list.
-        let mut sym: Vec<Symbol> = word
-            .char_indices()
-            .map(|(i, c)| Symbol {
-                start: i,
-                len: c.len_utf8(),
-                prev: None,
-                next: None,
-            })
-            .collect();
-        let n = sym.len();
-        for i in 0..n {
-            sym[i].prev = i.checked_sub(1);
-            sym[i].next = (i + 1 < n).then_some(i + 1);
-        }
-        let text = |s: &Symbol| &word[s.start..s.start + s.len];
+        let mut syms = Symbols::new(word);
         let mut heap = BinaryHeap::new();
-        let push = |heap: &mut BinaryHeap<Pair>, sym: &[Symbol], l: usize, r: usize| {
-            if let Some(rank) = self.rank(vocab, text(&sym[l]), text(&sym[r])) {
+        let push = |heap: &mut BinaryHeap<Pair>, syms: &Symbols, l: usize, r: usize| {
+            if let Some(rank) = self.rank(vocab, syms.text(word, l), syms.text(word, r)) {
                 heap.push(Pair {
                     rank,
                     left: l,
                     right: r,
-                    len: sym[l].len + sym[r].len,
+                    len: syms.sym[l].len + syms.sym[r].len,
                 });
             }
         };
-        for i in 1..n {
-            push(&mut heap, &sym, i - 1, i);
+        for i in 1..syms.len() {
+            push(&mut heap, &syms, i - 1, i);
         }
         while let Some(p) = heap.pop() {
-            let (l, r) = (&sym[p.left], &sym[p.right]);
+            let (l, r) = (&syms.sym[p.left], &syms.sym[p.right]);
             // Stale: one side already merged away, or the pair changed.
-            if l.len == 0 || r.len == 0 || l.next != Some(p.right) || l.len + r.len != p.len {
+            if l.len == 0 || r.len == 0 || l.len + r.len != p.len {
                 continue;
             }
-            let right_next = r.next;
-            sym[p.left].len += sym[p.right].len;
-            sym[p.right].len = 0;
-            sym[p.left].next = right_next;
-            if let Some(nn) = right_next {
-                sym[nn].prev = Some(p.left);
+            let (prev, next) = syms.merge(p.left, p.right);
+            if let Some(pl) = prev {
+                push(&mut heap, &syms, pl, p.left);
             }
-            if let Some(pl) = sym[p.left].prev {
-                push(&mut heap, &sym, pl, p.left);
-            }
-            if let Some(nn) = right_next {
-                push(&mut heap, &sym, p.left, nn);
+            if let Some(nn) = next {
+                push(&mut heap, &syms, p.left, nn);
             }
         }
-        for s in sym.iter().filter(|s| s.len > 0) {
-            let piece = text(s);
+        for i in syms.live() {
+            let piece = syms.text(word, i);
             match vocab.id_of(piece) {
                 Some(id) => out.push(id),
                 None => {
@@ -189,13 +169,6 @@ impl Bpe {
             }
         }
     }
-}
-
-struct Symbol {
-    start: usize,
-    len: usize,
-    prev: Option<usize>,
-    next: Option<usize>,
 }
 
 /// A candidate merge; the heap pops the lowest rank, then the leftmost.

