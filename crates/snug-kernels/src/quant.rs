@@ -222,13 +222,11 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
     }
     let blocks = src.chunks_exact(ts).zip(dst.chunks_exact_mut(bs));
     match ty {
-        GgmlType::F32 => {
-            blocks.for_each(|(b, y)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        }
+        GgmlType::F32 => blocks.for_each(|(b, y)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
         GgmlType::F16 => blocks.for_each(|(b, y)| y[0] = f16_at(b, 0)),
-        GgmlType::BF16 => blocks.for_each(|(b, y)| {
-            y[0] = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
-        }),
+        GgmlType::BF16 => {
+            blocks.for_each(|(b, y)| y[0] = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+        }
         GgmlType::Q4_0 => blocks.for_each(|(b, y)| dequant_q4_0(b, y)),
         GgmlType::Q4_1 => blocks.for_each(|(b, y)| dequant_q4_1(b, y)),
         GgmlType::Q5_0 => blocks.for_each(|(b, y)| dequant_q5_0(b, y)),

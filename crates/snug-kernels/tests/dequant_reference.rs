@@ -46,9 +46,7 @@ fn every_supported_type_is_bit_exact_against_gguf_py() {
         );
         let mut got = vec![0f32; want.len()];
         dequantize(ty, &blocks, &mut got).unwrap();
-        let bad: Vec<usize> = (0..want.len())
-            .filter(|&i| !same(got[i], want[i]))
-            .collect();
+        let bad: Vec<usize> = (0..want.len()).filter(|&i| !same(got[i], want[i])).collect();
         assert!(
             bad.is_empty(),
             "{name}: {} of {} values differ, first at {}: got {} want {}",

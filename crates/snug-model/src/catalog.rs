@@ -103,11 +103,7 @@ pub fn lookup(alias: &str) -> Option<CatalogEntry> {
 
 /// The aliases, comma-separated, for messages.
 pub fn alias_list() -> String {
-    catalog()
-        .iter()
-        .map(|e| e.alias)
-        .collect::<Vec<_>>()
-        .join(", ")
+    catalog().iter().map(|e| e.alias).collect::<Vec<_>>().join(", ")
 }
 
 /// snug's cache directory: `$SNUG_HOME`, else `$XDG_CACHE_HOME/snug`, else
@@ -182,10 +178,7 @@ mod tests {
         };
         let text = std::fs::read_to_string(dir.join("models.sha256")).unwrap();
         for e in catalog() {
-            let line = text
-                .lines()
-                .find(|l| l.ends_with(e.file_name))
-                .expect("model listed");
+            let line = text.lines().find(|l| l.ends_with(e.file_name)).expect("model listed");
             assert!(line.starts_with(e.sha256), "{}", e.alias);
         }
     }

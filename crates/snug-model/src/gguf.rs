@@ -50,19 +50,14 @@ pub const DEFAULT_ALIGNMENT: u32 = 32;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error("not a GGUF file (starts with {found:?}, expected \"GGUF\")")]
     NotGguf { found: String },
     #[error("unsupported GGUF version {0} (supported: 2 and 3, little-endian)")]
     UnsupportedVersion(u32),
     #[error("GGUF file is big-endian, which is not supported")]
     BigEndian,
-    #[error(
-        "GGUF file is truncated: {what} at byte {offset} needs {needed} bytes, {available} remain"
-    )]
+    #[error("GGUF file is truncated: {what} at byte {offset} needs {needed} bytes, {available} remain")]
     Truncated {
         what: String,
         offset: u64,
@@ -70,11 +65,7 @@ pub enum GgufError {
         available: u64,
     },
     #[error("GGUF {what} is {value}, over the limit of {limit}")]
-    TooLarge {
-        what: String,
-        value: u64,
-        limit: u64,
-    },
+    TooLarge { what: String, value: u64, limit: u64 },
     #[error("GGUF {what} at byte {offset} is not valid UTF-8")]
     BadUtf8 { what: String, offset: u64 },
     #[error("GGUF metadata key {key:?} has unknown value type {ty}")]
@@ -423,14 +414,12 @@ impl GgufFile {
         if meta.len() < 24 {
             // Too short for the fixed header; also avoids mapping an empty file.
             let head = std::fs::read(path).map_err(io)?;
-            return Err(GgufHeader::parse(&head)
-                .err()
-                .unwrap_or(GgufError::Truncated {
-                    what: "header".into(),
-                    offset: 0,
-                    needed: 24,
-                    available: head.len() as u64,
-                }));
+            return Err(GgufHeader::parse(&head).err().unwrap_or(GgufError::Truncated {
+                what: "header".into(),
+                offset: 0,
+                needed: 24,
+                available: head.len() as u64,
+            }));
         }
         // SAFETY: the map is read-only. Like every mmap-based model loader,
         // this assumes the file is not truncated by another process while
@@ -644,10 +633,7 @@ impl<'a> Reader<'a> {
         for _ in 0..n_dims {
             let d = self.u64("tensor dimension")?;
             if d == 0 || d > i64::MAX as u64 {
-                return Err(GgufError::bad_tensor(
-                    &name,
-                    format!("dimension {d} is out of range"),
-                ));
+                return Err(GgufError::bad_tensor(&name, format!("dimension {d} is out of range")));
             }
             elements = elements
                 .checked_mul(d)
@@ -732,10 +718,7 @@ mod tests {
         assert_eq!(h.version, 3);
         assert_eq!(h.architecture(), Some("llama"));
         assert_eq!(h.get_u64("llama.block_count"), Some(2));
-        assert_eq!(
-            h.get_array("tokenizer.ggml.tokens").map(Array::len),
-            Some(2)
-        );
+        assert_eq!(h.get_array("tokenizer.ggml.tokens").map(Array::len), Some(2));
         let t = h.tensor("w").unwrap();
         assert_eq!((t.elements, t.size, t.ty), (64, 68, GgmlType::Q8_0));
         assert_eq!(h.data_offset % 32, 0);
@@ -745,10 +728,7 @@ mod tests {
     fn every_truncation_is_an_error() {
         let b = tiny_gguf();
         for n in 0..b.len() {
-            assert!(
-                GgufHeader::parse(&b[..n]).is_err(),
-                "prefix of {n} bytes parsed"
-            );
+            assert!(GgufHeader::parse(&b[..n]).is_err(), "prefix of {n} bytes parsed");
         }
     }
 
@@ -756,16 +736,10 @@ mod tests {
     fn rejects_wrong_magic_version_and_endianness() {
         let mut b = tiny_gguf();
         b[0] = b'X';
-        assert!(matches!(
-            GgufHeader::parse(&b),
-            Err(GgufError::NotGguf { .. })
-        ));
+        assert!(matches!(GgufHeader::parse(&b), Err(GgufError::NotGguf { .. })));
         let mut b = tiny_gguf();
         b[4..8].copy_from_slice(&1u32.to_le_bytes());
-        assert!(matches!(
-            GgufHeader::parse(&b),
-            Err(GgufError::UnsupportedVersion(1))
-        ));
+        assert!(matches!(GgufHeader::parse(&b), Err(GgufError::UnsupportedVersion(1))));
         let mut b = tiny_gguf();
         b[4..8].copy_from_slice(&3u32.to_be_bytes());
         assert!(matches!(GgufHeader::parse(&b), Err(GgufError::BigEndian)));
@@ -775,10 +749,7 @@ mod tests {
     fn huge_counts_are_refused_before_allocating() {
         let mut b = tiny_gguf();
         b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(
-            GgufHeader::parse(&b),
-            Err(GgufError::TooLarge { .. })
-        ));
+        assert!(matches!(GgufHeader::parse(&b), Err(GgufError::TooLarge { .. })));
         // An array claiming 2^24 strings in a tiny file: truncated, not OOM.
         let mut b = tiny_gguf();
         let at = b.windows(8).position(|w| w == 2u64.to_le_bytes()).unwrap();

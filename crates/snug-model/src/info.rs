@@ -73,11 +73,7 @@ pub struct ModelInfo {
 
 /// How many of `layers` attend within a sliding window, for architectures
 /// that have one (Gemma 3: every sixth layer is global).
-fn sliding_window_layers(
-    arch: Option<&str>,
-    layers: Option<u64>,
-    window: Option<u64>,
-) -> Option<u64> {
+fn sliding_window_layers(arch: Option<&str>, layers: Option<u64>, window: Option<u64>) -> Option<u64> {
     match (arch, layers, window) {
         (Some("gemma3"), Some(l), Some(_)) => Some(l - l / 6),
         _ => None,
@@ -88,11 +84,7 @@ impl ModelInfo {
     /// Collects the facts from a parsed header. `file_bytes` is the file size.
     pub fn from_header(h: &GgufHeader, file_bytes: u64) -> ModelInfo {
         let arch = h.architecture().map(str::to_string);
-        let key = |k: &str| {
-            arch.as_ref()
-                .map(|a| format!("{a}.{k}"))
-                .unwrap_or_default()
-        };
+        let key = |k: &str| arch.as_ref().map(|a| format!("{a}.{k}")).unwrap_or_default();
         let u = |k: &str| h.get_u64(&key(k));
         let f = |k: &str| h.get_f64(&key(k));
         let heads = u("attention.head_count");
@@ -123,13 +115,11 @@ impl ModelInfo {
         let mut parameters = 0u64;
         let mut weights_bytes = 0u64;
         for t in &h.tensors {
-            let e = tensor_types
-                .entry(t.ty.name().to_string())
-                .or_insert(TypeUsage {
-                    tensors: 0,
-                    bytes: 0,
-                    elements: 0,
-                });
+            let e = tensor_types.entry(t.ty.name().to_string()).or_insert(TypeUsage {
+                tensors: 0,
+                bytes: 0,
+                elements: 0,
+            });
             e.tensors += 1;
             e.bytes += t.size;
             e.elements += t.elements;
@@ -148,19 +138,16 @@ impl ModelInfo {
                 .and_then(|x| x.checked_mul(2 * 1024)),
             _ => None,
         };
-        let kv_at_1k = kv.map(|full| {
-            match (
-                geometry.sliding_window_layers,
-                geometry.sliding_window,
-                geometry.layers,
-            ) {
-                (Some(swa), Some(w), Some(l)) if l > 0 && w < 1024 => {
-                    let per_layer = full / l;
-                    (l - swa) * per_layer + swa * per_layer * w / 1024
-                }
-                _ => full,
-            }
-        });
+        let kv_at_1k =
+            kv.map(
+                |full| match (geometry.sliding_window_layers, geometry.sliding_window, geometry.layers) {
+                    (Some(swa), Some(w), Some(l)) if l > 0 && w < 1024 => {
+                        let per_layer = full / l;
+                        (l - swa) * per_layer + swa * per_layer * w / 1024
+                    }
+                    _ => full,
+                },
+            );
         let tokenizer = match Tokenizer::from_gguf(h) {
             Ok(t) => TokenizerFacts {
                 kind: t.kind().gguf_name().to_string(),
@@ -172,10 +159,7 @@ impl ModelInfo {
                 error: None,
             },
             Err(e) => TokenizerFacts {
-                kind: h
-                    .get_str("tokenizer.ggml.model")
-                    .unwrap_or("none")
-                    .to_string(),
+                kind: h.get_str("tokenizer.ggml.model").unwrap_or("none").to_string(),
                 pre: h.get_str("tokenizer.ggml.pre").map(str::to_string),
                 vocab_size: h.get_array("tokenizer.ggml.tokens").map_or(0, |a| a.len()),
                 bos: None,

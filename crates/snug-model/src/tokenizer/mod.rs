@@ -66,10 +66,7 @@ impl TokenKind {
 
     /// Tokens that are cut out of text before tokenizing it.
     fn is_special(self) -> bool {
-        matches!(
-            self,
-            TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown
-        )
+        matches!(self, TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown)
     }
 }
 
@@ -217,13 +214,7 @@ const FIM_TEXTS: &[(&str, &[&str])] = &[
     ),
     (
         "tokenizer.ggml.fim_rep_token_id",
-        &[
-            "<|fim_repo|>",
-            "<|repo_name|>",
-            "<fim-repo>",
-            "<REPO>",
-            "<reponame>",
-        ],
+        &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"],
     ),
     ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
 ];
@@ -272,8 +263,7 @@ fn special_roles(
             kinds[id as usize] = TokenKind::Control;
         }
     }
-    let eom =
-        token_id(h, "tokenizer.ggml.eom_token_id", n)?.or_else(|| ids.get("<|eom_id|>").copied());
+    let eom = token_id(h, "tokenizer.ggml.eom_token_id", n)?.or_else(|| ids.get("<|eom_id|>").copied());
     let mut fim = Vec::with_capacity(FIM_TEXTS.len());
     for (key, cands) in FIM_TEXTS {
         let mut id = token_id(h, key, n)?;
@@ -323,13 +313,7 @@ fn token_id(h: &GgufHeader, key: &str, n: usize) -> Result<Option<TokenId>, Toke
         Some(v) => match v.as_u64() {
             Some(id) if (id as usize) < n => Ok(Some(id as TokenId)),
             // Some converters write -1 (or u32::MAX) for "none".
-            _ if matches!(
-                v,
-                crate::gguf::Value::I32(-1) | crate::gguf::Value::U32(u32::MAX)
-            ) =>
-            {
-                Ok(None)
-            }
+            _ if matches!(v, crate::gguf::Value::I32(-1) | crate::gguf::Value::U32(u32::MAX)) => Ok(None),
             _ => Err(TokenizerError::BadMetadata(format!(
                 "{key} = {v} is not a token id below {n}"
             ))),
@@ -349,15 +333,11 @@ impl Tokenizer {
             other => return Err(TokenizerError::UnsupportedModel(other.to_string())),
         };
         let Some(Array::String(tokens)) = h.get_array("tokenizer.ggml.tokens") else {
-            return Err(TokenizerError::Missing(
-                "tokenizer.ggml.tokens (array of strings)",
-            ));
+            return Err(TokenizerError::Missing("tokenizer.ggml.tokens (array of strings)"));
         };
         let n = tokens.len();
         if n == 0 || n > u32::MAX as usize {
-            return Err(TokenizerError::BadMetadata(format!(
-                "vocabulary of {n} tokens"
-            )));
+            return Err(TokenizerError::BadMetadata(format!("vocabulary of {n} tokens")));
         }
         let scores: Vec<f32> = match h.get_array("tokenizer.ggml.scores") {
             None => vec![0.0; n],
@@ -367,15 +347,8 @@ impl Tokenizer {
         };
         let mut kinds: Vec<TokenKind> = match h.get_array("tokenizer.ggml.token_type") {
             None => vec![TokenKind::Normal; n],
-            Some(Array::I32(t)) if t.len() >= n => t[..n]
-                .iter()
-                .map(|&x| TokenKind::from_gguf(x as i64))
-                .collect(),
-            Some(_) => {
-                return Err(TokenizerError::BadMetadata(
-                    "tokenizer.ggml.token_type".into(),
-                ))
-            }
+            Some(Array::I32(t)) if t.len() >= n => t[..n].iter().map(|&x| TokenKind::from_gguf(x as i64)).collect(),
+            Some(_) => return Err(TokenizerError::BadMetadata("tokenizer.ggml.token_type".into())),
         };
         let mut texts = Vec::with_capacity(n);
         let mut ids = HashMap::with_capacity(n);
@@ -408,28 +381,14 @@ impl Tokenizer {
                     return Err(TokenizerError::Missing("tokenizer.ggml.merges"));
                 };
                 let bpe = bpe::Bpe::new(&vocab, merges, pre)?;
-                (
-                    Model::Bpe(Box::new(bpe)),
-                    Some(pre),
-                    pre.default_add_bos(),
-                    false,
-                )
+                (Model::Bpe(Box::new(bpe)), Some(pre), pre.default_add_bos(), false)
             }
-            TokenizerKind::Spm => (
-                Model::Spm(Box::new(spm::Spm::new(&vocab))),
-                None,
-                true,
-                true,
-            ),
+            TokenizerKind::Spm => (Model::Spm(Box::new(spm::Spm::new(&vocab))), None, true, true),
         };
-        let add_bos = h
-            .get_bool("tokenizer.ggml.add_bos_token")
-            .unwrap_or(default_bos);
+        let add_bos = h.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(default_bos);
         let add_eos = h.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
         let add_space_prefix = match kind {
-            TokenizerKind::Spm => h
-                .get_bool("tokenizer.ggml.add_space_prefix")
-                .unwrap_or(default_prefix),
+            TokenizerKind::Spm => h.get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(default_prefix),
             TokenizerKind::Bpe => false,
         };
         if add_bos && bos.is_none() {

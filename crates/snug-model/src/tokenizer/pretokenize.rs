@@ -48,9 +48,7 @@ impl PreTokenizer {
 
     fn patterns(self) -> &'static [&'static str] {
         match self {
-            PreTokenizer::Default => {
-                &[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
-            }
+            PreTokenizer::Default => &[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
             PreTokenizer::Gpt2 => &[GPT2],
             PreTokenizer::Llama3 => &[LLAMA3],
             PreTokenizer::Smollm => &[r"\p{N}", GPT2],
@@ -70,6 +68,15 @@ impl PreTokenizer {
     }
 }
 
+/// Character classes as llama.cpp's Unicode tables (version 15.1) have them.
+/// Characters assigned in later versions are neither letters nor numbers
+/// there, so `\p{L}`, `\p{N}` and `\p{P}` are narrowed to the 15.1 assignments.
+const UNICODE_CLASSES: [(&str, &str); 3] = [
+    (r"\p{L}", r"[\p{L}&&\p{Age:15.1}]"),
+    (r"\p{N}", r"[\p{N}&&\p{Age:15.1}]"),
+    (r"\p{P}", r"[\p{P}&&\p{Age:15.1}]"),
+];
+
 /// A compiled pre-tokenizer.
 pub struct Splitter {
     regexes: Vec<Regex>,
@@ -80,7 +87,12 @@ impl Splitter {
         let regexes = pre
             .patterns()
             .iter()
-            .map(|p| Regex::new(p).expect("built-in pre-tokenizer regexes compile"))
+            .map(|p| {
+                let p = UNICODE_CLASSES
+                    .iter()
+                    .fold(p.to_string(), |p, (from, to)| p.replace(from, to));
+                Regex::new(&p).expect("built-in pre-tokenizer regexes compile")
+            })
             .collect();
         Splitter { regexes }
     }
@@ -120,8 +132,7 @@ pub fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..256u32 {
-        let printable =
-            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         let c = if printable {
             b
         } else {
@@ -155,6 +166,14 @@ mod tests {
         let s = Splitter::new(PreTokenizer::Qwen2);
         assert_eq!(s.split("x 123"), vec!["x", " ", "1", "2", "3"]);
         assert_eq!(s.split("I'LL go"), vec!["I", "'LL", " go"]);
+    }
+
+    #[test]
+    fn characters_newer_than_unicode_15_1_are_not_letters() {
+        // U+1C89 (Unicode 16.0) is punctuation-like to llama.cpp.
+        let s = Splitter::new(PreTokenizer::Qwen2);
+        assert_eq!(s.split("\u{1C89}'l"), vec!["\u{1C89}'", "l"]);
+        assert_eq!(s.split("é'l"), vec!["é", "'l"]);
     }
 
     #[test]

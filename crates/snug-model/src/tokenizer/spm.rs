@@ -25,11 +25,9 @@ impl Spm {
     pub(super) fn new(vocab: &Vocab) -> Spm {
         let mut byte_token = [None; 256];
         for (b, slot) in byte_token.iter_mut().enumerate() {
-            *slot = vocab.id_of(&format!("<0x{b:02X}>")).or_else(|| {
-                std::str::from_utf8(&[b as u8])
-                    .ok()
-                    .and_then(|s| vocab.id_of(s))
-            });
+            *slot = vocab
+                .id_of(&format!("<0x{b:02X}>"))
+                .or_else(|| std::str::from_utf8(&[b as u8]).ok().and_then(|s| vocab.id_of(s)));
         }
         Spm { byte_token }
     }

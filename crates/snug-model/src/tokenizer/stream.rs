@@ -60,9 +60,7 @@ impl StreamDecoder {
                 }
                 Err(e) => {
                     let good = e.valid_up_to();
-                    out.push_str(
-                        std::str::from_utf8(&self.pending[..good]).expect("checked prefix"),
-                    );
+                    out.push_str(std::str::from_utf8(&self.pending[..good]).expect("checked prefix"));
                     match e.error_len() {
                         // An incomplete character at the end: wait for more.
                         None => {

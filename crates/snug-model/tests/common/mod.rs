@@ -8,10 +8,7 @@ pub use snug_model::testing::{model_path, MODELS};
 
 /// The shared fixtures directory beside the checkout.
 pub fn fixtures_dir() -> Option<PathBuf> {
-    snug_model::testing::fixtures_dir(&PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../.."
-    )))
+    snug_model::testing::fixtures_dir(&PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")))
 }
 
 /// This crate's own test data.
