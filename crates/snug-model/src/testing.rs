@@ -5,7 +5,8 @@
 //! files) or in snug's cache (`snug pull ALIAS`). When it is missing the test
 //! is skipped with a message, unless `SNUG_REQUIRE_MODELS=1` (as CI sets it),
 //! which turns a missing model into a failure so that nothing passes
-//! without having run.
+//! without having run. The shared reference fixtures beside the checkout
+//! are handled the same way under `SNUG_REQUIRE_FIXTURES=1`.
 
 use std::path::{Path, PathBuf};
 
@@ -19,9 +20,15 @@ pub const MODELS: [&str; 4] = [
     "qwen2.5-coder-1.5b",
 ];
 
-/// Whether missing models and fixtures are failures.
+/// Whether missing models are failures (`SNUG_REQUIRE_MODELS=1`).
 pub fn required() -> bool {
     std::env::var("SNUG_REQUIRE_MODELS").is_ok_and(|v| v == "1")
+}
+
+/// Whether missing shared fixtures are failures (`SNUG_REQUIRE_FIXTURES=1`;
+/// `scripts/test` sets it in CI and wherever `../shared/fixtures` exists).
+pub fn fixtures_required() -> bool {
+    std::env::var("SNUG_REQUIRE_FIXTURES").is_ok_and(|v| v == "1")
 }
 
 /// The GGUF file of `alias`, or `None` (after a message) when the test
