@@ -9,7 +9,9 @@ use snug_model::{EncodeOptions, GgufFile, Tokenizer};
 
 /// (alias, architecture, tensors, blocks, [(type, count)]) as listed in the
 /// models' documentation (read off with the `gguf` Python package).
-const FACTS: &[(&str, &str, usize, u64, &[(GgmlType, usize)])] = &[
+type Facts = (&'static str, &'static str, usize, u64, &'static [(GgmlType, usize)]);
+
+const FACTS: &[Facts] = &[
     (
         "smollm2-135m",
         "llama",

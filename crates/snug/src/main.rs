@@ -100,6 +100,17 @@ fn main() -> ExitCode {
 
 /// A model alias or path, pulled if it is an alias not yet cached.
 fn resolve_model(name: &str) -> Result<PathBuf> {
+    if let Some(entry) = catalog::lookup(name).filter(|_| !std::path::Path::new(name).exists()) {
+        let cache = catalog::cache_dir();
+        if entry.cached(&cache).is_none() {
+            eprintln!(
+                "pulling {} ({}) into {}",
+                entry.alias,
+                human_bytes(entry.size),
+                catalog::models_dir(&cache).display()
+            );
+        }
+    }
     let bar = progress::PullBar::new();
     Ok(pull::resolve(name, &bar)?)
 }
@@ -150,7 +161,7 @@ fn cmd_list() -> Result<()> {
             None => "not pulled".to_string(),
         };
         println!(
-            "{:<20} {:>8}  {:<44} {}",
+            "{:<20} {:>9}  {:<44} {}",
             e.alias,
             human_bytes(e.size),
             e.description,
