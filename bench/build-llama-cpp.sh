@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp, the peer snug is measured against, outside the repository:
 # its source ships in the PyPI sdist of llama-cpp-python. Prints the folder
-# holding the built programs (llama-tokenize, llama-bench, llama-cli).
+# holding the built programs (llama-tokenize, llama-bench, llama-completion, llama-perplexity, llama-lookup).
 #
 # Usage: bench/build-llama-cpp.sh [DEST]   (default ~/.cache/snug-bench/llama.cpp)
 set -euo pipefail
@@ -19,5 +19,5 @@ if ! command -v cmake >/dev/null; then
 fi
 cmake -S "$src" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
-cmake --build build -j "$(nproc)" --target llama-tokenize llama-bench llama-cli >&2
+cmake --build build -j "$(nproc)" --target llama-tokenize llama-bench llama-completion llama-perplexity llama-lookup >&2
 echo "$dest/build/bin"

@@ -2,10 +2,19 @@
 //! them. Nothing here knows about sequences, pages or requests; the engine
 //! hands kernels plain slices.
 //!
-//! Today this crate holds the GGML block layouts and their scalar
-//! dequantizers ([`quant`]), the bit-exact reference every faster kernel is
-//! tested against.
+//! - [`quant`]: GGML block layouts and scalar dequantizers, bit-exact
+//!   against ggml.
+//! - [`dot`]: quantized dot products with a scalar reference and AVX2 /
+//!   AVX-512 VNNI paths that are bitwise equal to it.
+//! - [`matmul`]: batched matrix multiplication over [`pool`]'s threads.
+//! - [`ops`]: normalization, rotary embedding, activations, softmax.
+//! - [`cpu`]: which SIMD path runs.
 
+pub mod cpu;
+pub mod dot;
+pub mod matmul;
+pub mod ops;
+pub mod pool;
 pub mod quant;
 
 pub use quant::{dequantize, DequantError, GgmlType, QK_K};

@@ -1,0 +1,667 @@
+//! Dot products of quantized weight rows with quantized activation rows:
+//! the inner loop of every matrix multiplication.
+//!
+//! Activations are quantized per 32 elements to int8 with an f32 scale
+//! ([`BlockQ8`]); every weight type is unpacked per 32 elements to its true
+//! signed integer levels, so the integer part of each block is exact. The
+//! float part follows one fixed order that every path (scalar, AVX2,
+//! AVX-512 VNNI) performs identically:
+//!
+//! ```text
+//! block b (32 elements) -> 8 integer lanes, lane k = sum of w*a over elements 4k..4k+3
+//!   acc[b % 2][k] = fma(lane_k as f32, scale_b[k], acc[b % 2][k])
+//!   acc[b % 2][k] = fma(asum_k as f32, min_b[k],  acc[b % 2][k])   (types with a min)
+//! result = tree sum of (acc[0][k] + acc[1][k]) over k: ((0+1)+(2+3))+((4+5)+(6+7))
+//! ```
+//!
+//! The scalar code is the reference and performs exactly these operations;
+//! the SIMD paths compute the same lanes with vector instructions, so their
+//! results are bitwise equal to it (tested). A row's result depends only on
+//! its own weights and activations, never on how many rows are computed
+//! together: this is what makes batched forwards batch-invariant.
+
+use half::f16;
+
+use crate::cpu::{simd, Simd};
+use crate::quant::{scale_min_k4, GgmlType};
+
+/// Elements per activation block.
+pub const QK8: usize = 32;
+
+/// 32 activations quantized to int8: `x ≈ d * qs`. `lsum[k]` is the sum of
+/// `qs[4k..4k+4]`, kept so weight types with a minimum need no extra pass.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(16))]
+pub struct BlockQ8 {
+    pub qs: [i8; QK8],
+    pub lsum: [i16; 8],
+    pub d: f32,
+}
+
+impl Default for BlockQ8 {
+    fn default() -> Self {
+        BlockQ8 {
+            qs: [0; QK8],
+            lsum: [0; 8],
+            d: 0.0,
+        }
+    }
+}
+
+/// Quantizes `x` (a multiple of 32 long) into `out`.
+pub fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK8, "quantize_row_q8: length");
+    for (xb, ob) in x.chunks_exact(QK8).zip(out.iter_mut()) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        for (q, v) in ob.qs.iter_mut().zip(xb) {
+            *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        }
+        for k in 0..8 {
+            ob.lsum[k] = ob.qs[4 * k..4 * k + 4].iter().map(|&q| q as i16).sum();
+        }
+        ob.d = d;
+    }
+}
+
+/// The weight types [`dot_rows`] accepts (with [`BlockQ8`] activations).
+pub fn supports(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+    )
+}
+
+/// The 16 float accumulators of one (weight row, activation row) pair.
+#[derive(Clone, Copy)]
+struct Acc([[f32; 8]; 2]);
+
+impl Acc {
+    fn new() -> Acc {
+        Acc([[0.0; 8]; 2])
+    }
+
+    fn finish(&self) -> f32 {
+        let s: [f32; 8] = std::array::from_fn(|k| self.0[0][k] + self.0[1][k]);
+        ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+    }
+}
+
+/// One unpacked weight block: true integer levels, per-lane scale factors
+/// (to be multiplied by the activation scale), and an optional minimum.
+struct WBlock {
+    w: [i8; QK8],
+    scale: [f32; 8],
+    min: Option<[f32; 8]>,
+}
+
+#[inline]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// Unpacks activation-block `j` of weight block `b` (scalar reference).
+fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
+    let mut w = [0i8; QK8];
+    let (scale, min) = match ty {
+        GgmlType::Q4_0 => {
+            for i in 0..16 {
+                w[i] = (b[2 + i] & 15) as i8 - 8;
+                w[i + 16] = (b[2 + i] >> 4) as i8 - 8;
+            }
+            ([f16_at(b, 0); 8], None)
+        }
+        GgmlType::Q4_1 => {
+            for i in 0..16 {
+                w[i] = (b[4 + i] & 15) as i8;
+                w[i + 16] = (b[4 + i] >> 4) as i8;
+            }
+            ([f16_at(b, 0); 8], Some([f16_at(b, 2); 8]))
+        }
+        GgmlType::Q5_0 => {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for i in 0..16 {
+                w[i] = ((b[6 + i] & 15) | (((qh >> i) & 1) << 4) as u8) as i8 - 16;
+                w[i + 16] = ((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4) as u8) as i8 - 16;
+            }
+            ([f16_at(b, 0); 8], None)
+        }
+        GgmlType::Q5_1 => {
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            for i in 0..16 {
+                w[i] = ((b[8 + i] & 15) | (((qh >> i) & 1) << 4) as u8) as i8;
+                w[i + 16] = ((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4) as u8) as i8;
+            }
+            ([f16_at(b, 0); 8], Some([f16_at(b, 2); 8]))
+        }
+        GgmlType::Q8_0 => {
+            for i in 0..32 {
+                w[i] = b[2 + i] as i8;
+            }
+            ([f16_at(b, 0); 8], None)
+        }
+        GgmlType::Q4K | GgmlType::Q5K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let (sc, m) = scale_min_k4(j, &b[4..16]);
+            let qs_at = if ty == GgmlType::Q4K { 16 } else { 48 };
+            let q = &b[qs_at + (j / 2) * 32..qs_at + (j / 2) * 32 + 32];
+            for i in 0..32 {
+                let nib = if j % 2 == 0 { q[i] & 15 } else { q[i] >> 4 };
+                let high = if ty == GgmlType::Q5K { ((b[16 + i] >> j) & 1) << 4 } else { 0 };
+                w[i] = (nib | high) as i8;
+            }
+            ([d * sc as f32; 8], Some([-(dmin * m as f32); 8]))
+        }
+        GgmlType::Q6K => {
+            let d = f16_at(b, 208);
+            let (h, k) = (j / 4, j % 4);
+            let ql = &b[h * 64..h * 64 + 64];
+            let qh = &b[128 + h * 32..128 + h * 32 + 32];
+            for l in 0..32 {
+                let lo = match k {
+                    0 => ql[l] & 15,
+                    1 => ql[l + 32] & 15,
+                    2 => ql[l] >> 4,
+                    _ => ql[l + 32] >> 4,
+                };
+                let hi = (qh[l] >> (2 * k)) & 3;
+                w[l] = (lo | (hi << 4)) as i8 - 32;
+            }
+            let sc_a = b[192 + h * 8 + 2 * k] as i8 as f32;
+            let sc_b = b[192 + h * 8 + 2 * k + 1] as i8 as f32;
+            let (a, bb) = (d * sc_a, d * sc_b);
+            ([a, a, a, a, bb, bb, bb, bb], None)
+        }
+        _ => unreachable!("dot: unsupported type {ty}"),
+    };
+    WBlock { w, scale, min }
+}
+
+/// Activation blocks per weight block.
+fn blocks_per_weight_block(ty: GgmlType) -> usize {
+    ty.block_size() / QK8
+}
+
+/// Adds one block's contribution to `acc` (scalar reference).
+#[inline]
+fn accumulate(acc: &mut Acc, b: usize, wb: &WBlock, a: &BlockQ8) {
+    let set = &mut acc.0[b % 2];
+    for (k, lane) in set.iter_mut().enumerate() {
+        let mut s = 0i32;
+        for i in 4 * k..4 * k + 4 {
+            s += wb.w[i] as i32 * a.qs[i] as i32;
+        }
+        *lane = (s as f32).mul_add(wb.scale[k] * a.d, *lane);
+    }
+    if let Some(min) = wb.min {
+        for (k, lane) in set.iter_mut().enumerate() {
+            *lane = (a.lsum[k] as f32).mul_add(min[k] * a.d, *lane);
+        }
+    }
+}
+
+/// Activation rows processed together per pass over a weight row.
+const ROW_TILE: usize = 4;
+
+fn dot_rows_scalar(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+    let per = blocks_per_weight_block(ty);
+    let ts = ty.type_size();
+    for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
+        let mut accs = [Acc::new(); ROW_TILE];
+        for (wi, wblock) in w.chunks_exact(ts).enumerate() {
+            for j in 0..per {
+                let b = wi * per + j;
+                let wb = unpack(ty, wblock, j);
+                for (acc, a) in accs.iter_mut().zip(acts) {
+                    accumulate(acc, b, &wb, &a[b]);
+                }
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(&accs) {
+            *o = acc.finish();
+        }
+    }
+}
+
+/// Dot products of one weight row `w` (of type `ty`) with each activation
+/// row in `acts`, written to `out` (one value per activation row).
+pub fn dot_rows(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+    dot_rows_with(simd(), ty, w, acts, out)
+}
+
+/// [`dot_rows`] on a chosen path (for tests and benchmarks).
+pub fn dot_rows_with(level: Simd, ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+    assert!(supports(ty), "dot: unsupported type {ty}");
+    assert_eq!(acts.len(), out.len(), "dot: one output per activation row");
+    let n_act_blocks = w.len() / ty.type_size() * blocks_per_weight_block(ty);
+    assert_eq!(w.len() % ty.type_size(), 0, "dot: whole weight blocks");
+    assert!(acts.iter().all(|a| a.len() == n_act_blocks), "dot: activation length");
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 | Simd::Avx512Vnni => {
+            // SAFETY: `level` never exceeds what `Simd::detect` found.
+            unsafe { x86::dot_rows(level == Simd::Avx512Vnni, ty, w, acts, out) }
+        }
+        _ => dot_rows_scalar(ty, w, acts, out),
+    }
+}
+
+/// Dot product of an f32 weight row with an f32 activation row in a fixed
+/// order: element i goes to lane i % 16, lanes are summed as in [`BlockQ8`]
+/// dots. The length must be a multiple of 16.
+pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), x.len());
+    assert_eq!(w.len() % 16, 0, "dot_f32: length must be a multiple of 16");
+    match simd() {
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 | Simd::Avx512Vnni => unsafe { x86::dot_f32(w, x) },
+        _ => dot_f32_scalar(w, x),
+    }
+}
+
+pub fn dot_f32_scalar(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = Acc::new();
+    for (wc, xc) in w.chunks_exact(16).zip(x.chunks_exact(16)) {
+        for k in 0..16 {
+            let lane = &mut acc.0[k / 8][k % 8];
+            *lane = wc[k].mul_add(xc[k], *lane);
+        }
+    }
+    acc.finish()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! AVX2 and AVX-512 VNNI versions of the block loop. Each computes the
+    //! same integer lanes as `unpack` + `accumulate` and the same float
+    //! operations in the same order.
+
+    use std::arch::x86_64::*;
+
+    use super::{blocks_per_weight_block, Acc, BlockQ8, ROW_TILE};
+    use crate::quant::{scale_min_k4, GgmlType};
+
+    /// 16 packed nibbles as 32 bytes: low nibbles then high nibbles.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn nibbles_16(p: *const u8) -> __m256i {
+        let x = _mm_loadu_si128(p as *const __m128i);
+        let m = _mm_set1_epi8(15);
+        let lo = _mm_and_si128(x, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// Bit i of `bits` as byte i: 0x10 where set, 0 elsewhere.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn bits_to_0x10(bits: u32) -> __m256i {
+        let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+        let v = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuf);
+        let mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe_u64 as i64);
+        let v = _mm256_or_si256(v, mask);
+        let set = _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+
+    #[inline(always)]
+    unsafe fn h2f(b: &[u8], at: usize) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([b[at], b[at + 1]]) as i32)))
+    }
+
+    /// One weight type's unpacking: the weights of activation-block `j` of
+    /// a weight block as signed bytes, the per-lane scale (before the
+    /// activation scale) and, for types with one, the per-lane minimum.
+    trait Unpack {
+        const HAS_MIN: bool;
+        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256);
+    }
+
+    struct Q4_0;
+    struct Q4_1;
+    struct Q5_0;
+    struct Q5_1;
+    struct Q8_0;
+    struct Q4K;
+    struct Q5K;
+    struct Q6K;
+
+    impl Unpack for Q4_0 {
+        const HAS_MIN: bool = false;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
+            let w = _mm256_sub_epi8(nibbles_16(b.as_ptr().add(2)), _mm256_set1_epi8(8));
+            (w, _mm256_set1_ps(h2f(b, 0)), _mm256_setzero_ps())
+        }
+    }
+
+    impl Unpack for Q4_1 {
+        const HAS_MIN: bool = true;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
+            (nibbles_16(b.as_ptr().add(4)), _mm256_set1_ps(h2f(b, 0)), _mm256_set1_ps(h2f(b, 2)))
+        }
+    }
+
+    impl Unpack for Q5_0 {
+        const HAS_MIN: bool = false;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let w = _mm256_or_si256(nibbles_16(b.as_ptr().add(6)), bits_to_0x10(qh));
+            (_mm256_sub_epi8(w, _mm256_set1_epi8(16)), _mm256_set1_ps(h2f(b, 0)), _mm256_setzero_ps())
+        }
+    }
+
+    impl Unpack for Q5_1 {
+        const HAS_MIN: bool = true;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            let w = _mm256_or_si256(nibbles_16(b.as_ptr().add(8)), bits_to_0x10(qh));
+            (w, _mm256_set1_ps(h2f(b, 0)), _mm256_set1_ps(h2f(b, 2)))
+        }
+    }
+
+    impl Unpack for Q8_0 {
+        const HAS_MIN: bool = false;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
+            let w = _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i);
+            (w, _mm256_set1_ps(h2f(b, 0)), _mm256_setzero_ps())
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn k4_scales(b: &[u8], j: usize) -> (__m256, __m256) {
+        let (d, dmin) = (h2f(b, 0), h2f(b, 2));
+        let (sc, m) = scale_min_k4(j, &b[4..16]);
+        (_mm256_set1_ps(d * sc as f32), _mm256_set1_ps(-(dmin * m as f32)))
+    }
+
+    impl Unpack for Q4K {
+        const HAS_MIN: bool = true;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
+            let q = _mm256_loadu_si256(b.as_ptr().add(16 + (j / 2) * 32) as *const __m256i);
+            let q = if j % 2 == 0 { q } else { _mm256_srli_epi16(q, 4) };
+            let (s, m) = k4_scales(b, j);
+            (_mm256_and_si256(q, _mm256_set1_epi8(15)), s, m)
+        }
+    }
+
+    impl Unpack for Q5K {
+        const HAS_MIN: bool = true;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
+            let q = _mm256_loadu_si256(b.as_ptr().add(48 + (j / 2) * 32) as *const __m256i);
+            let q = if j % 2 == 0 { q } else { _mm256_srli_epi16(q, 4) };
+            let qh = _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i);
+            let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j as i32)), _mm256_set1_epi8(1));
+            let w = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(15)), _mm256_slli_epi16(bit, 4));
+            let (s, m) = k4_scales(b, j);
+            (w, s, m)
+        }
+    }
+
+    impl Unpack for Q6K {
+        const HAS_MIN: bool = false;
+        #[inline(always)]
+        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
+            let p = b.as_ptr();
+            let (h, k) = (j / 4, j % 4);
+            let ql = _mm256_loadu_si256(p.add(h * 64 + (k % 2) * 32) as *const __m256i);
+            let ql = if k >= 2 { _mm256_srli_epi16(ql, 4) } else { ql };
+            let lo = _mm256_and_si256(ql, _mm256_set1_epi8(15));
+            let qh = _mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i);
+            let hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)), _mm256_set1_epi8(3));
+            let w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+            let d = h2f(b, 208);
+            let sc_a = d * (b[192 + h * 8 + 2 * k] as i8 as f32);
+            let sc_b = d * (b[192 + h * 8 + 2 * k + 1] as i8 as f32);
+            (w, _mm256_set_ps(sc_b, sc_b, sc_b, sc_b, sc_a, sc_a, sc_a, sc_a), _mm256_setzero_ps())
+        }
+    }
+
+    /// The block loop for up to `ROW_TILE` activation rows; inlined into
+    /// the wrappers below, which give it their target features.
+    #[inline(always)]
+    unsafe fn block_loop<U: Unpack, const VNNI: bool>(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        let per = blocks_per_weight_block(ty);
+        let ts = ty.type_size();
+        // Two accumulator sets per activation row: even and odd blocks.
+        let mut accs = [[_mm256_setzero_ps(); 2]; ROW_TILE];
+        for (wi, wblock) in w.chunks_exact(ts).enumerate() {
+            for j in 0..per {
+                let b = wi * per + j;
+                let (wv, scale, min) = U::unpack(wblock, j);
+                let ax = _mm256_sign_epi8(wv, wv);
+                for (acc, a) in accs.iter_mut().zip(acts) {
+                    let a = a.get_unchecked(b);
+                    let av = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+                    let sy = _mm256_sign_epi8(av, wv);
+                    let lanes = if VNNI {
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+                    } else {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+                    };
+                    let ad = _mm256_set1_ps(a.d);
+                    let set = &mut acc[b % 2];
+                    *set = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, ad), *set);
+                    if U::HAS_MIN {
+                        let ls = _mm256_cvtepi16_epi32(_mm_loadu_si128(a.lsum.as_ptr() as *const __m128i));
+                        *set = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ls), _mm256_mul_ps(min, ad), *set);
+                    }
+                }
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(&accs) {
+            let mut a = Acc::new();
+            _mm256_storeu_ps(a.0[0].as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(a.0[1].as_mut_ptr(), acc[1]);
+            *o = a.finish();
+        }
+    }
+
+    macro_rules! dispatch {
+        ($name:ident, $vnni:expr, $($feat:tt)*) => {
+            #[target_feature(enable = $($feat)*)]
+            unsafe fn $name(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+                match ty {
+                    GgmlType::Q4_0 => block_loop::<Q4_0, $vnni>(ty, w, acts, out),
+                    GgmlType::Q4_1 => block_loop::<Q4_1, $vnni>(ty, w, acts, out),
+                    GgmlType::Q5_0 => block_loop::<Q5_0, $vnni>(ty, w, acts, out),
+                    GgmlType::Q5_1 => block_loop::<Q5_1, $vnni>(ty, w, acts, out),
+                    GgmlType::Q8_0 => block_loop::<Q8_0, $vnni>(ty, w, acts, out),
+                    GgmlType::Q4K => block_loop::<Q4K, $vnni>(ty, w, acts, out),
+                    GgmlType::Q5K => block_loop::<Q5K, $vnni>(ty, w, acts, out),
+                    GgmlType::Q6K => block_loop::<Q6K, $vnni>(ty, w, acts, out),
+                    _ => unreachable!(),
+                }
+            }
+        };
+    }
+
+    dispatch!(block_loop_avx2, false, "avx2,fma,f16c");
+    dispatch!(block_loop_vnni, true, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+
+    pub(super) unsafe fn dot_rows(vnni: bool, ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
+            if vnni {
+                block_loop_vnni(ty, w, acts, out)
+            } else {
+                block_loop_avx2(ty, w, acts, out)
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
+        for (wc, xc) in w.chunks_exact(16).zip(x.chunks_exact(16)) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wc.as_ptr()), _mm256_loadu_ps(xc.as_ptr()), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wc.as_ptr().add(8)), _mm256_loadu_ps(xc.as_ptr().add(8)), a1);
+        }
+        let mut acc = Acc::new();
+        _mm256_storeu_ps(acc.0[0].as_mut_ptr(), a0);
+        _mm256_storeu_ps(acc.0[1].as_mut_ptr(), a1);
+        acc.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic generator for test data.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn f32(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    const TYPES: [GgmlType; 8] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+
+    /// Random weight blocks with sane f16 scales.
+    fn weights(ty: GgmlType, n_elems: usize, rng: &mut Rng) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..ty.bytes_for(n_elems as u64).unwrap()).map(|_| rng.next() as u8).collect();
+        let ts = ty.type_size();
+        let scale_at: &[usize] = match ty {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+            GgmlType::Q6K => &[208],
+            _ => &[],
+        };
+        for blk in w.chunks_exact_mut(ts) {
+            for &at in scale_at {
+                let v = f16::from_f32(rng.f32() * 0.05);
+                blk[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+        }
+        w
+    }
+
+    fn acts(n_elems: usize, rng: &mut Rng, scale: f32) -> Vec<BlockQ8> {
+        let x: Vec<f32> = (0..n_elems).map(|_| rng.f32() * scale).collect();
+        let mut q = vec![BlockQ8::default(); n_elems / QK8];
+        quantize_row_q8(&x, &mut q);
+        q
+    }
+
+    #[test]
+    fn scalar_dot_matches_dequantized_float_dot() {
+        let mut rng = Rng(7);
+        for ty in TYPES {
+            let n = 512;
+            let w = weights(ty, n, &mut rng);
+            let a = acts(n, &mut rng, 3.0);
+            let mut out = [0f32];
+            dot_rows_scalar(ty, &w, &[&a], &mut out);
+            let mut wf = vec![0f32; n];
+            crate::dequantize(ty, &w, &mut wf).unwrap();
+            let af: Vec<f32> = a.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+            let want: f64 = wf.iter().zip(&af).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let mag: f64 = wf.iter().zip(&af).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+            assert!(
+                ((out[0] as f64) - want).abs() <= 1e-5 * mag + 1e-6,
+                "{ty}: {} vs {want}",
+                out[0]
+            );
+        }
+    }
+
+    #[test]
+    fn every_simd_path_is_bitwise_equal_to_scalar() {
+        let mut rng = Rng(99);
+        for level in Simd::available() {
+            for ty in TYPES {
+                for rows in [1, 3, 4] {
+                    let n = 1024;
+                    let w = weights(ty, n, &mut rng);
+                    let a: Vec<Vec<BlockQ8>> = (0..rows).map(|r| acts(n, &mut rng, 1.0 + r as f32 * 10.0)).collect();
+                    let refs: Vec<&[BlockQ8]> = a.iter().map(|v| v.as_slice()).collect();
+                    let mut want = vec![0f32; rows];
+                    dot_rows_scalar(ty, &w, &refs, &mut want);
+                    let mut got = vec![0f32; rows];
+                    dot_rows_with(level, ty, &w, &refs, &mut got);
+                    for r in 0..rows {
+                        assert_eq!(got[r].to_bits(), want[r].to_bits(), "{level:?} {ty} row {r}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_its_batch() {
+        let mut rng = Rng(5);
+        for ty in TYPES {
+            let n = 512;
+            let w = weights(ty, n, &mut rng);
+            let a: Vec<Vec<BlockQ8>> = (0..5).map(|_| acts(n, &mut rng, 2.0)).collect();
+            let refs: Vec<&[BlockQ8]> = a.iter().map(|v| v.as_slice()).collect();
+            let mut all = vec![0f32; 5];
+            dot_rows(ty, &w, &refs, &mut all);
+            for r in 0..5 {
+                let mut one = [0f32];
+                dot_rows(ty, &w, &refs[r..r + 1], &mut one);
+                assert_eq!(one[0].to_bits(), all[r].to_bits(), "{ty} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn adversarial_activations() {
+        // All-zero, all-equal, tiny (subnormal-scale) and huge activations.
+        let mut rng = Rng(3);
+        for ty in TYPES {
+            let n = 256;
+            let w = weights(ty, n, &mut rng);
+            for x in [vec![0f32; n], vec![1.5f32; n], vec![1e-38f32; n], vec![3e5f32; n]] {
+                let mut q = vec![BlockQ8::default(); n / QK8];
+                quantize_row_q8(&x, &mut q);
+                let mut want = [0f32];
+                dot_rows_scalar(ty, &w, &[&q], &mut want);
+                assert!(want[0].is_finite(), "{ty}");
+                for level in Simd::available() {
+                    let mut got = [0f32];
+                    dot_rows_with(level, ty, &w, &[&q], &mut got);
+                    assert_eq!(got[0].to_bits(), want[0].to_bits(), "{level:?} {ty}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f32_dot_paths_agree() {
+        let mut rng = Rng(11);
+        let w: Vec<f32> = (0..160).map(|_| rng.f32()).collect();
+        let x: Vec<f32> = (0..160).map(|_| rng.f32()).collect();
+        assert_eq!(dot_f32(&w, &x).to_bits(), dot_f32_scalar(&w, &x).to_bits());
+    }
+}

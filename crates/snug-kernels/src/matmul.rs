@@ -1,0 +1,173 @@
+//! Matrix multiplication `out[r][o] = sum_k w[o][k] * x[r][k]` for a weight
+//! matrix in any supported GGML type and a batch of f32 activation rows.
+//!
+//! Activations are quantized once per call ([`quantize_row_q8`]); threads
+//! take contiguous ranges of output features; each output is one
+//! [`dot_rows`] result, whose operation order depends only on its own row.
+//! So a row's outputs are bitwise the same whatever the batch width, the
+//! row's place in it, or the thread count.
+
+use crate::dot::{dot_f32, dot_rows, quantize_row_q8, supports, BlockQ8, QK8};
+use crate::pool::ThreadPool;
+use crate::quant::{dequantize, GgmlType};
+
+/// A weight matrix borrowed from a mapped file: `rows` rows of `cols`
+/// elements, row-major, each row a whole number of blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct Weight<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> Weight<'a> {
+    pub fn row_bytes(&self) -> usize {
+        self.ty.bytes_for(self.cols as u64).expect("validated at load") as usize
+    }
+
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    /// Row `r` as f32 (for embedding lookups).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        dequantize(self.ty, self.row(r), out).expect("supported type checked at load");
+    }
+}
+
+/// Whether [`matmul`] handles weights of type `ty`.
+pub fn matmul_supports(ty: GgmlType) -> bool {
+    supports(ty) || ty == GgmlType::F32
+}
+
+/// Per-call scratch for quantized activations; sized once by the caller.
+#[derive(Default)]
+pub struct MatmulScratch {
+    q8: Vec<BlockQ8>,
+}
+
+impl MatmulScratch {
+    /// Scratch for up to `rows` activation rows of up to `cols` elements.
+    pub fn with_capacity(rows: usize, cols: usize) -> MatmulScratch {
+        MatmulScratch {
+            q8: vec![BlockQ8::default(); rows * cols.div_ceil(QK8)],
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.q8.capacity() * std::mem::size_of::<BlockQ8>()
+    }
+}
+
+struct SendPtr(*mut f32);
+unsafe impl Sync for SendPtr {}
+unsafe impl Send for SendPtr {}
+
+/// Output features handed to a thread at a time.
+const FEATURES_PER_TASK: usize = 16;
+/// Activation rows computed together against one weight row.
+const TILE: usize = 4;
+
+/// `out` (`n_rows x w.rows`) = `x` (`n_rows x w.cols`) times `w` transposed.
+pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut [f32], scratch: &mut MatmulScratch) {
+    let (k, n) = (w.cols, w.rows);
+    assert_eq!(x.len(), n_rows * k, "matmul: input shape");
+    assert_eq!(out.len(), n_rows * n, "matmul: output shape");
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let tasks = n.div_ceil(FEATURES_PER_TASK);
+    if w.ty == GgmlType::F32 {
+        let wf: &[f32] = bytemuck_f32(w.data);
+        pool.run(tasks, &|t| {
+            let op = &out_ptr;
+            for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
+                for r in 0..n_rows {
+                    let v = dot_f32(&wf[o * k..(o + 1) * k], &x[r * k..(r + 1) * k]);
+                    // SAFETY: each (r, o) is written by exactly one task.
+                    unsafe { *op.0.add(r * n + o) = v };
+                }
+            }
+        });
+        return;
+    }
+    assert!(supports(w.ty), "matmul: unsupported weight type {}", w.ty);
+    let nb = k / QK8;
+    if scratch.q8.len() < n_rows * nb {
+        scratch.q8.resize(n_rows * nb, BlockQ8::default());
+    }
+    for r in 0..n_rows {
+        quantize_row_q8(&x[r * k..(r + 1) * k], &mut scratch.q8[r * nb..(r + 1) * nb]);
+    }
+    let q8 = &scratch.q8[..n_rows * nb];
+    pool.run(tasks, &|t| {
+        let op = &out_ptr;
+        for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
+            let wrow = w.row(o);
+            for r0 in (0..n_rows).step_by(TILE) {
+                let m = TILE.min(n_rows - r0);
+                let acts: [&[BlockQ8]; TILE] = std::array::from_fn(|i| {
+                    let r = (r0 + i).min(n_rows - 1);
+                    &q8[r * nb..(r + 1) * nb]
+                });
+                let mut col = [0f32; TILE];
+                dot_rows(w.ty, wrow, &acts[..m], &mut col[..m]);
+                for (i, v) in col[..m].iter().enumerate() {
+                    // SAFETY: each (r, o) is written by exactly one task.
+                    unsafe { *op.0.add((r0 + i) * n + o) = *v };
+                }
+            }
+        }
+    });
+}
+
+/// Views little-endian f32 bytes as f32s (the map is 32-byte aligned and
+/// GGUF tensor offsets are aligned, so f32 data is 4-byte aligned).
+fn bytemuck_f32(b: &[u8]) -> &[f32] {
+    assert_eq!(b.as_ptr() as usize % 4, 0, "f32 tensor data must be 4-byte aligned");
+    // SAFETY: alignment checked; every bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4) }
+}
+
+/// An f32 tensor's data as f32s.
+pub fn f32_data(b: &[u8]) -> &[f32] {
+    bytemuck_f32(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_batch_and_thread_invariant() {
+        let k = 256;
+        let n = 37;
+        let ty = GgmlType::Q8_0;
+        let mut data = vec![0u8; n * ty.bytes_for(k as u64).unwrap() as usize];
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = (i * 131 % 251) as u8;
+        }
+        for blk in data.chunks_exact_mut(ty.type_size()) {
+            blk[0] = 0x00;
+            blk[1] = 0x2c; // f16 0.0625
+        }
+        let w = Weight {
+            ty,
+            rows: n,
+            cols: k,
+            data: &data,
+        };
+        let x: Vec<f32> = (0..5 * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let mut all = vec![0f32; 5 * n];
+        let p2 = ThreadPool::new(2);
+        let p1 = ThreadPool::new(1);
+        matmul(&p2, &w, &x, 5, &mut all, &mut MatmulScratch::default());
+        for r in 0..5 {
+            let mut one = vec![0f32; n];
+            matmul(&p1, &w, &x[r * k..(r + 1) * k], 1, &mut one, &mut MatmulScratch::default());
+            for o in 0..n {
+                assert_eq!(one[o].to_bits(), all[r * n + o].to_bits());
+            }
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! A persistent thread pool for data-parallel kernels.
+//!
+//! `run(n_tasks, f)` calls `f(task)` for every task in `0..n_tasks`, split
+//! into contiguous, static shares: thread `t` of `T` always takes the same
+//! share, so work placement is deterministic (kernels never let it change a
+//! result anyway: tasks write disjoint outputs). The calling thread takes
+//! share 0. Workers spin briefly between jobs, since a forward pass issues
+//! hundreds of short jobs a token, then sleep on a condition variable.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    /// Bumped once per job, after `job` and `n_tasks` are written.
+    generation: AtomicUsize,
+    job: UnsafeCell<Option<Job>>,
+    n_tasks: AtomicUsize,
+    /// The last generation each worker finished.
+    done: Vec<AtomicUsize>,
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+    stop: AtomicBool,
+    threads: usize,
+}
+
+// SAFETY: `job` is written only by the thread inside `run`, before the
+// generation is published, and read by workers only after they observe that
+// generation; `run` does not return until every worker has finished it.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+/// A fixed set of worker threads.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serialises `run` calls made from several threads.
+    run_lock: Mutex<()>,
+}
+
+/// How long an idle worker spins before sleeping.
+const SPIN: Duration = Duration::from_millis(5);
+
+impl ThreadPool {
+    /// A pool of `threads` threads in all (the caller counts as one).
+    pub fn new(threads: usize) -> ThreadPool {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            generation: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            n_tasks: AtomicUsize::new(0),
+            done: (0..threads).map(|_| AtomicUsize::new(0)).collect(),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            threads,
+        });
+        let workers = (1..threads)
+            .map(|t| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("snug-worker-{t}"))
+                    .spawn(move || worker(&s, t))
+                    .expect("spawn worker thread")
+            })
+            .collect();
+        ThreadPool {
+            shared,
+            workers,
+            run_lock: Mutex::new(()),
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.shared.threads
+    }
+
+    /// Calls `f(task)` for each task in `0..n_tasks` across the pool and
+    /// returns when all have run.
+    pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        let s = &*self.shared;
+        if s.threads == 1 || n_tasks <= 1 {
+            (0..n_tasks).for_each(f);
+            return;
+        }
+        let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: erase the lifetime; `f` outlives this call, and workers
+        // stop using it before this call returns (see `Shared`).
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        unsafe { *s.job.get() = Some(job) };
+        s.n_tasks.store(n_tasks, Ordering::Relaxed);
+        let gen = s.generation.fetch_add(1, Ordering::Release) + 1;
+        if s.sleepers.load(Ordering::Acquire) > 0 {
+            let _l = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        for task in share(0, s.threads, n_tasks) {
+            f(task);
+        }
+        for t in 1..s.threads {
+            while s.done[t].load(Ordering::Acquire) != gen {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+/// The tasks thread `t` of `threads` takes out of `n`.
+fn share(t: usize, threads: usize, n: usize) -> std::ops::Range<usize> {
+    let per = n / threads;
+    let extra = n % threads;
+    let start = t * per + t.min(extra);
+    start..start + per + usize::from(t < extra)
+}
+
+fn worker(s: &Shared, t: usize) {
+    let mut seen = 0usize;
+    loop {
+        // Wait for a new generation: spin, then sleep.
+        let started = Instant::now();
+        let gen = loop {
+            if s.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let g = s.generation.load(Ordering::Acquire);
+            if g != seen {
+                break g;
+            }
+            if started.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            let guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.sleepers.fetch_add(1, Ordering::AcqRel);
+            let g = s.generation.load(Ordering::Acquire);
+            if g == seen && !s.stop.load(Ordering::Acquire) {
+                let _unused = s.wake.wait_timeout(guard, Duration::from_millis(100));
+            }
+            s.sleepers.fetch_sub(1, Ordering::AcqRel);
+        };
+        seen = gen;
+        // SAFETY: published before `generation` (Release/Acquire).
+        let job = unsafe { *s.job.get() };
+        let n = s.n_tasks.load(Ordering::Relaxed);
+        if let Some(job) = job {
+            let f = unsafe { &*job };
+            for task in share(t, s.threads, n) {
+                f(task);
+            }
+        }
+        s.done[t].store(gen, Ordering::Release);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        {
+            let _l = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The number of physical cores, the default thread count.
+pub fn physical_cores() -> usize {
+    // Count distinct (package, core) pairs where Linux exposes them.
+    let mut cores = std::collections::HashSet::new();
+    if let Ok(entries) = std::fs::read_dir("/sys/devices/system/cpu") {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if !name.starts_with("cpu") || !name[3..].chars().all(|c| c.is_ascii_digit()) || name.len() == 3 {
+                continue;
+            }
+            let topo = e.path().join("topology");
+            let core = std::fs::read_to_string(topo.join("core_id")).ok();
+            let pkg = std::fs::read_to_string(topo.join("physical_package_id")).ok();
+            if let (Some(c), Some(p)) = (core, pkg) {
+                cores.insert((p.trim().to_string(), c.trim().to_string()));
+            }
+        }
+    }
+    if cores.is_empty() {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        cores.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_once() {
+        let pool = ThreadPool::new(3);
+        for n in [0, 1, 2, 5, 100] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn many_short_jobs_and_sleeping_workers() {
+        let pool = ThreadPool::new(2);
+        let total = AtomicUsize::new(0);
+        for round in 0..2000 {
+            pool.run(4, &|i| {
+                total.fetch_add(i, Ordering::Relaxed);
+            });
+            if round == 1000 {
+                std::thread::sleep(Duration::from_millis(20)); // workers go to sleep
+            }
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 2000 * 6);
+    }
+
+    #[test]
+    fn shares_cover_the_range() {
+        for threads in 1..5 {
+            for n in 0..20 {
+                let v: Vec<usize> = (0..threads).flat_map(|t| share(t, threads, n)).collect();
+                assert_eq!(v, (0..n).collect::<Vec<_>>());
+            }
+        }
+    }
+}
