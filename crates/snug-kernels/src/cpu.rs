@@ -31,9 +31,8 @@ impl Simd {
     pub fn detect() -> Simd {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
             let avx512 = avx2
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")

@@ -1,16 +1,18 @@
 //! Dot products of quantized weight rows with quantized activation rows:
 //! the inner loop of every matrix multiplication.
 //!
-//! Activations are quantized per 32 elements to int8 with an f32 scale
-//! ([`BlockQ8`]); every weight type is unpacked per 32 elements to its true
-//! signed integer levels, so the integer part of each block is exact. The
-//! float part follows one fixed order that every path (scalar, AVX2,
-//! AVX-512 VNNI) performs identically:
+//! Activations are quantized to int8 per 32 elements ([`BlockQ8`]) the way
+//! ggml quantizes them for each weight type ([`ActFormat`]: its `q8_0`,
+//! `q8_1` and `q8_K` formats, same scales and rounding), so the integer part
+//! of every block equals llama.cpp's exactly and results track it closely.
+//! Every weight type is unpacked per 32 elements to its true signed integer
+//! levels. The float part follows one fixed order that every path (scalar,
+//! AVX2, AVX-512 VNNI) performs identically:
 //!
 //! ```text
 //! block b (32 elements) -> 8 integer lanes, lane k = sum of w*a over elements 4k..4k+3
-//!   acc[b % 2][k] = fma(lane_k as f32, scale_b[k], acc[b % 2][k])
-//!   acc[b % 2][k] = fma(asum_k as f32, min_b[k],  acc[b % 2][k])   (types with a min)
+//!   acc[b % 2][k] = fma(lane_k as f32, scale_b[k] * d_b, acc[b % 2][k])
+//!   acc[b % 2][k] = fma(min_b, (s_b if k == 0 else 0), acc[b % 2][k])   (types with a min)
 //! result = tree sum of (acc[0][k] + acc[1][k]) over k: ((0+1)+(2+3))+((4+5)+(6+7))
 //! ```
 //!
@@ -28,41 +30,109 @@ use crate::quant::{scale_min_k4, GgmlType};
 /// Elements per activation block.
 pub const QK8: usize = 32;
 
-/// 32 activations quantized to int8: `x ≈ d * qs`. `lsum[k]` is the sum of
-/// `qs[4k..4k+4]`, kept so weight types with a minimum need no extra pass.
+/// 32 activations quantized to int8: `x ≈ d * qs`. `s` is `d * sum(qs)`
+/// (rounded to f16 in the `q8_1` format), used by weight types with a
+/// minimum.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C, align(16))]
 pub struct BlockQ8 {
     pub qs: [i8; QK8],
-    pub lsum: [i16; 8],
     pub d: f32,
+    pub s: f32,
 }
 
 impl Default for BlockQ8 {
     fn default() -> Self {
         BlockQ8 {
             qs: [0; QK8],
-            lsum: [0; 8],
             d: 0.0,
+            s: 0.0,
         }
     }
 }
 
-/// Quantizes `x` (a multiple of 32 long) into `out`.
-pub fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
-    assert_eq!(x.len(), out.len() * QK8, "quantize_row_q8: length");
-    for (xb, ob) in x.chunks_exact(QK8).zip(out.iter_mut()) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        for (q, v) in ob.qs.iter_mut().zip(xb) {
-            *q = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-        }
-        for k in 0..8 {
-            ob.lsum[k] = ob.qs[4 * k..4 * k + 4].iter().map(|&q| q as i16).sum();
-        }
-        ob.d = d;
+/// How activations are quantized for a weight type (ggml's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActFormat {
+    /// Per 32: `d = f16(amax / 127)`, `q = round_even(x * 127 / amax)`.
+    Q8_0,
+    /// As `Q8_0`, plus `s = f16(amax / 127 * sum(q))`.
+    Q8_1,
+    /// Per 256: `d = 1 / iscale` with `iscale = -127 / x_max` (the element of
+    /// largest magnitude, signed), `q = min(127, round_even(iscale * x))`.
+    Q8K,
+}
+
+/// The activation format ggml pairs with weight type `ty`.
+pub fn act_format(ty: GgmlType) -> ActFormat {
+    match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 => ActFormat::Q8_1,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => ActFormat::Q8K,
+        _ => ActFormat::Q8_0,
     }
+}
+
+fn f16_round(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+/// Quantizes `x` (a multiple of 32 long; of 256 for `Q8K`) into `out`.
+pub fn quantize_row(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK8, "quantize_row: length");
+    match format {
+        ActFormat::Q8_0 | ActFormat::Q8_1 => {
+            for (xb, ob) in x.chunks_exact(QK8).zip(out.iter_mut()) {
+                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                let mut sum = 0i32;
+                for (q, v) in ob.qs.iter_mut().zip(xb) {
+                    let r = (v * id).round_ties_even() as i32;
+                    *q = r as i8;
+                    sum += r;
+                }
+                ob.d = f16_round(d);
+                ob.s = if format == ActFormat::Q8_1 {
+                    f16_round(d * sum as f32)
+                } else {
+                    0.0
+                };
+            }
+        }
+        ActFormat::Q8K => {
+            assert_eq!(x.len() % 256, 0, "q8_K rows are whole 256-element blocks");
+            for (xs, os) in x.chunks_exact(256).zip(out.chunks_exact_mut(8)) {
+                let (mut max, mut amax) = (0f32, 0f32);
+                for &v in xs {
+                    if v.abs() > amax {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                if amax == 0.0 {
+                    os.iter_mut().for_each(|b| *b = BlockQ8::default());
+                    continue;
+                }
+                let iscale = -127.0 / max;
+                let d = 1.0 / iscale;
+                for (xb, ob) in xs.chunks_exact(QK8).zip(os.iter_mut()) {
+                    let mut sum = 0i32;
+                    for (q, v) in ob.qs.iter_mut().zip(xb) {
+                        let r = ((iscale * v).round_ties_even() as i32).min(127);
+                        *q = r as i8;
+                        sum += r;
+                    }
+                    ob.d = d;
+                    ob.s = d * sum as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Quantizes `x` in the `Q8_0` format (kept for tests and tools).
+pub fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
+    quantize_row(ActFormat::Q8_0, x, out)
 }
 
 /// The weight types [`dot_rows`] accepts (with [`BlockQ8`] activations).
@@ -100,7 +170,7 @@ impl Acc {
 struct WBlock {
     w: [i8; QK8],
     scale: [f32; 8],
-    min: Option<[f32; 8]>,
+    min: Option<f32>,
 }
 
 #[inline]
@@ -124,7 +194,7 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
                 w[i] = (b[4 + i] & 15) as i8;
                 w[i + 16] = (b[4 + i] >> 4) as i8;
             }
-            ([f16_at(b, 0); 8], Some([f16_at(b, 2); 8]))
+            ([f16_at(b, 0); 8], Some(f16_at(b, 2)))
         }
         GgmlType::Q5_0 => {
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
@@ -140,7 +210,7 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
                 w[i] = ((b[8 + i] & 15) | (((qh >> i) & 1) << 4) as u8) as i8;
                 w[i + 16] = ((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4) as u8) as i8;
             }
-            ([f16_at(b, 0); 8], Some([f16_at(b, 2); 8]))
+            ([f16_at(b, 0); 8], Some(f16_at(b, 2)))
         }
         GgmlType::Q8_0 => {
             for i in 0..32 {
@@ -155,10 +225,14 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
             let q = &b[qs_at + (j / 2) * 32..qs_at + (j / 2) * 32 + 32];
             for i in 0..32 {
                 let nib = if j % 2 == 0 { q[i] & 15 } else { q[i] >> 4 };
-                let high = if ty == GgmlType::Q5K { ((b[16 + i] >> j) & 1) << 4 } else { 0 };
+                let high = if ty == GgmlType::Q5K {
+                    ((b[16 + i] >> j) & 1) << 4
+                } else {
+                    0
+                };
                 w[i] = (nib | high) as i8;
             }
-            ([d * sc as f32; 8], Some([-(dmin * m as f32); 8]))
+            ([d * sc as f32; 8], Some(-(dmin * m as f32)))
         }
         GgmlType::Q6K => {
             let d = f16_at(b, 208);
@@ -203,7 +277,8 @@ fn accumulate(acc: &mut Acc, b: usize, wb: &WBlock, a: &BlockQ8) {
     }
     if let Some(min) = wb.min {
         for (k, lane) in set.iter_mut().enumerate() {
-            *lane = (a.lsum[k] as f32).mul_add(min[k] * a.d, *lane);
+            let s = if k == 0 { a.s } else { 0.0 };
+            *lane = min.mul_add(s, *lane);
         }
     }
 }
@@ -314,7 +389,9 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn h2f(b: &[u8], at: usize) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([b[at], b[at + 1]]) as i32)))
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            u16::from_le_bytes([b[at], b[at + 1]]) as i32
+        )))
     }
 
     /// One weight type's unpacking: the weights of activation-block `j` of
@@ -347,7 +424,11 @@ mod x86 {
         const HAS_MIN: bool = true;
         #[inline(always)]
         unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
-            (nibbles_16(b.as_ptr().add(4)), _mm256_set1_ps(h2f(b, 0)), _mm256_set1_ps(h2f(b, 2)))
+            (
+                nibbles_16(b.as_ptr().add(4)),
+                _mm256_set1_ps(h2f(b, 0)),
+                _mm256_set1_ps(h2f(b, 2)),
+            )
         }
     }
 
@@ -357,7 +438,11 @@ mod x86 {
         unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
             let w = _mm256_or_si256(nibbles_16(b.as_ptr().add(6)), bits_to_0x10(qh));
-            (_mm256_sub_epi8(w, _mm256_set1_epi8(16)), _mm256_set1_ps(h2f(b, 0)), _mm256_setzero_ps())
+            (
+                _mm256_sub_epi8(w, _mm256_set1_epi8(16)),
+                _mm256_set1_ps(h2f(b, 0)),
+                _mm256_setzero_ps(),
+            )
         }
     }
 
@@ -422,12 +507,19 @@ mod x86 {
             let ql = if k >= 2 { _mm256_srli_epi16(ql, 4) } else { ql };
             let lo = _mm256_and_si256(ql, _mm256_set1_epi8(15));
             let qh = _mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i);
-            let hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)), _mm256_set1_epi8(3));
+            let hi = _mm256_and_si256(
+                _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)),
+                _mm256_set1_epi8(3),
+            );
             let w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
             let d = h2f(b, 208);
             let sc_a = d * (b[192 + h * 8 + 2 * k] as i8 as f32);
             let sc_b = d * (b[192 + h * 8 + 2 * k + 1] as i8 as f32);
-            (w, _mm256_set_ps(sc_b, sc_b, sc_b, sc_b, sc_a, sc_a, sc_a, sc_a), _mm256_setzero_ps())
+            (
+                w,
+                _mm256_set_ps(sc_b, sc_b, sc_b, sc_b, sc_a, sc_a, sc_a, sc_a),
+                _mm256_setzero_ps(),
+            )
         }
     }
 
@@ -457,8 +549,9 @@ mod x86 {
                     let set = &mut acc[b % 2];
                     *set = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, ad), *set);
                     if U::HAS_MIN {
-                        let ls = _mm256_cvtepi16_epi32(_mm_loadu_si128(a.lsum.as_ptr() as *const __m128i));
-                        *set = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ls), _mm256_mul_ps(min, ad), *set);
+                        let sv = _mm256_castps128_ps256(_mm_set_ss(a.s));
+                        let sv = _mm256_insertf128_ps(sv, _mm_setzero_ps(), 1);
+                        *set = _mm256_fmadd_ps(min, sv, *set);
                     }
                 }
             }
@@ -491,7 +584,11 @@ mod x86 {
     }
 
     dispatch!(block_loop_avx2, false, "avx2,fma,f16c");
-    dispatch!(block_loop_vnni, true, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+    dispatch!(
+        block_loop_vnni,
+        true,
+        "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+    );
 
     pub(super) unsafe fn dot_rows(vnni: bool, ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
         for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
@@ -509,7 +606,11 @@ mod x86 {
         let mut a1 = _mm256_setzero_ps();
         for (wc, xc) in w.chunks_exact(16).zip(x.chunks_exact(16)) {
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wc.as_ptr()), _mm256_loadu_ps(xc.as_ptr()), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wc.as_ptr().add(8)), _mm256_loadu_ps(xc.as_ptr().add(8)), a1);
+            a1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(wc.as_ptr().add(8)),
+                _mm256_loadu_ps(xc.as_ptr().add(8)),
+                a1,
+            );
         }
         let mut acc = Acc::new();
         _mm256_storeu_ps(acc.0[0].as_mut_ptr(), a0);
@@ -549,7 +650,9 @@ mod tests {
 
     /// Random weight blocks with sane f16 scales.
     fn weights(ty: GgmlType, n_elems: usize, rng: &mut Rng) -> Vec<u8> {
-        let mut w: Vec<u8> = (0..ty.bytes_for(n_elems as u64).unwrap()).map(|_| rng.next() as u8).collect();
+        let mut w: Vec<u8> = (0..ty.bytes_for(n_elems as u64).unwrap())
+            .map(|_| rng.next() as u8)
+            .collect();
         let ts = ty.type_size();
         let scale_at: &[usize] = match ty {
             GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
@@ -566,10 +669,10 @@ mod tests {
         w
     }
 
-    fn acts(n_elems: usize, rng: &mut Rng, scale: f32) -> Vec<BlockQ8> {
+    fn acts(ty: GgmlType, n_elems: usize, rng: &mut Rng, scale: f32) -> Vec<BlockQ8> {
         let x: Vec<f32> = (0..n_elems).map(|_| rng.f32() * scale).collect();
         let mut q = vec![BlockQ8::default(); n_elems / QK8];
-        quantize_row_q8(&x, &mut q);
+        quantize_row(act_format(ty), &x, &mut q);
         q
     }
 
@@ -579,16 +682,21 @@ mod tests {
         for ty in TYPES {
             let n = 512;
             let w = weights(ty, n, &mut rng);
-            let a = acts(n, &mut rng, 3.0);
+            let a = acts(ty, n, &mut rng, 3.0);
             let mut out = [0f32];
             dot_rows_scalar(ty, &w, &[&a], &mut out);
             let mut wf = vec![0f32; n];
             crate::dequantize(ty, &w, &mut wf).unwrap();
-            let af: Vec<f32> = a.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+            let af: Vec<f32> = a
+                .iter()
+                .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+                .collect();
             let want: f64 = wf.iter().zip(&af).map(|(x, y)| *x as f64 * *y as f64).sum();
             let mag: f64 = wf.iter().zip(&af).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+            // Q8_1's s is rounded to f16, so the min term carries that error.
+            let tol = if act_format(ty) == ActFormat::Q8_1 { 2e-3 } else { 1e-5 };
             assert!(
-                ((out[0] as f64) - want).abs() <= 1e-5 * mag + 1e-6,
+                ((out[0] as f64) - want).abs() <= tol * mag + 1e-6,
                 "{ty}: {} vs {want}",
                 out[0]
             );
@@ -603,7 +711,9 @@ mod tests {
                 for rows in [1, 3, 4] {
                     let n = 1024;
                     let w = weights(ty, n, &mut rng);
-                    let a: Vec<Vec<BlockQ8>> = (0..rows).map(|r| acts(n, &mut rng, 1.0 + r as f32 * 10.0)).collect();
+                    let a: Vec<Vec<BlockQ8>> = (0..rows)
+                        .map(|r| acts(ty, n, &mut rng, 1.0 + r as f32 * 10.0))
+                        .collect();
                     let refs: Vec<&[BlockQ8]> = a.iter().map(|v| v.as_slice()).collect();
                     let mut want = vec![0f32; rows];
                     dot_rows_scalar(ty, &w, &refs, &mut want);
@@ -623,7 +733,7 @@ mod tests {
         for ty in TYPES {
             let n = 512;
             let w = weights(ty, n, &mut rng);
-            let a: Vec<Vec<BlockQ8>> = (0..5).map(|_| acts(n, &mut rng, 2.0)).collect();
+            let a: Vec<Vec<BlockQ8>> = (0..5).map(|_| acts(ty, n, &mut rng, 2.0)).collect();
             let refs: Vec<&[BlockQ8]> = a.iter().map(|v| v.as_slice()).collect();
             let mut all = vec![0f32; 5];
             dot_rows(ty, &w, &refs, &mut all);
@@ -637,14 +747,15 @@ mod tests {
 
     #[test]
     fn adversarial_activations() {
-        // All-zero, all-equal, tiny (subnormal-scale) and huge activations.
+        // All-zero, all-equal, tiny (subnormal-scale) and large activations
+        // (q8_1 keeps `s` in f16, so 32 * |x| must stay below 65504).
         let mut rng = Rng(3);
         for ty in TYPES {
             let n = 256;
             let w = weights(ty, n, &mut rng);
-            for x in [vec![0f32; n], vec![1.5f32; n], vec![1e-38f32; n], vec![3e5f32; n]] {
+            for x in [vec![0f32; n], vec![1.5f32; n], vec![1e-38f32; n], vec![2e3f32; n]] {
                 let mut q = vec![BlockQ8::default(); n / QK8];
-                quantize_row_q8(&x, &mut q);
+                quantize_row(act_format(ty), &x, &mut q);
                 let mut want = [0f32];
                 dot_rows_scalar(ty, &w, &[&q], &mut want);
                 assert!(want[0].is_finite(), "{ty}");
@@ -655,6 +766,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn activation_quantization_matches_ggml_rules() {
+        // q8_0: d is amax/127 rounded to f16; q rounds x*127/amax to even.
+        let mut x = vec![0f32; 32];
+        x[0] = 2.54;
+        x[1] = -1.27;
+        x[2] = 0.01; // 0.01 * 127 / 2.54 = 0.5: ties to even, 0
+        let mut q = [BlockQ8::default()];
+        quantize_row(ActFormat::Q8_0, &x, &mut q);
+        assert_eq!(&q[0].qs[..3], &[127, -64, 0]);
+        assert_eq!(q[0].d, f16::from_f32(2.54 / 127.0).to_f32());
+        // q8_K: the sign of the scale follows the largest-magnitude element.
+        let mut x = vec![0.5f32; 256];
+        x[7] = 4.0;
+        let mut q = vec![BlockQ8::default(); 8];
+        quantize_row(ActFormat::Q8K, &x, &mut q);
+        assert_eq!(q[0].qs[7], -127);
+        assert!(q[0].d < 0.0 && q.iter().all(|b| b.d == q[0].d));
     }
 
     #[test]

@@ -7,11 +7,13 @@
 //! - [`dot`]: quantized dot products with a scalar reference and AVX2 /
 //!   AVX-512 VNNI paths that are bitwise equal to it.
 //! - [`matmul`]: batched matrix multiplication over [`pool`]'s threads.
+//! - [`kv`]: KV page storage and attention through page lists.
 //! - [`ops`]: normalization, rotary embedding, activations, softmax.
 //! - [`cpu`]: which SIMD path runs.
 
 pub mod cpu;
 pub mod dot;
+pub mod kv;
 pub mod matmul;
 pub mod ops;
 pub mod pool;

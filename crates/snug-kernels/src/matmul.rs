@@ -1,13 +1,14 @@
 //! Matrix multiplication `out[r][o] = sum_k w[o][k] * x[r][k]` for a weight
 //! matrix in any supported GGML type and a batch of f32 activation rows.
 //!
-//! Activations are quantized once per call ([`quantize_row_q8`]); threads
+//! Activations are quantized once per call, in the format ggml pairs with
+//! the weight type ([`act_format`]); threads
 //! take contiguous ranges of output features; each output is one
 //! [`dot_rows`] result, whose operation order depends only on its own row.
 //! So a row's outputs are bitwise the same whatever the batch width, the
 //! row's place in it, or the thread count.
 
-use crate::dot::{dot_f32, dot_rows, quantize_row_q8, supports, BlockQ8, QK8};
+use crate::dot::{act_format, dot_f32, dot_rows, quantize_row, supports, BlockQ8, QK8};
 use crate::pool::ThreadPool;
 use crate::quant::{dequantize, GgmlType};
 
@@ -96,8 +97,9 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     if scratch.q8.len() < n_rows * nb {
         scratch.q8.resize(n_rows * nb, BlockQ8::default());
     }
+    let format = act_format(w.ty);
     for r in 0..n_rows {
-        quantize_row_q8(&x[r * k..(r + 1) * k], &mut scratch.q8[r * nb..(r + 1) * nb]);
+        quantize_row(format, &x[r * k..(r + 1) * k], &mut scratch.q8[r * nb..(r + 1) * nb]);
     }
     let q8 = &scratch.q8[..n_rows * nb];
     pool.run(tasks, &|t| {
@@ -164,7 +166,14 @@ mod tests {
         matmul(&p2, &w, &x, 5, &mut all, &mut MatmulScratch::default());
         for r in 0..5 {
             let mut one = vec![0f32; n];
-            matmul(&p1, &w, &x[r * k..(r + 1) * k], 1, &mut one, &mut MatmulScratch::default());
+            matmul(
+                &p1,
+                &w,
+                &x[r * k..(r + 1) * k],
+                1,
+                &mut one,
+                &mut MatmulScratch::default(),
+            );
             for o in 0..n {
                 assert_eq!(one[o].to_bits(), all[r * n + o].to_bits());
             }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-type Job = *const (dyn Fn(usize) + Sync);
+type Job = *const (dyn Fn(usize, usize) + Sync);
 
 struct Shared {
     /// Bumped once per job, after `job` and `n_tasks` are written.
@@ -84,15 +84,21 @@ impl ThreadPool {
     /// Calls `f(task)` for each task in `0..n_tasks` across the pool and
     /// returns when all have run.
     pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.run_with_thread(n_tasks, &|task, _| f(task));
+    }
+
+    /// Like [`ThreadPool::run`], also passing the index (`0..threads()`) of
+    /// the thread running each task, for per-thread scratch.
+    pub fn run_with_thread(&self, n_tasks: usize, f: &(dyn Fn(usize, usize) + Sync)) {
         let s = &*self.shared;
         if s.threads == 1 || n_tasks <= 1 {
-            (0..n_tasks).for_each(f);
+            (0..n_tasks).for_each(|t| f(t, 0));
             return;
         }
         let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: erase the lifetime; `f` outlives this call, and workers
         // stop using it before this call returns (see `Shared`).
-        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize, usize) + Sync), Job>(f) };
         unsafe { *s.job.get() = Some(job) };
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
         let gen = s.generation.fetch_add(1, Ordering::Release) + 1;
@@ -101,7 +107,7 @@ impl ThreadPool {
             s.wake.notify_all();
         }
         for task in share(0, s.threads, n_tasks) {
-            f(task);
+            f(task, 0);
         }
         for t in 1..s.threads {
             while s.done[t].load(Ordering::Acquire) != gen {
@@ -151,7 +157,7 @@ fn worker(s: &Shared, t: usize) {
         if let Some(job) = job {
             let f = unsafe { &*job };
             for task in share(t, s.threads, n) {
-                f(task);
+                f(task, t);
             }
         }
         s.done[t].store(gen, Ordering::Release);

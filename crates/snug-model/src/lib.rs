@@ -4,6 +4,7 @@
 //! info` ([`info`]), and the catalog of known models with the pull that
 //! fetches them ([`catalog`], [`pull`]).
 
+pub mod arch;
 pub mod catalog;
 pub mod gguf;
 pub mod info;

@@ -3,6 +3,7 @@
 //! a non-zero exit code.
 
 mod progress;
+mod run;
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -34,6 +35,64 @@ enum Command {
     Tokenize(TokenizeArgs),
     /// List the known model aliases and whether each is cached.
     List,
+    /// Generate text from a prompt, streaming it to stdout.
+    Run(RunArgs),
+}
+
+#[derive(Args)]
+struct GenArgs {
+    /// Most tokens to generate.
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Penalty for tokens among the last 64 (1.0 is none).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Subtracted from the logits of tokens among the last 64.
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Threads (default: the number of physical cores).
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Context length (default: the model's, at most 4096).
+    #[arg(short = 'c', long)]
+    ctx: Option<usize>,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// KV cache format: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    kv: String,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// A model alias (pulled if needed) or a path to a GGUF file.
+    model: String,
+    /// The prompt; `-` reads standard input.
+    #[arg(short = 'p', long)]
+    prompt: String,
+    /// Format the prompt as a user message with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Print one JSON object (text, token_ids, prompt_tokens, finish_reason, stats) instead of streaming.
+    #[arg(long)]
+    json: bool,
+    /// Print timing and memory to stderr after the text.
+    #[arg(long)]
+    stats: bool,
+    #[command(flatten)]
+    gen: GenArgs,
 }
 
 #[derive(Args)]
@@ -87,6 +146,7 @@ fn main() -> ExitCode {
         Command::Info(a) => cmd_info(a),
         Command::Tokenize(a) => cmd_tokenize(a),
         Command::List => cmd_list(),
+        Command::Run(a) => run::cmd_run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

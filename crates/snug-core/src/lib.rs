@@ -1,0 +1,8 @@
+//! snug's bookkeeping, with no tensors in it: which KV pages exist, which
+//! sequence uses which, and what a change to that costs. Everything here is
+//! plain data with fast unit tests; the engine applies the plans it makes
+//! to the tensor storage.
+
+pub mod pages;
+
+pub use pages::{PageId, PagePool, PageTable, PagesError};

@@ -1,0 +1,257 @@
+//! snug's engine: it owns all per-sequence state (page tables, tokens) and
+//! the KV storage, and drives the model's one forward path. A step reads as
+//! a sentence: make room in the page tables (plain bookkeeping), run the
+//! forward over the rows, keep the logits.
+
+pub mod generate;
+pub mod sampling;
+
+use snug_core::{PagePool, PageTable, PagesError};
+use snug_kernels::kv::{KvFormat, KvShape, KvStorage};
+use snug_kernels::pool::ThreadPool;
+use snug_model::arch::{BatchRow, ForwardScratch, KvView, Model};
+
+/// A sequence's handle.
+pub type SeqId = usize;
+
+/// Why the engine refused a step.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EngineError {
+    #[error("context full: {len} positions + {adding} new exceed the limit of {limit}")]
+    ContextFull { len: usize, adding: usize, limit: usize },
+    #[error(transparent)]
+    Pages(#[from] PagesError),
+    #[error("no sequence {0}")]
+    NoSequence(SeqId),
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+}
+
+/// How the engine is sized.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub threads: usize,
+    /// Most positions one sequence may hold.
+    pub ctx: usize,
+    pub kv_format: KvFormat,
+    pub page_tokens: usize,
+    /// Most rows in one forward pass (the prefill chunk).
+    pub batch: usize,
+    /// Sequences the KV pool is sized for (each up to `ctx`).
+    pub max_seqs: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            threads: snug_kernels::pool::physical_cores(),
+            ctx: 4096,
+            kv_format: KvFormat::F16,
+            page_tokens: 64,
+            batch: 64,
+            max_seqs: 1,
+        }
+    }
+}
+
+struct Sequence {
+    table: PageTable,
+    tokens: Vec<u32>,
+}
+
+/// The engine over one model.
+pub struct Engine<'m> {
+    pub model: &'m Model<'m>,
+    pub options: EngineOptions,
+    pool: ThreadPool,
+    pages: PagePool,
+    storage: KvStorage,
+    scratch: ForwardScratch,
+    logits: Vec<f32>,
+    seqs: Vec<Option<Sequence>>,
+}
+
+impl<'m> Engine<'m> {
+    pub fn new(model: &'m Model<'m>, mut options: EngineOptions) -> Engine<'m> {
+        let c = &model.config;
+        options.ctx = options.ctx.clamp(1, c.context_length.max(1));
+        options.batch = options.batch.max(1);
+        options.threads = options.threads.max(1);
+        let shape = KvShape {
+            layers: c.layers,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            page_tokens: options.page_tokens.max(1),
+        };
+        let n_pages = options.max_seqs.max(1) * options.ctx.div_ceil(shape.page_tokens);
+        Engine {
+            model,
+            pool: ThreadPool::new(options.threads),
+            pages: PagePool::new(n_pages, shape.page_tokens),
+            storage: KvStorage::new(shape, options.kv_format, n_pages),
+            scratch: ForwardScratch::new(model, options.batch, options.ctx, options.threads),
+            logits: Vec::new(),
+            seqs: Vec::new(),
+            options,
+        }
+    }
+
+    /// A new, empty sequence.
+    pub fn create_sequence(&mut self) -> SeqId {
+        let s = Sequence {
+            table: PageTable::new(),
+            tokens: Vec::new(),
+        };
+        match self.seqs.iter().position(Option::is_none) {
+            Some(i) => {
+                self.seqs[i] = Some(s);
+                i
+            }
+            None => {
+                self.seqs.push(Some(s));
+                self.seqs.len() - 1
+            }
+        }
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Sequence, EngineError> {
+        self.seqs
+            .get(id)
+            .and_then(Option::as_ref)
+            .ok_or(EngineError::NoSequence(id))
+    }
+
+    /// The tokens a sequence holds.
+    pub fn tokens(&self, id: SeqId) -> Result<&[u32], EngineError> {
+        Ok(&self.seq(id)?.tokens)
+    }
+
+    /// Drops a sequence and returns its pages.
+    pub fn free_sequence(&mut self, id: SeqId) {
+        if let Some(Some(mut s)) = self.seqs.get_mut(id).map(Option::take) {
+            s.table.release(&mut self.pages);
+        }
+    }
+
+    /// Keeps the first `len` positions of a sequence (rollback).
+    pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<(), EngineError> {
+        let s = self
+            .seqs
+            .get_mut(id)
+            .and_then(Option::as_mut)
+            .ok_or(EngineError::NoSequence(id))?;
+        s.table.truncate(&mut self.pages, len);
+        s.tokens.truncate(len);
+        Ok(())
+    }
+
+    /// A new sequence sharing every position of `id` (copy-on-write).
+    pub fn fork(&mut self, id: SeqId) -> Result<SeqId, EngineError> {
+        let s = self.seq(id)?;
+        let tokens = s.tokens.clone();
+        let table = s.table.clone();
+        let table = table.fork(&mut self.pages);
+        let new = self.create_sequence();
+        self.seqs[new] = Some(Sequence { table, tokens });
+        Ok(new)
+    }
+
+    /// Bytes of KV storage, total and in use.
+    pub fn kv_bytes(&self) -> (usize, usize) {
+        let per = self.storage.shape.page_bytes(self.storage.format);
+        (self.storage.bytes(), self.pages.used_pages() * per)
+    }
+
+    /// Bytes of forward scratch.
+    pub fn scratch_bytes(&self) -> usize {
+        self.scratch.bytes()
+    }
+
+    /// Runs one forward pass over `rows` = (sequence, token, wants logits):
+    /// each token is appended to its sequence. Returns the logits of the rows
+    /// that want them, in order (`vocab` floats each).
+    pub fn step(&mut self, rows: &[(SeqId, u32, bool)]) -> Result<&[f32], EngineError> {
+        let vocab = self.model.config.vocab;
+        for &(id, tok, _) in rows {
+            self.seq(id)?;
+            if tok as usize >= vocab {
+                return Err(EngineError::BadToken(tok));
+            }
+        }
+        // Plan: how many positions each sequence gains, and does it fit.
+        let mut gains: Vec<(SeqId, usize)> = Vec::new();
+        for &(id, _, _) in rows {
+            match gains.iter_mut().find(|g| g.0 == id) {
+                Some(g) => g.1 += 1,
+                None => gains.push((id, 1)),
+            }
+        }
+        let mut needed = 0;
+        for &(id, n) in &gains {
+            let s = self.seq(id)?;
+            if s.tokens.len() + n > self.options.ctx {
+                return Err(EngineError::ContextFull {
+                    len: s.tokens.len(),
+                    adding: n,
+                    limit: self.options.ctx,
+                });
+            }
+            needed += s.table.pages_needed(&self.pages, n);
+        }
+        if needed > self.pages.free_pages() {
+            return Err(EngineError::Pages(PagesError::OutOfPages {
+                needed,
+                free: self.pages.free_pages(),
+                total: self.pages.total_pages(),
+            }));
+        }
+        // Apply: grow the tables, copying shared pages first.
+        let mut batch_rows = Vec::with_capacity(rows.len());
+        let mut seq_index: Vec<SeqId> = Vec::new();
+        for &(id, n) in &gains {
+            let s = self.seqs[id].as_mut().expect("checked above");
+            if let Some(copy) = s.table.append(&mut self.pages, n)? {
+                self.storage.copy_page(copy.from, copy.to);
+            }
+            seq_index.push(id);
+        }
+        for &(id, tok, want) in rows {
+            let s = self.seqs[id].as_mut().expect("checked above");
+            let pos = s.tokens.len();
+            s.tokens.push(tok);
+            batch_rows.push(BatchRow {
+                seq: seq_index.iter().position(|&x| x == id).expect("listed"),
+                pos,
+                token: tok,
+                logits: want,
+            });
+        }
+        let tables: Vec<&[u32]> = seq_index
+            .iter()
+            .map(|&id| self.seqs[id].as_ref().expect("checked").table.pages())
+            .collect();
+        let mut view = KvView {
+            storage: &mut self.storage,
+            pages: &tables,
+        };
+        self.logits.clear();
+        for chunk in batch_rows.chunks(self.options.batch) {
+            self.model
+                .forward(chunk, &mut view, &mut self.scratch, &self.pool, &mut self.logits);
+        }
+        Ok(&self.logits)
+    }
+
+    /// Appends `tokens` to a sequence in prefill chunks; returns the logits
+    /// after the last one.
+    pub fn feed(&mut self, id: SeqId, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        let rows: Vec<(SeqId, u32, bool)> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| (id, t, i + 1 == tokens.len()))
+            .collect();
+        self.step(&rows)
+    }
+}

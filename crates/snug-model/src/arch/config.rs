@@ -1,0 +1,159 @@
+//! Hyperparameters of the supported decoder architectures, read from GGUF
+//! metadata plus the facts each architecture fixes in code.
+
+use snug_kernels::ops::RopeLayout;
+
+use crate::gguf::GgufHeader;
+
+use super::ModelError;
+
+/// The supported architectures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama and relatives (SmolLM2): adjacent-pair RoPE, SiLU gate.
+    Llama,
+    /// Qwen2: Q/K/V biases, half-split RoPE, SiLU gate, untied head.
+    Qwen2,
+    /// Gemma 3: embedding scale, q/k norms, post-attention and post-FFN
+    /// norms, GELU gate, 5 sliding-window layers to 1 global.
+    Gemma3,
+}
+
+impl Arch {
+    pub fn from_name(name: &str) -> Result<Arch, ModelError> {
+        Ok(match name {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "gemma3" => Arch::Gemma3,
+            other => return Err(ModelError::UnsupportedArch(other.to_string())),
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// Everything the forward pass needs to know about the shapes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub arch: Arch,
+    pub dim: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ff: usize,
+    pub vocab: usize,
+    pub context_length: usize,
+    pub rms_eps: f32,
+    pub rope_layout: RopeLayout,
+    pub rope_dim: usize,
+    /// RoPE base of global layers.
+    pub rope_base: f32,
+    /// RoPE base of sliding-window layers.
+    pub rope_base_local: f32,
+    /// Sliding window in positions (a key at `p` is seen from `q` when
+    /// `q - p < window`), if any.
+    pub sliding_window: Option<usize>,
+    /// Every `swa_period`-th layer (the last of each group) is global.
+    pub swa_period: usize,
+    /// Multiplier of the embedding rows.
+    pub embed_scale: f32,
+    /// Multiplier of attention scores.
+    pub attn_scale: f32,
+}
+
+impl Config {
+    pub fn from_gguf(h: &GgufHeader) -> Result<Config, ModelError> {
+        let arch_name = h
+            .architecture()
+            .ok_or(ModelError::Missing("general.architecture".into()))?;
+        let arch = Arch::from_name(arch_name)?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req = |k: &str| -> Result<usize, ModelError> {
+            h.get_u64(&key(k))
+                .map(|v| v as usize)
+                .ok_or_else(|| ModelError::Missing(key(k)))
+        };
+        let dim = req("embedding_length")?;
+        let layers = req("block_count")?;
+        let heads = req("attention.head_count")?;
+        let kv_heads = h.get_u64(&key("attention.head_count_kv")).map_or(heads, |v| v as usize);
+        let ff = req("feed_forward_length")?;
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || dim == 0 || layers == 0 {
+            return Err(ModelError::Bad(format!(
+                "{heads} heads and {kv_heads} KV heads over embedding {dim} do not fit"
+            )));
+        }
+        let head_dim = h
+            .get_u64(&key("attention.key_length"))
+            .map_or(dim / heads, |v| v as usize);
+        let value_dim = h
+            .get_u64(&key("attention.value_length"))
+            .map_or(head_dim, |v| v as usize);
+        if value_dim != head_dim || head_dim % 16 != 0 || head_dim > 1024 {
+            return Err(ModelError::Bad(format!(
+                "head dim {head_dim} (values {value_dim}) is not supported"
+            )));
+        }
+        let vocab = h
+            .get_array("tokenizer.ggml.tokens")
+            .map(|a| a.len())
+            .ok_or(ModelError::Missing("tokenizer.ggml.tokens".into()))?;
+        let context_length = h.get_u64(&key("context_length")).map_or(2048, |v| v as usize);
+        let rms_eps = h.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6) as f32;
+        let rope_base = h.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32;
+        let rope_dim = h.get_u64(&key("rope.dimension_count")).map_or(head_dim, |v| v as usize);
+        let (rope_layout, sliding_window, swa_period, rope_base_local, embed_scale) = match arch {
+            Arch::Llama => (RopeLayout::Adjacent, None, 1, rope_base, 1.0),
+            Arch::Qwen2 => (RopeLayout::Halves, None, 1, rope_base, 1.0),
+            Arch::Gemma3 => (
+                RopeLayout::Halves,
+                h.get_u64(&key("attention.sliding_window"))
+                    .map(|v| v as usize)
+                    .filter(|&w| w > 0),
+                6,
+                h.get_f64(&key("rope.freq_base_swa")).unwrap_or(10000.0) as f32,
+                (dim as f32).sqrt(),
+            ),
+        };
+        Ok(Config {
+            arch,
+            dim,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            ff,
+            vocab,
+            context_length,
+            rms_eps,
+            rope_layout,
+            rope_dim,
+            rope_base,
+            rope_base_local,
+            sliding_window,
+            swa_period,
+            embed_scale,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        })
+    }
+
+    /// Whether layer `l` attends within the sliding window.
+    pub fn is_local(&self, layer: usize) -> bool {
+        self.sliding_window.is_some() && (layer + 1) % self.swa_period != 0
+    }
+
+    /// The first key position query position `pos` sees in layer `l`.
+    pub fn window_start(&self, layer: usize, pos: usize) -> usize {
+        match self.sliding_window {
+            Some(w) if self.is_local(layer) => (pos + 1).saturating_sub(w),
+            _ => 0,
+        }
+    }
+}

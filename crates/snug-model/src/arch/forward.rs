@@ -1,0 +1,311 @@
+//! The one forward path: a batch of rows through every layer, reading and
+//! writing KV through the engine's page lists.
+//!
+//! Each row is (sequence, position, token). A row's keys and values are
+//! written to its sequence's page at its position before attention runs, so
+//! a prefill chunk attends causally within itself, and a verify batch of k
+//! draft tokens sees each earlier draft. Every kernel computes a row from
+//! that row alone in a fixed order; the bits of a row's logits and KV
+//! therefore do not depend on the batch.
+
+use snug_kernels::kv::{attend_head, AttnQuery, AttnScratch, KvStorage};
+use snug_kernels::matmul::{matmul, MatmulScratch, Weight};
+use snug_kernels::ops::{add, gelu_mul, rms_norm, silu_mul, Rope};
+use snug_kernels::pool::ThreadPool;
+
+use super::config::Arch;
+use super::weights::Model;
+
+/// One row of a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchRow {
+    /// Index of the row's sequence in [`KvView::pages`].
+    pub seq: usize,
+    /// Position of the token in its sequence.
+    pub pos: usize,
+    pub token: u32,
+    /// Whether logits are wanted for this row.
+    pub logits: bool,
+}
+
+/// The engine's KV storage and, per sequence of the batch, its pages. Every
+/// row's position must already have a page.
+pub struct KvView<'a> {
+    pub storage: &'a mut KvStorage,
+    pub pages: &'a [&'a [u32]],
+}
+
+/// Buffers for a forward pass, sized once for the largest batch.
+pub struct ForwardScratch {
+    max_rows: usize,
+    x: Vec<f32>,    // [row][dim] residual stream
+    h: Vec<f32>,    // [row][dim] normalized input of a sublayer
+    q: Vec<f32>,    // [row][heads * head_dim]
+    k: Vec<f32>,    // [row][kv_heads * head_dim]
+    v: Vec<f32>,    // [row][kv_heads * head_dim]
+    attn: Vec<f32>, // [row][heads * head_dim]
+    o: Vec<f32>,    // [row][dim]
+    gate: Vec<f32>, // [row][ff]
+    up: Vec<f32>,   // [row][ff]
+    sel: Vec<f32>,  // [logit row][dim]
+    attn_threads: Vec<std::sync::Mutex<AttnScratch>>,
+    mm: MatmulScratch,
+    ropes: Vec<Rope>, // [global, local]
+}
+
+impl ForwardScratch {
+    /// Scratch for batches of up to `max_rows` rows over contexts of up to
+    /// `max_ctx` positions, on `threads` threads.
+    pub fn new(model: &Model, max_rows: usize, max_ctx: usize, threads: usize) -> ForwardScratch {
+        let c = &model.config;
+        let qd = c.heads * c.head_dim;
+        let kvd = c.kv_heads * c.head_dim;
+        ForwardScratch {
+            max_rows,
+            x: vec![0.0; max_rows * c.dim],
+            h: vec![0.0; max_rows * c.dim],
+            q: vec![0.0; max_rows * qd],
+            k: vec![0.0; max_rows * kvd],
+            v: vec![0.0; max_rows * kvd],
+            attn: vec![0.0; max_rows * qd],
+            o: vec![0.0; max_rows * c.dim],
+            gate: vec![0.0; max_rows * c.ff],
+            up: vec![0.0; max_rows * c.ff],
+            sel: vec![0.0; max_rows * c.dim],
+            attn_threads: (0..threads.max(1))
+                .map(|_| std::sync::Mutex::new(AttnScratch::new(max_ctx, c.head_dim)))
+                .collect(),
+            mm: MatmulScratch::with_capacity(max_rows, c.ff.max(c.dim).max(qd)),
+            ropes: vec![
+                Rope::new(c.rope_layout, c.rope_dim, c.rope_base),
+                Rope::new(c.rope_layout, c.rope_dim, c.rope_base_local),
+            ],
+        }
+    }
+
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        let f = |v: &Vec<f32>| v.capacity() * 4;
+        let attn: usize = self
+            .attn_threads
+            .iter()
+            .map(|m| {
+                let s = m.lock().unwrap_or_else(|e| e.into_inner());
+                (s.scores.capacity() + s.kv.capacity()) * 4
+            })
+            .sum();
+        f(&self.x)
+            + f(&self.h)
+            + f(&self.q)
+            + f(&self.k)
+            + f(&self.v)
+            + f(&self.attn)
+            + f(&self.o)
+            + f(&self.gate)
+            + f(&self.up)
+            + f(&self.sel)
+            + attn
+            + self.mm.bytes()
+    }
+}
+
+/// `SNUG_TRACE=1` prints the sum of each intermediate of the first and last
+/// layers to stderr, for comparing with other runtimes' tensor dumps.
+fn trace_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("SNUG_TRACE").is_some())
+}
+
+fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
+    if trace_on()
+        && (layer == 0 || layer + 1 == layers || layer == usize::MAX || std::env::var_os("SNUG_TRACE_ALL").is_some())
+    {
+        let sum: f64 = v.iter().map(|&x| x as f64).sum();
+        let head: Vec<String> = v.iter().take(4).map(|x| format!("{x:.4}")).collect();
+        eprintln!("trace {name}-{layer}: sum = {sum:.6} [{}]", head.join(", "));
+    }
+}
+
+struct SendPtr(*mut f32);
+unsafe impl Sync for SendPtr {}
+
+fn mm(pool: &ThreadPool, w: &Weight, x: &[f32], n: usize, out: &mut [f32], s: &mut MatmulScratch) {
+    matmul(pool, w, &x[..n * w.cols], n, &mut out[..n * w.rows], s);
+}
+
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            add(row, b);
+        }
+    }
+}
+
+impl Model<'_> {
+    /// Runs `rows` through the model, writing each row's keys and values
+    /// into `kv`, and appends the logits of the rows that ask for them, in
+    /// order, to `logits` (`vocab` floats each).
+    pub fn forward(
+        &self,
+        rows: &[BatchRow],
+        kv: &mut KvView,
+        s: &mut ForwardScratch,
+        pool: &ThreadPool,
+        logits: &mut Vec<f32>,
+    ) {
+        let c = &self.config;
+        let n = rows.len();
+        assert!(
+            n <= s.max_rows,
+            "batch of {n} rows over the scratch size {}",
+            s.max_rows
+        );
+        let (dim, hd) = (c.dim, c.head_dim);
+        let qd = c.heads * hd;
+        let kvd = c.kv_heads * hd;
+
+        for (r, row) in rows.iter().enumerate() {
+            let x = &mut s.x[r * dim..(r + 1) * dim];
+            self.embed.row_f32(row.token as usize, x);
+            if c.embed_scale != 1.0 {
+                x.iter_mut().for_each(|v| *v *= c.embed_scale);
+            }
+        }
+
+        let nl = c.layers;
+        trace("inp_embd", 0, nl, &s.x[..n * dim]);
+        for (l, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            s.h[..n * dim].copy_from_slice(&s.x[..n * dim]);
+            rms_norm(&mut s.h[..n * dim], layer.attn_norm, c.rms_eps);
+            trace("attn_norm", l, nl, &s.h[..n * dim]);
+            mm(pool, &layer.wq, &s.h, n, &mut s.q, &mut s.mm);
+            mm(pool, &layer.wk, &s.h, n, &mut s.k, &mut s.mm);
+            mm(pool, &layer.wv, &s.h, n, &mut s.v, &mut s.mm);
+            trace("Qcur_mm", l, nl, &s.q[..n * qd]);
+            trace("Kcur_mm", l, nl, &s.k[..n * kvd]);
+            trace("Vcur", l, nl, &s.v[..n * kvd]);
+            add_bias(&mut s.q[..n * qd], layer.bq);
+            add_bias(&mut s.k[..n * kvd], layer.bk);
+            add_bias(&mut s.v[..n * kvd], layer.bv);
+            if let Some(qn) = layer.q_norm {
+                rms_norm(&mut s.q[..n * qd], qn, c.rms_eps);
+            }
+            if let Some(kn) = layer.k_norm {
+                rms_norm(&mut s.k[..n * kvd], kn, c.rms_eps);
+            }
+            let rope = &s.ropes[usize::from(c.is_local(l))];
+            for (r, row) in rows.iter().enumerate() {
+                for head in s.q[r * qd..(r + 1) * qd].chunks_exact_mut(hd) {
+                    rope.apply(head, row.pos);
+                }
+                for head in s.k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd) {
+                    rope.apply(head, row.pos);
+                }
+                let pages = kv.pages[row.seq];
+                let pt = kv.storage.shape.page_tokens;
+                kv.storage.write(
+                    l,
+                    pages[row.pos / pt],
+                    row.pos % pt,
+                    &s.k[r * kvd..(r + 1) * kvd],
+                    &s.v[r * kvd..(r + 1) * kvd],
+                );
+            }
+            trace("Qcur_rope", l, nl, &s.q[..n * qd]);
+            trace("Kcur_rope", l, nl, &s.k[..n * kvd]);
+            self.attention(l, rows, kv, s, pool);
+            trace("kqv_out", l, nl, &s.attn[..n * qd]);
+            mm(pool, &layer.wo, &s.attn, n, &mut s.o, &mut s.mm);
+            trace("attn_out", l, nl, &s.o[..n * dim]);
+            if let Some(pn) = layer.post_attn_norm {
+                rms_norm(&mut s.o[..n * dim], pn, c.rms_eps);
+            }
+            add(&mut s.x[..n * dim], &s.o[..n * dim]);
+
+            // Feed-forward block.
+            s.h[..n * dim].copy_from_slice(&s.x[..n * dim]);
+            rms_norm(&mut s.h[..n * dim], layer.ffn_norm, c.rms_eps);
+            trace("ffn_inp", l, nl, &s.x[..n * dim]);
+            trace("ffn_norm", l, nl, &s.h[..n * dim]);
+            mm(pool, &layer.w_gate, &s.h, n, &mut s.gate, &mut s.mm);
+            mm(pool, &layer.w_up, &s.h, n, &mut s.up, &mut s.mm);
+            trace("ffn_gate", l, nl, &s.gate[..n * c.ff]);
+            trace("ffn_up", l, nl, &s.up[..n * c.ff]);
+            match c.arch {
+                Arch::Gemma3 => gelu_mul(&mut s.gate[..n * c.ff], &s.up[..n * c.ff]),
+                Arch::Llama | Arch::Qwen2 => silu_mul(&mut s.gate[..n * c.ff], &s.up[..n * c.ff]),
+            }
+            trace("ffn_act", l, nl, &s.gate[..n * c.ff]);
+            mm(pool, &layer.w_down, &s.gate, n, &mut s.o, &mut s.mm);
+            trace("ffn_out", l, nl, &s.o[..n * dim]);
+            if let Some(pn) = layer.post_ffn_norm {
+                rms_norm(&mut s.o[..n * dim], pn, c.rms_eps);
+            }
+            add(&mut s.x[..n * dim], &s.o[..n * dim]);
+            trace("l_out", l, nl, &s.x[..n * dim]);
+        }
+
+        // Logits for the rows that want them.
+        let mut m = 0;
+        for r in (0..n).filter(|&r| rows[r].logits) {
+            s.sel[m * dim..(m + 1) * dim].copy_from_slice(&s.x[r * dim..(r + 1) * dim]);
+            m += 1;
+        }
+        rms_norm(&mut s.sel[..m * dim], self.output_norm, c.rms_eps);
+        let start = logits.len();
+        logits.resize(start + m * c.vocab, 0.0);
+        if m > 0 {
+            matmul(
+                pool,
+                &self.output,
+                &s.sel[..m * dim],
+                m,
+                &mut logits[start..],
+                &mut s.mm,
+            );
+        }
+        trace("result_norm", usize::MAX, nl, &s.sel[..m * dim]);
+        trace("result_output", usize::MAX, nl, &logits[start..]);
+    }
+
+    /// Attention for every (row, head), spread over the pool.
+    fn attention(&self, layer: usize, rows: &[BatchRow], kv: &KvView, s: &mut ForwardScratch, pool: &ThreadPool) {
+        let c = &self.config;
+        let hd = c.head_dim;
+        let qd = c.heads * hd;
+        let group = c.heads / c.kv_heads;
+        let out = SendPtr(s.attn.as_mut_ptr());
+        let q = &s.q;
+        let storage: &KvStorage = kv.storage;
+        let threads = &s.attn_threads;
+        pool.run_with_thread(rows.len() * c.heads, &|task, thread| {
+            let out = &out;
+            let (r, h) = (task / c.heads, task % c.heads);
+            let row = rows[r];
+            let query = AttnQuery {
+                pages: kv.pages[row.seq],
+                start: c.window_start(layer, row.pos),
+                end: row.pos + 1,
+            };
+            let mut scratch = threads[thread].lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: each (row, head) slice of the output is written by
+            // exactly one task.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * qd + h * hd), hd) };
+            attend_head(
+                storage,
+                layer,
+                h / group,
+                &query,
+                &q[r * qd + h * hd..r * qd + (h + 1) * hd],
+                c.attn_scale,
+                o,
+                &mut scratch,
+            );
+        });
+    }
+}

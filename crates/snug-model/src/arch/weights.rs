@@ -1,0 +1,224 @@
+//! Binding a GGUF file's tensors to the decoder's weights, with every
+//! shape and type checked once at load so the forward pass never fails.
+
+use snug_kernels::matmul::{f32_data, matmul_supports, Weight};
+use snug_kernels::GgmlType;
+
+use super::config::{Arch, Config};
+use super::ModelError;
+use crate::gguf::GgufFile;
+
+/// One layer's weights.
+pub(super) struct Layer<'a> {
+    pub attn_norm: &'a [f32],
+    pub wq: Weight<'a>,
+    pub wk: Weight<'a>,
+    pub wv: Weight<'a>,
+    pub wo: Weight<'a>,
+    pub bq: Option<&'a [f32]>,
+    pub bk: Option<&'a [f32]>,
+    pub bv: Option<&'a [f32]>,
+    pub q_norm: Option<&'a [f32]>,
+    pub k_norm: Option<&'a [f32]>,
+    pub post_attn_norm: Option<&'a [f32]>,
+    pub ffn_norm: &'a [f32],
+    pub w_gate: Weight<'a>,
+    pub w_up: Weight<'a>,
+    pub w_down: Weight<'a>,
+    pub post_ffn_norm: Option<&'a [f32]>,
+}
+
+/// A loaded model: configuration and weights borrowed from the mapped file.
+pub struct Model<'a> {
+    pub config: Config,
+    pub(super) embed: Weight<'a>,
+    pub(super) layers: Vec<Layer<'a>>,
+    pub(super) output_norm: &'a [f32],
+    pub(super) output: Weight<'a>,
+}
+
+impl<'a> Model<'a> {
+    /// Binds the tensors of `file` (which must outlive the model).
+    pub fn load(file: &'a GgufFile) -> Result<Model<'a>, ModelError> {
+        let c = Config::from_gguf(file)?;
+        let (hd, nh, nkv) = (c.head_dim, c.heads, c.kv_heads);
+        let get = |name: &str| {
+            file.tensor(name)
+                .ok_or_else(|| ModelError::Missing(format!("tensor {name}")))
+        };
+        let bad = |name: &str, problem: String| ModelError::BadTensor {
+            name: name.to_string(),
+            problem,
+        };
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight<'a>, ModelError> {
+            let t = get(name)?;
+            if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {
+                return Err(bad(name, format!("shape {:?}, expected [{cols}, {rows}]", t.dims)));
+            }
+            if !matmul_supports(t.ty) {
+                return Err(bad(name, format!("type {} is not supported for matrix products", t.ty)));
+            }
+            Ok(Weight {
+                ty: t.ty,
+                rows,
+                cols,
+                data: file.tensor_data(t),
+            })
+        };
+        let vector = |name: &str, len: usize| -> Result<&'a [f32], ModelError> {
+            let t = get(name)?;
+            if t.ty != GgmlType::F32 || t.elements as usize != len {
+                return Err(bad(
+                    name,
+                    format!("{} of {} elements, expected f32 of {len}", t.ty, t.elements),
+                ));
+            }
+            Ok(f32_data(file.tensor_data(t)))
+        };
+        let opt_vector = |name: &str, len: usize| -> Result<Option<&'a [f32]>, ModelError> {
+            match file.tensor(name) {
+                None => Ok(None),
+                Some(_) => vector(name, len).map(Some),
+            }
+        };
+        let embed = matrix("token_embd.weight", c.vocab, c.dim)?;
+        if !embed.ty.can_dequantize() {
+            return Err(bad(
+                "token_embd.weight",
+                format!("type {} cannot be looked up", embed.ty),
+            ));
+        }
+        let mut layers = Vec::with_capacity(c.layers);
+        for l in 0..c.layers {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let gemma = c.arch == Arch::Gemma3;
+            layers.push(Layer {
+                attn_norm: vector(&n("attn_norm.weight"), c.dim)?,
+                wq: matrix(&n("attn_q.weight"), nh * hd, c.dim)?,
+                wk: matrix(&n("attn_k.weight"), nkv * hd, c.dim)?,
+                wv: matrix(&n("attn_v.weight"), nkv * hd, c.dim)?,
+                wo: matrix(&n("attn_output.weight"), c.dim, nh * hd)?,
+                bq: opt_vector(&n("attn_q.bias"), nh * hd)?,
+                bk: opt_vector(&n("attn_k.bias"), nkv * hd)?,
+                bv: opt_vector(&n("attn_v.bias"), nkv * hd)?,
+                q_norm: if gemma {
+                    Some(vector(&n("attn_q_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                k_norm: if gemma {
+                    Some(vector(&n("attn_k_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                post_attn_norm: if gemma {
+                    Some(vector(&n("post_attention_norm.weight"), c.dim)?)
+                } else {
+                    None
+                },
+                ffn_norm: vector(&n("ffn_norm.weight"), c.dim)?,
+                w_gate: matrix(&n("ffn_gate.weight"), c.ff, c.dim)?,
+                w_up: matrix(&n("ffn_up.weight"), c.ff, c.dim)?,
+                w_down: matrix(&n("ffn_down.weight"), c.dim, c.ff)?,
+                post_ffn_norm: if gemma {
+                    Some(vector(&n("post_ffw_norm.weight"), c.dim)?)
+                } else {
+                    None
+                },
+            });
+        }
+        let output_norm = vector("output_norm.weight", c.dim)?;
+        let output = match file.tensor("output.weight") {
+            Some(_) => matrix("output.weight", c.vocab, c.dim)?,
+            None => embed,
+        };
+        Ok(Model {
+            config: c,
+            embed,
+            layers,
+            output_norm,
+            output,
+        })
+    }
+
+    /// Bytes of tensor data the forward pass reads per token (all weights
+    /// but the embedding table, of which one row is read).
+    pub fn bytes_read_per_token(&self) -> u64 {
+        let w = |w: &Weight| w.data.len() as u64;
+        let per_layer: u64 = self
+            .layers
+            .iter()
+            .map(|l| w(&l.wq) + w(&l.wk) + w(&l.wv) + w(&l.wo) + w(&l.w_gate) + w(&l.w_up) + w(&l.w_down))
+            .sum();
+        per_layer + w(&self.output) + self.embed.row_bytes() as u64
+    }
+}
+
+/// Dequantizes a weight into `arena` and returns an f32 view of it.
+fn to_f32<'b>(w: &Weight, arena: &'b [Vec<f32>], slot: usize) -> Weight<'b> {
+    let v = &arena[slot];
+    // SAFETY: any f32 buffer can be viewed as bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4) };
+    Weight {
+        ty: GgmlType::F32,
+        rows: w.rows,
+        cols: w.cols,
+        data: bytes,
+    }
+}
+
+impl Model<'_> {
+    /// Every matrix dequantized to f32, for a float reference the quantized
+    /// kernels can be compared with (`arena` receives the buffers). Slow and
+    /// large: for accuracy studies, not inference.
+    pub fn dequantized_buffers(&self) -> Vec<Vec<f32>> {
+        let deq = |w: &Weight| {
+            let mut v = vec![0f32; w.rows * w.cols];
+            snug_kernels::dequantize(w.ty, w.data, &mut v).expect("supported types");
+            v
+        };
+        let mut arena = Vec::new();
+        for l in &self.layers {
+            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                arena.push(deq(w));
+            }
+        }
+        arena.push(deq(&self.output));
+        arena
+    }
+
+    /// This model with its matrices replaced by `arena` (from
+    /// [`Model::dequantized_buffers`]).
+    pub fn with_f32_matrices<'b>(&'b self, arena: &'b [Vec<f32>]) -> Model<'b> {
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| Layer {
+                attn_norm: l.attn_norm,
+                wq: to_f32(&l.wq, arena, 7 * i),
+                wk: to_f32(&l.wk, arena, 7 * i + 1),
+                wv: to_f32(&l.wv, arena, 7 * i + 2),
+                wo: to_f32(&l.wo, arena, 7 * i + 3),
+                bq: l.bq,
+                bk: l.bk,
+                bv: l.bv,
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+                post_attn_norm: l.post_attn_norm,
+                ffn_norm: l.ffn_norm,
+                w_gate: to_f32(&l.w_gate, arena, 7 * i + 4),
+                w_up: to_f32(&l.w_up, arena, 7 * i + 5),
+                w_down: to_f32(&l.w_down, arena, 7 * i + 6),
+                post_ffn_norm: l.post_ffn_norm,
+            })
+            .collect();
+        Model {
+            config: self.config.clone(),
+            embed: self.embed,
+            layers,
+            output_norm: self.output_norm,
+            output: to_f32(&self.output, arena, 7 * self.layers.len()),
+        }
+    }
+}

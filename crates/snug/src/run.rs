@@ -1,0 +1,177 @@
+//! `snug run`: one prompt in, generated text out.
+
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use snug_engine::generate::GenerateRequest;
+use snug_engine::sampling::SamplingParams;
+use snug_engine::{Engine, EngineOptions};
+use snug_kernels::kv::KvFormat;
+use snug_model::arch::Model;
+use snug_model::template::{ChatTemplate, Message};
+use snug_model::{EncodeOptions, Tokenizer};
+
+use crate::{open_model, read_stdin, GenArgs, RunArgs};
+
+pub fn sampling(g: &GenArgs) -> SamplingParams {
+    SamplingParams {
+        temperature: g.temperature,
+        top_k: g.top_k,
+        top_p: g.top_p,
+        min_p: g.min_p,
+        repeat_penalty: g.repeat_penalty,
+        presence_penalty: g.presence_penalty,
+        penalty_last_n: 64,
+        seed: g.seed,
+    }
+}
+
+pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
+    let kv_format = match g.kv.as_str() {
+        "f16" => KvFormat::F16,
+        "f32" => KvFormat::F32,
+        other => bail!("unknown KV format {other:?} (f16 or f32)"),
+    };
+    let mut o = EngineOptions {
+        kv_format,
+        ..EngineOptions::default()
+    };
+    if let Some(t) = g.threads {
+        if t == 0 {
+            bail!("--threads must be at least 1");
+        }
+        o.threads = t;
+    }
+    o.ctx = g.ctx.unwrap_or(model.config.context_length.min(4096));
+    if o.ctx == 0 {
+        bail!("--ctx must be at least 1");
+    }
+    if o.ctx > model.config.context_length {
+        eprintln!(
+            "note: --ctx {} exceeds the model's context length {}; using {}",
+            o.ctx, model.config.context_length, model.config.context_length
+        );
+    }
+    Ok(o)
+}
+
+/// The prompt's tokens, through the chat template when asked.
+pub fn prompt_tokens(tok: &Tokenizer, file: &snug_model::GgufFile, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+    if !chat {
+        return Ok(tok.encode(prompt, EncodeOptions::default()));
+    }
+    let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
+    let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("");
+    let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("");
+    let text = template.render(&[Message::new("user", prompt)], true, bos, eos, minijinja_empty())?;
+    // The template writes BOS itself where the model wants it.
+    Ok(tok.encode(
+        &text,
+        EncodeOptions {
+            add_special: !text.starts_with(bos) || bos.is_empty(),
+            parse_special: true,
+        },
+    ))
+}
+
+fn minijinja_empty() -> std::collections::BTreeMap<String, String> {
+    std::collections::BTreeMap::new()
+}
+
+pub fn cmd_run(a: RunArgs) -> Result<()> {
+    let prompt = if a.prompt == "-" {
+        read_stdin()?
+    } else {
+        a.prompt.clone()
+    };
+    let file = open_model(&a.model)?;
+    let model = Model::load(&file)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    let opts = engine_options(&a.gen, &model)?;
+    let ids = prompt_tokens(&tok, &file, &prompt, a.chat)?;
+    if ids.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let mut engine = Engine::new(&model, opts);
+    let seq = engine.create_sequence();
+    let req = GenerateRequest {
+        prompt: ids,
+        max_tokens: a.gen.max_tokens,
+        params: sampling(&a.gen),
+        stop: a.gen.stop.clone(),
+    };
+    let stream = !a.json;
+    let mut stdout = std::io::stdout().lock();
+    let g = engine
+        .generate(seq, &tok, &req, |t| {
+            if stream {
+                let _ = stdout.write_all(t.as_bytes());
+                let _ = stdout.flush();
+            }
+        })
+        .context("generation failed")?;
+    if stream {
+        let _ = writeln!(stdout);
+    }
+    if g.context_full {
+        eprintln!("note: stopped at the context limit of {} tokens", engine.options.ctx);
+    }
+    let (kv_total, kv_used) = engine.kv_bytes();
+    let peak_rss = peak_rss_bytes();
+    if a.json {
+        let v = serde_json::json!({
+            "text": g.text,
+            "token_ids": g.tokens,
+            "prompt_tokens": g.prompt_tokens,
+            "finish_reason": g.finish_reason.as_str(),
+            "stats": {
+                "ttft_ms": g.stats.ttft_ms,
+                "prefill_tok_s": g.stats.prefill_tok_s,
+                "decode_tok_s": g.stats.decode_tok_s,
+                "prefill_tokens": g.stats.prefill_tokens,
+                "decode_tokens": g.stats.decode_tokens,
+                "peak_rss_bytes": peak_rss,
+                "ledger": {
+                    "weights_mapped_bytes": file.file_size(),
+                    "kv_reserved_bytes": kv_total,
+                    "kv_used_bytes": kv_used,
+                    "scratch_bytes": engine.scratch_bytes(),
+                },
+            },
+        });
+        writeln!(stdout, "{v}")?;
+    }
+    if a.stats {
+        eprintln!(
+            "prompt {} tokens, prefill {:.1} tok/s, ttft {:.0} ms; generated {} tokens, decode {:.1} tok/s; finish {}",
+            g.prompt_tokens,
+            g.stats.prefill_tok_s,
+            g.stats.ttft_ms,
+            g.tokens.len(),
+            g.stats.decode_tok_s,
+            g.finish_reason.as_str()
+        );
+        eprintln!(
+            "memory: weights {} mapped, KV {} reserved ({} used), scratch {}, peak RSS {}",
+            crate::human_bytes(file.file_size()),
+            crate::human_bytes(kv_total as u64),
+            crate::human_bytes(kv_used as u64),
+            crate::human_bytes(engine.scratch_bytes() as u64),
+            crate::human_bytes(peak_rss)
+        );
+    }
+    Ok(())
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), 0 if unknown.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
