@@ -12,8 +12,6 @@
 //! page holds which position is the caller's business (`snug-core` page
 //! tables); attention receives the page list of each sequence.
 
-use half::f16;
-
 /// How keys and values are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvFormat {
@@ -117,10 +115,8 @@ impl KvStorage {
                     d[vo..vo + hd].copy_from_slice(vh);
                 }
                 Data::F16(d) => {
-                    for i in 0..hd {
-                        d[ko + i] = f16::from_f32(kh[i]).to_bits();
-                        d[vo + i] = f16::from_f32(vh[i]).to_bits();
-                    }
+                    crate::vec::f32_to_f16(kh, &mut d[ko..ko + hd]);
+                    crate::vec::f32_to_f16(vh, &mut d[vo..vo + hd]);
                 }
             }
         }
@@ -143,11 +139,7 @@ impl KvStorage {
         let hd = self.shape.head_dim;
         match &self.data {
             Data::F32(d) => out.copy_from_slice(&d[o..o + hd]),
-            Data::F16(d) => {
-                for (x, b) in out.iter_mut().zip(&d[o..o + hd]) {
-                    *x = f16::from_bits(*b).to_f32();
-                }
-            }
+            Data::F16(d) => crate::vec::f16_to_f32(&d[o..o + hd], out),
         }
     }
 }
@@ -161,29 +153,33 @@ pub struct AttnQuery<'a> {
     pub end: usize,
 }
 
-/// Scratch for one thread's attention: scores over the context and one
-/// key or value vector.
+/// Scratch for one thread's attention: scores of a group of query heads
+/// over the context, and one key or value vector.
 pub struct AttnScratch {
     pub scores: Vec<f32>,
     pub kv: Vec<f32>,
 }
 
 impl AttnScratch {
-    pub fn new(ctx: usize, head_dim: usize) -> AttnScratch {
+    /// For contexts up to `ctx` positions and up to `group` query heads per
+    /// KV head.
+    pub fn new(ctx: usize, head_dim: usize, group: usize) -> AttnScratch {
         AttnScratch {
-            scores: vec![0.0; ctx],
+            scores: vec![0.0; ctx * group.max(1)],
             kv: vec![0.0; head_dim],
         }
     }
 }
 
-/// Attention of one query head `q` (head_dim) against KV head `kv_head` of
-/// `layer` over positions `query.start..query.end`, written to `out`.
-/// Scores are `scale * q·k`, softmaxed in f32; values are summed in
-/// position order. The order of every operation is fixed by the position
-/// range alone, so the result does not depend on batching.
+/// Attention of the `q.len() / head_dim` query heads that share KV head
+/// `kv_head` of `layer`, over positions `query.start..query.end`, written to
+/// `out` (same shape as `q`). Each key and value is read once for the whole
+/// group. Per head: scores are `scale * q·k` (fixed-order dot), softmaxed in
+/// f32, and values are accumulated in position order with fused
+/// multiply-adds; the order of every operation is fixed by the position
+/// range alone, so a head's result does not depend on batching.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_head(
+pub fn attend_group(
     kv: &KvStorage,
     layer: usize,
     kv_head: usize,
@@ -194,28 +190,32 @@ pub fn attend_head(
     scratch: &mut AttnScratch,
 ) {
     let pt = kv.shape.page_tokens;
+    let hd = kv.shape.head_dim;
+    let group = q.len() / hd;
     let n = query.end - query.start;
-    let scores = &mut scratch.scores[..n];
-    let kbuf = &mut scratch.kv;
-    let mut max = f32::NEG_INFINITY;
+    let (scores, kbuf) = (&mut scratch.scores[..group * n], &mut scratch.kv);
     for (i, p) in (query.start..query.end).enumerate() {
         kv.read(query.pages[p / pt], layer, false, kv_head, p % pt, kbuf);
-        let s = crate::dot::dot_f32(q, kbuf) * scale;
-        scores[i] = s;
-        max = max.max(s);
+        for g in 0..group {
+            scores[g * n + i] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
+        }
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+    for g in 0..group {
+        let row = &mut scores[g * n..(g + 1) * n];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+        let mut sum = 0f32;
+        for s in row.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        row.iter_mut().for_each(|s| *s *= inv);
     }
-    let inv = 1.0 / sum;
     out.fill(0.0);
     for (i, p) in (query.start..query.end).enumerate() {
         kv.read(query.pages[p / pt], layer, true, kv_head, p % pt, kbuf);
-        let w = scores[i] * inv;
-        for (o, v) in out.iter_mut().zip(kbuf.iter()) {
-            *o = w.mul_add(*v, *o);
+        for g in 0..group {
+            crate::vec::axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
         }
     }
 }

@@ -18,5 +18,6 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod quant;
+pub mod vec;
 
 pub use quant::{dequantize, DequantError, GgmlType, QK_K};

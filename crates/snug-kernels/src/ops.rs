@@ -7,7 +7,7 @@
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     let dim = w.len();
     for row in x.chunks_exact_mut(dim) {
-        let ss = sum_squares(row);
+        let ss = crate::vec::sum_squares(row);
         let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
         for (v, g) in row.iter_mut().zip(w) {
             *v = *v * scale * g;
@@ -19,22 +19,6 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
 pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     out.copy_from_slice(x);
     rms_norm(out, w, eps);
-}
-
-/// Sum of squares in a fixed order: 8 lanes, then a fixed tree.
-fn sum_squares(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for k in 0..8 {
-            lanes[k] = c[k].mul_add(c[k], lanes[k]);
-        }
-    }
-    for (k, v) in rest.iter().enumerate() {
-        lanes[k] = v.mul_add(*v, lanes[k]);
-    }
-    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
 }
 
 /// How rotary embedding pairs the elements of a head.

@@ -2,6 +2,7 @@
 //! then handed to the library crates. Errors become one line on stderr and
 //! a non-zero exit code.
 
+mod bench;
 mod progress;
 mod run;
 
@@ -37,6 +38,35 @@ enum Command {
     List,
     /// Generate text from a prompt, streaming it to stdout.
     Run(RunArgs),
+    /// Measure prefill and decode throughput (like llama-bench).
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// A model alias (pulled if needed) or a path to a GGUF file.
+    #[arg(default_value = DEFAULT_ALIAS)]
+    model: String,
+    /// Prefill tests: comma-separated prompt lengths.
+    #[arg(short = 'p', long = "n-prompt", default_value = "128,512")]
+    prompt: String,
+    /// Decode tests: comma-separated numbers of generated tokens.
+    #[arg(short = 'n', long = "n-gen", default_value = "128")]
+    gen: String,
+    /// Context depths to run each test at: comma-separated.
+    #[arg(short = 'd', long = "n-depth", default_value = "0")]
+    depth: String,
+    /// Repetitions (after one warm-up); medians are reported.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    reps: usize,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Rows per forward pass when prefilling.
+    #[arg(short = 'b', long, default_value_t = 512)]
+    batch: usize,
+    /// Output: md or json.
+    #[arg(short = 'o', long, default_value = "md")]
+    output: String,
 }
 
 #[derive(Args)]
@@ -147,6 +177,7 @@ fn main() -> ExitCode {
         Command::Tokenize(a) => cmd_tokenize(a),
         Command::List => cmd_list(),
         Command::Run(a) => run::cmd_run(a),
+        Command::Bench(a) => bench::cmd_bench(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,7 +8,7 @@
 //! that row alone in a fixed order; the bits of a row's logits and KV
 //! therefore do not depend on the batch.
 
-use snug_kernels::kv::{attend_head, AttnQuery, AttnScratch, KvStorage};
+use snug_kernels::kv::{attend_group, AttnQuery, AttnScratch, KvStorage};
 use snug_kernels::matmul::{matmul, MatmulScratch, Weight};
 use snug_kernels::ops::{add, gelu_mul, rms_norm, silu_mul, Rope};
 use snug_kernels::pool::ThreadPool;
@@ -73,7 +73,7 @@ impl ForwardScratch {
             up: vec![0.0; max_rows * c.ff],
             sel: vec![0.0; max_rows * c.dim],
             attn_threads: (0..threads.max(1))
-                .map(|_| std::sync::Mutex::new(AttnScratch::new(max_ctx, c.head_dim)))
+                .map(|_| std::sync::Mutex::new(AttnScratch::new(max_ctx, c.head_dim, c.heads / c.kv_heads)))
                 .collect(),
             mm: MatmulScratch::with_capacity(max_rows, c.ff.max(c.dim).max(qd)),
             ropes: vec![
@@ -283,9 +283,9 @@ impl Model<'_> {
         let q = &s.q;
         let storage: &KvStorage = kv.storage;
         let threads = &s.attn_threads;
-        pool.run_with_thread(rows.len() * c.heads, &|task, thread| {
+        pool.run_with_thread(rows.len() * c.kv_heads, &|task, thread| {
             let out = &out;
-            let (r, h) = (task / c.heads, task % c.heads);
+            let (r, g) = (task / c.kv_heads, task % c.kv_heads);
             let row = rows[r];
             let query = AttnQuery {
                 pages: kv.pages[row.seq],
@@ -293,19 +293,11 @@ impl Model<'_> {
                 end: row.pos + 1,
             };
             let mut scratch = threads[thread].lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: each (row, head) slice of the output is written by
+            let span = r * qd + g * group * hd..r * qd + (g + 1) * group * hd;
+            // SAFETY: each (row, KV head) slice of the output is written by
             // exactly one task.
-            let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * qd + h * hd), hd) };
-            attend_head(
-                storage,
-                layer,
-                h / group,
-                &query,
-                &q[r * qd + h * hd..r * qd + (h + 1) * hd],
-                c.attn_scale,
-                o,
-                &mut scratch,
-            );
+            let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(span.start), span.len()) };
+            attend_group(storage, layer, g, &query, &q[span], c.attn_scale, o, &mut scratch);
         });
     }
 }

@@ -1,0 +1,162 @@
+//! `snug bench`: prefill and decode throughput, measured like llama-bench
+//! (ppN: prefill N tokens into an empty context; tgN: generate N tokens one
+//! at a time, optionally after a prefilled depth), with repetitions and
+//! medians.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use snug_engine::{Engine, EngineOptions};
+use snug_kernels::cpu::simd;
+use snug_model::arch::Model;
+
+use crate::{open_model, BenchArgs};
+
+struct Row {
+    test: String,
+    depth: usize,
+    samples: Vec<f64>, // tokens per second
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+fn stddev(v: &[f64]) -> f64 {
+    let m = v.iter().sum::<f64>() / v.len() as f64;
+    (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / v.len().max(2).saturating_sub(1) as f64).sqrt()
+}
+
+/// Deterministic stand-in tokens (the cost of a token does not depend on
+/// which token it is).
+fn tokens(n: usize, vocab: usize, salt: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i * 7919 + salt * 104_729 + 17) % (vocab - 1) + 1) as u32)
+        .collect()
+}
+
+fn parse_list(s: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| anyhow::anyhow!("not a number: {x:?}"))
+        })
+        .collect()
+}
+
+pub fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let pp = parse_list(&a.prompt)?;
+    let tg = parse_list(&a.gen)?;
+    let depths = parse_list(&a.depth)?;
+    if a.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    let file = open_model(&a.model)?;
+    let model = Model::load(&file)?;
+    let vocab = model.config.vocab;
+    let max_need = pp.iter().chain(tg.iter()).copied().max().unwrap_or(0) + depths.iter().copied().max().unwrap_or(0);
+    if max_need > model.config.context_length {
+        bail!(
+            "a test needs {max_need} positions; the model's context is {}",
+            model.config.context_length
+        );
+    }
+    let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
+    let mut engine = Engine::new(
+        &model,
+        EngineOptions {
+            threads,
+            ctx: max_need.max(1),
+            batch: a.batch,
+            ..Default::default()
+        },
+    );
+    let mut rows: Vec<Row> = Vec::new();
+    for &d in &depths {
+        for &n in &pp {
+            let mut samples = Vec::new();
+            for rep in 0..=a.reps {
+                let s = engine.create_sequence();
+                if d > 0 {
+                    engine.feed(s, &tokens(d, vocab, 1))?;
+                }
+                let t = Instant::now();
+                engine.feed(s, &tokens(n, vocab, 2))?;
+                let secs = t.elapsed().as_secs_f64();
+                engine.free_sequence(s);
+                if rep > 0 {
+                    samples.push(n as f64 / secs); // rep 0 is a warm-up
+                }
+            }
+            rows.push(Row {
+                test: format!("pp{n}"),
+                depth: d,
+                samples,
+            });
+        }
+        for &n in &tg {
+            let mut samples = Vec::new();
+            for rep in 0..=a.reps {
+                let s = engine.create_sequence();
+                if d > 0 {
+                    engine.feed(s, &tokens(d, vocab, 1))?;
+                }
+                let toks = tokens(n, vocab, 3);
+                let t = Instant::now();
+                for &tok in &toks {
+                    engine.feed(s, &[tok])?;
+                }
+                let secs = t.elapsed().as_secs_f64();
+                engine.free_sequence(s);
+                if rep > 0 {
+                    samples.push(n as f64 / secs);
+                }
+            }
+            rows.push(Row {
+                test: format!("tg{n}"),
+                depth: d,
+                samples,
+            });
+        }
+    }
+    let name = file.get_str("general.name").unwrap_or("model").to_string();
+    if a.output == "json" {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "model": name, "test": r.test, "depth": r.depth, "threads": threads,
+                    "simd": simd().name(), "tok_s_median": median(&r.samples),
+                    "tok_s_stddev": stddev(&r.samples), "samples": r.samples,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("| model | threads | simd | test | t/s (median of {}) |", a.reps);
+    println!("| --- | ---: | --- | ---: | ---: |");
+    for r in &rows {
+        let test = if r.depth > 0 {
+            format!("{} @ d{}", r.test, r.depth)
+        } else {
+            r.test.clone()
+        };
+        println!(
+            "| {name} | {threads} | {} | {test} | {:.2} ± {:.2} |",
+            simd().name(),
+            median(&r.samples),
+            stddev(&r.samples)
+        );
+    }
+    Ok(())
+}
