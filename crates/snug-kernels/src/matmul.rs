@@ -63,6 +63,8 @@ impl MatmulScratch {
 }
 
 struct SendPtr(*mut f32);
+struct SendBlocks(*mut BlockQ8);
+unsafe impl Sync for SendBlocks {}
 unsafe impl Sync for SendPtr {}
 unsafe impl Send for SendPtr {}
 
@@ -98,8 +100,16 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
         scratch.q8.resize(n_rows * nb, BlockQ8::default());
     }
     let format = act_format(w.ty);
-    for r in 0..n_rows {
-        quantize_row(format, &x[r * k..(r + 1) * k], &mut scratch.q8[r * nb..(r + 1) * nb]);
+    if n_rows == 1 {
+        quantize_row(format, x, &mut scratch.q8[..nb]);
+    } else {
+        let q8_ptr = SendBlocks(scratch.q8.as_mut_ptr());
+        pool.run(n_rows, &|r| {
+            let qp = &q8_ptr;
+            // SAFETY: each row's blocks are written by exactly one task.
+            let blocks = unsafe { std::slice::from_raw_parts_mut(qp.0.add(r * nb), nb) };
+            quantize_row(format, &x[r * k..(r + 1) * k], blocks);
+        });
     }
     let q8 = &scratch.q8[..n_rows * nb];
     pool.run(tasks, &|t| {

@@ -130,15 +130,18 @@ fn worker(s: &Shared, t: usize) {
     loop {
         // Wait for a new generation: spin, then sleep.
         let started = Instant::now();
+        let mut spins = 0u32;
         let gen = loop {
-            if s.stop.load(Ordering::Acquire) {
-                return;
-            }
             let g = s.generation.load(Ordering::Acquire);
             if g != seen {
                 break g;
             }
-            if started.elapsed() < SPIN {
+            if s.stop.load(Ordering::Acquire) {
+                return;
+            }
+            spins = spins.wrapping_add(1);
+            // Reading the clock is not free: look at it now and then.
+            if spins % 4096 != 0 || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }
