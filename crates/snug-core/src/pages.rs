@@ -128,7 +128,7 @@ impl PageTable {
         let pt = pool.page_tokens;
         let have = self.pages.len();
         let want = (self.len + n).div_ceil(pt);
-        let cow = usize::from(n > 0 && self.len % pt != 0 && pool.refcount(self.pages[self.len / pt]) > 1);
+        let cow = usize::from(n > 0 && !self.len.is_multiple_of(pt) && pool.refcount(self.pages[self.len / pt]) > 1);
         want.saturating_sub(have) + cow
     }
 
@@ -151,7 +151,7 @@ impl PageTable {
         }
         let pt = pool.page_tokens;
         let mut copy = None;
-        if n > 0 && self.len % pt != 0 {
+        if n > 0 && !self.len.is_multiple_of(pt) {
             let i = self.len / pt;
             let shared = self.pages[i];
             if pool.refcount(shared) > 1 {

@@ -141,10 +141,10 @@ impl Sampler {
         let kept_total: f64 = probs[..keep].iter().sum();
         let u = uniform(p.seed, position) * kept_total;
         let mut cum = 0.0;
-        for i in 0..keep {
-            cum += probs[i];
+        for (p, c) in probs[..keep].iter().zip(&self.cand) {
+            cum += p;
             if u < cum {
-                return self.cand[i].1;
+                return c.1;
             }
         }
         self.cand[keep - 1].1

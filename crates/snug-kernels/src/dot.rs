@@ -16,6 +16,13 @@
 //! result = tree sum of (acc[0][k] + acc[1][k]) over k: ((0+1)+(2+3))+((4+5)+(6+7))
 //! ```
 //!
+//! K-quant types (256-element super-blocks, whose activations share one
+//! `q8_K` scale) keep the integers longer, as ggml does: within super-block
+//! `sb`, `lane_k = sum over its 8 blocks j of scale_j * (integer lane k of
+//! block j)` and `minsum = sum_j min_j * sum(a_j)`, exactly; then
+//! `acc[sb % 2][k] = fma(lane_k, d * d_a, ...)` and, for types with a
+//! minimum, `fma(-(dmin * d_a), (minsum if k == 0 else 0), ...)`.
+//!
 //! The scalar code is the reference and performs exactly these operations;
 //! the SIMD paths compute the same lanes with vector instructions, so their
 //! results are bitwise equal to it (tested). A row's result depends only on
@@ -39,6 +46,8 @@ pub struct BlockQ8 {
     pub qs: [i8; QK8],
     pub d: f32,
     pub s: f32,
+    /// `sum(qs)`.
+    pub sum: i32,
 }
 
 impl Default for BlockQ8 {
@@ -47,6 +56,7 @@ impl Default for BlockQ8 {
             qs: [0; QK8],
             d: 0.0,
             s: 0.0,
+            sum: 0,
         }
     }
 }
@@ -104,11 +114,14 @@ fn quantize_row_body(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
                 let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
                 let mut sum = 0i32;
                 for (q, v) in ob.qs.iter_mut().zip(xb) {
-                    let r = (v * id).round_ties_even() as i32;
+                    // Saturate as ggml's integer packing does (only reachable
+                    // when 127 / amax overflows, for near-zero blocks).
+                    let r = ((v * id).round_ties_even() as i32).clamp(-128, 127);
                     *q = r as i8;
                     sum += r;
                 }
                 ob.d = f16_round(d);
+                ob.sum = sum;
                 ob.s = if format == ActFormat::Q8_1 {
                     f16_round(d * sum as f32)
                 } else {
@@ -135,12 +148,13 @@ fn quantize_row_body(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
                 for (xb, ob) in xs.chunks_exact(QK8).zip(os.iter_mut()) {
                     let mut sum = 0i32;
                     for (q, v) in ob.qs.iter_mut().zip(xb) {
-                        let r = ((iscale * v).round_ties_even() as i32).min(127);
+                        let r = ((iscale * v).round_ties_even() as i32).clamp(-128, 127);
                         *q = r as i8;
                         sum += r;
                     }
                     ob.d = d;
                     ob.s = d * sum as f32;
+                    ob.sum = sum;
                 }
             }
         }
@@ -241,7 +255,7 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
             let qs_at = if ty == GgmlType::Q4K { 16 } else { 48 };
             let q = &b[qs_at + (j / 2) * 32..qs_at + (j / 2) * 32 + 32];
             for i in 0..32 {
-                let nib = if j % 2 == 0 { q[i] & 15 } else { q[i] >> 4 };
+                let nib = if j.is_multiple_of(2) { q[i] & 15 } else { q[i] >> 4 };
                 let high = if ty == GgmlType::Q5K {
                     ((b[16 + i] >> j) & 1) << 4
                 } else {
@@ -300,6 +314,95 @@ fn accumulate(acc: &mut Acc, b: usize, wb: &WBlock, a: &BlockQ8) {
     }
 }
 
+/// Integer scales of one K-quant super-block: per block j, the scale of
+/// each of its 8 lanes, and its minimum (0 for types without one).
+struct KScales {
+    sc: [[i32; 8]; 8],
+    min: [i32; 8],
+    d: f32,
+    dmin: f32,
+}
+
+fn k_scales(ty: GgmlType, b: &[u8]) -> KScales {
+    let mut ks = KScales {
+        sc: [[0; 8]; 8],
+        min: [0; 8],
+        d: 0.0,
+        dmin: 0.0,
+    };
+    match ty {
+        GgmlType::Q4K | GgmlType::Q5K => {
+            ks.d = f16_at(b, 0);
+            ks.dmin = f16_at(b, 2);
+            for j in 0..8 {
+                let (sc, m) = scale_min_k4(j, &b[4..16]);
+                ks.sc[j] = [sc as i32; 8];
+                ks.min[j] = m as i32;
+            }
+        }
+        GgmlType::Q6K => {
+            ks.d = f16_at(b, 208);
+            for j in 0..8 {
+                let (h, k) = (j / 4, j % 4);
+                let a = b[192 + h * 8 + 2 * k] as i8 as i32;
+                let c = b[192 + h * 8 + 2 * k + 1] as i8 as i32;
+                ks.sc[j] = [a, a, a, a, c, c, c, c];
+            }
+        }
+        _ => unreachable!("k_scales: {ty}"),
+    }
+    ks
+}
+
+/// The integer levels of block `j` of a K-quant super-block, without scales.
+fn k_weights(ty: GgmlType, b: &[u8], j: usize) -> [i8; QK8] {
+    unpack(ty, b, j).w
+}
+
+fn dot_rows_scalar_k(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+    let ts = ty.type_size();
+    let has_min = ty != GgmlType::Q6K;
+    for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
+        let mut accs = [Acc::new(); ROW_TILE];
+        for (sb, wblock) in w.chunks_exact(ts).enumerate() {
+            let ks = k_scales(ty, wblock);
+            let ws: [[i8; QK8]; 8] = std::array::from_fn(|j| k_weights(ty, wblock, j));
+            for (acc, a) in accs.iter_mut().zip(acts) {
+                let mut lanes = [0i32; 8];
+                let mut minsum = 0i32;
+                for j in 0..8 {
+                    let ab = &a[sb * 8 + j];
+                    for (k, lane) in lanes.iter_mut().enumerate() {
+                        let p: i32 = (4 * k..4 * k + 4).map(|i| ws[j][i] as i32 * ab.qs[i] as i32).sum();
+                        *lane += ks.sc[j][k] * p;
+                    }
+                    minsum += ks.min[j] * ab.sum;
+                }
+                let da = a[sb * 8].d;
+                let set = &mut acc.0[sb % 2];
+                let scale = ks.d * da;
+                for (k, lane) in set.iter_mut().enumerate() {
+                    *lane = (lanes[k] as f32).mul_add(scale, *lane);
+                }
+                if has_min {
+                    let c = -(ks.dmin * da);
+                    for (k, lane) in set.iter_mut().enumerate() {
+                        let m = if k == 0 { minsum as f32 } else { 0.0 };
+                        *lane = c.mul_add(m, *lane);
+                    }
+                }
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(&accs) {
+            *o = acc.finish();
+        }
+    }
+}
+
+fn is_k(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+}
+
 /// Activation rows processed together per pass over a weight row.
 const ROW_TILE: usize = 4;
 
@@ -342,6 +445,7 @@ pub fn dot_rows_with(level: Simd, ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], o
             // SAFETY: `level` never exceeds what `Simd::detect` found.
             unsafe { x86::dot_rows(level == Simd::Avx512Vnni, ty, w, acts, out) }
         }
+        _ if is_k(ty) => dot_rows_scalar_k(ty, w, acts, out),
         _ => dot_rows_scalar(ty, w, acts, out),
     }
 }
@@ -371,6 +475,7 @@ pub fn dot_f32_scalar(w: &[f32], x: &[f32]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // row-indexed parallel arrays of registers
 mod x86 {
     //! AVX2 and AVX-512 VNNI versions of the block loop. Each computes the
     //! same integer lanes as `unpack` + `accumulate` and the same float
@@ -482,21 +587,21 @@ mod x86 {
         }
     }
 
-    #[inline(always)]
-    unsafe fn k4_scales(b: &[u8], j: usize) -> (__m256, __m256) {
-        let (d, dmin) = (h2f(b, 0), h2f(b, 2));
-        let (sc, m) = scale_min_k4(j, &b[4..16]);
-        (_mm256_set1_ps(d * sc as f32), _mm256_set1_ps(-(dmin * m as f32)))
-    }
-
     impl Unpack for Q4K {
         const HAS_MIN: bool = true;
         #[inline(always)]
         unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
             let q = _mm256_loadu_si256(b.as_ptr().add(16 + (j / 2) * 32) as *const __m256i);
-            let q = if j % 2 == 0 { q } else { _mm256_srli_epi16(q, 4) };
-            let (s, m) = k4_scales(b, j);
-            (_mm256_and_si256(q, _mm256_set1_epi8(15)), s, m)
+            let q = if j.is_multiple_of(2) {
+                q
+            } else {
+                _mm256_srli_epi16(q, 4)
+            };
+            (
+                _mm256_and_si256(q, _mm256_set1_epi8(15)),
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+            )
         }
     }
 
@@ -505,12 +610,15 @@ mod x86 {
         #[inline(always)]
         unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
             let q = _mm256_loadu_si256(b.as_ptr().add(48 + (j / 2) * 32) as *const __m256i);
-            let q = if j % 2 == 0 { q } else { _mm256_srli_epi16(q, 4) };
+            let q = if j.is_multiple_of(2) {
+                q
+            } else {
+                _mm256_srli_epi16(q, 4)
+            };
             let qh = _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i);
             let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j as i32)), _mm256_set1_epi8(1));
             let w = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(15)), _mm256_slli_epi16(bit, 4));
-            let (s, m) = k4_scales(b, j);
-            (w, s, m)
+            (w, _mm256_setzero_ps(), _mm256_setzero_ps())
         }
     }
 
@@ -544,40 +652,169 @@ mod x86 {
     /// the wrappers below, which give it their target features.
     #[inline(always)]
     unsafe fn block_loop<U: Unpack, const VNNI: bool>(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        match acts.len() {
+            1 => block_loop_rows::<U, VNNI, 1>(ty, w, acts, out),
+            2 => block_loop_rows::<U, VNNI, 2>(ty, w, acts, out),
+            3 => block_loop_rows::<U, VNNI, 3>(ty, w, acts, out),
+            _ => block_loop_rows::<U, VNNI, 4>(ty, w, acts, out),
+        }
+    }
+
+    /// One block of one weight row against `R` activation rows, into the
+    /// accumulator set `acc` (even or odd blocks).
+    #[inline(always)]
+    unsafe fn block_step<U: Unpack, const VNNI: bool, const R: usize>(
+        wblock: &[u8],
+        j: usize,
+        b: usize,
+        acts: &[&[BlockQ8]],
+        acc: &mut [__m256; R],
+    ) {
+        let (wv, scale, min) = U::unpack(wblock, j);
+        let ax = _mm256_sign_epi8(wv, wv);
+        for r in 0..R {
+            let a = acts.get_unchecked(r).get_unchecked(b);
+            let av = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+            let sy = _mm256_sign_epi8(av, wv);
+            let lanes = if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+            };
+            let ad = _mm256_set1_ps(a.d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, ad), acc[r]);
+            if U::HAS_MIN {
+                let sv = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, a.s);
+                acc[r] = _mm256_fmadd_ps(min, sv, acc[r]);
+            }
+        }
+    }
+
+    /// `R` is a constant so the accumulators live in registers; blocks go
+    /// in pairs so the even/odd set is known statically.
+    #[inline(always)]
+    unsafe fn block_loop_rows<U: Unpack, const VNNI: bool, const R: usize>(
+        ty: GgmlType,
+        w: &[u8],
+        acts: &[&[BlockQ8]],
+        out: &mut [f32],
+    ) {
         let per = blocks_per_weight_block(ty);
         let ts = ty.type_size();
-        // Two accumulator sets per activation row: even and odd blocks.
-        let mut accs = [[_mm256_setzero_ps(); 2]; ROW_TILE];
-        for (wi, wblock) in w.chunks_exact(ts).enumerate() {
-            for j in 0..per {
-                let b = wi * per + j;
-                let (wv, scale, min) = U::unpack(wblock, j);
-                let ax = _mm256_sign_epi8(wv, wv);
-                for (acc, a) in accs.iter_mut().zip(acts) {
-                    let a = a.get_unchecked(b);
-                    let av = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-                    let sy = _mm256_sign_epi8(av, wv);
-                    let lanes = if VNNI {
-                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
-                    } else {
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
-                    };
-                    let ad = _mm256_set1_ps(a.d);
-                    let set = &mut acc[b % 2];
-                    *set = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, ad), *set);
-                    if U::HAS_MIN {
-                        let sv = _mm256_castps128_ps256(_mm_set_ss(a.s));
-                        let sv = _mm256_insertf128_ps(sv, _mm_setzero_ps(), 1);
-                        *set = _mm256_fmadd_ps(min, sv, *set);
-                    }
+        let nblocks = w.len() / ts * per;
+        let mut even = [_mm256_setzero_ps(); R];
+        let mut odd = [_mm256_setzero_ps(); R];
+        let wblock = |b: usize| w.get_unchecked((b / per) * ts..(b / per + 1) * ts);
+        let mut b = 0;
+        while b + 1 < nblocks {
+            block_step::<U, VNNI, R>(wblock(b), b % per, b, acts, &mut even);
+            block_step::<U, VNNI, R>(wblock(b + 1), (b + 1) % per, b + 1, acts, &mut odd);
+            b += 2;
+        }
+        if b < nblocks {
+            block_step::<U, VNNI, R>(wblock(b), b % per, b, acts, &mut even);
+        }
+        for r in 0..R {
+            let mut a = Acc::new();
+            _mm256_storeu_ps(a.0[0].as_mut_ptr(), even[r]);
+            _mm256_storeu_ps(a.0[1].as_mut_ptr(), odd[r]);
+            out[r] = a.finish();
+        }
+    }
+
+    /// The K-quant super-block loop: integer lanes scaled and summed over
+    /// the 8 blocks of a super-block, one float step per super-block.
+    #[inline(always)]
+    unsafe fn block_loop_k<U: Unpack, const VNNI: bool>(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        match acts.len() {
+            1 => block_loop_k_rows::<U, VNNI, 1>(ty, w, acts, out),
+            2 => block_loop_k_rows::<U, VNNI, 2>(ty, w, acts, out),
+            3 => block_loop_k_rows::<U, VNNI, 3>(ty, w, acts, out),
+            _ => block_loop_k_rows::<U, VNNI, 4>(ty, w, acts, out),
+        }
+    }
+
+    /// One super-block of one weight row against `R` activation rows.
+    #[inline(always)]
+    unsafe fn k_step<U: Unpack, const VNNI: bool, const R: usize>(
+        wblock: &[u8],
+        sb: usize,
+        acts: &[&[BlockQ8]],
+        acc: &mut [__m256; R],
+    ) {
+        // Q4_K and Q5_K levels are non-negative; Q6_K's are signed.
+        let signed = !U::HAS_MIN;
+        // Scales, computed inline (F16C for the f16 fields): the same
+        // integers and floats as `super::k_scales`.
+        let (d, dmin) = if signed {
+            (h2f(wblock, 208), 0.0)
+        } else {
+            (h2f(wblock, 0), h2f(wblock, 2))
+        };
+        let mut lanes = [_mm256_setzero_si256(); R];
+        let mut minsum = [0i32; R];
+        for j in 0..8 {
+            let wv = U::unpack(wblock, j).0;
+            let ax = if signed { _mm256_sign_epi8(wv, wv) } else { wv };
+            let (scv, m) = if signed {
+                let (h, k) = (j / 4, j % 4);
+                let a = *wblock.get_unchecked(192 + h * 8 + 2 * k) as i8 as i32;
+                let c = *wblock.get_unchecked(192 + h * 8 + 2 * k + 1) as i8 as i32;
+                (_mm256_set_m128i(_mm_set1_epi32(c), _mm_set1_epi32(a)), 0)
+            } else {
+                let (sc, m) = scale_min_k4(j, wblock.get_unchecked(4..16));
+                (_mm256_set1_epi32(sc as i32), m as i32)
+            };
+            for r in 0..R {
+                let ab = acts.get_unchecked(r).get_unchecked(sb * 8 + j);
+                let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+                let sy = if signed { _mm256_sign_epi8(av, wv) } else { av };
+                let p = if VNNI {
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+                } else {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+                };
+                lanes[r] = _mm256_add_epi32(lanes[r], _mm256_mullo_epi32(p, scv));
+                if U::HAS_MIN {
+                    minsum[r] += m * ab.sum;
                 }
             }
         }
-        for (o, acc) in out.iter_mut().zip(&accs) {
+        for r in 0..R {
+            let da = acts.get_unchecked(r).get_unchecked(sb * 8).d;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[r]), _mm256_set1_ps(d * da), acc[r]);
+            if U::HAS_MIN {
+                let m = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, minsum[r] as f32);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin * da)), m, acc[r]);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block_loop_k_rows<U: Unpack, const VNNI: bool, const R: usize>(
+        ty: GgmlType,
+        w: &[u8],
+        acts: &[&[BlockQ8]],
+        out: &mut [f32],
+    ) {
+        let ts = ty.type_size();
+        let n = w.len() / ts;
+        let mut even = [_mm256_setzero_ps(); R];
+        let mut odd = [_mm256_setzero_ps(); R];
+        let mut sb = 0;
+        while sb + 1 < n {
+            k_step::<U, VNNI, R>(w.get_unchecked(sb * ts..(sb + 1) * ts), sb, acts, &mut even);
+            k_step::<U, VNNI, R>(w.get_unchecked((sb + 1) * ts..(sb + 2) * ts), sb + 1, acts, &mut odd);
+            sb += 2;
+        }
+        if sb < n {
+            k_step::<U, VNNI, R>(w.get_unchecked(sb * ts..(sb + 1) * ts), sb, acts, &mut even);
+        }
+        for r in 0..R {
             let mut a = Acc::new();
-            _mm256_storeu_ps(a.0[0].as_mut_ptr(), acc[0]);
-            _mm256_storeu_ps(a.0[1].as_mut_ptr(), acc[1]);
-            *o = a.finish();
+            _mm256_storeu_ps(a.0[0].as_mut_ptr(), even[r]);
+            _mm256_storeu_ps(a.0[1].as_mut_ptr(), odd[r]);
+            out[r] = a.finish();
         }
     }
 
@@ -591,9 +828,9 @@ mod x86 {
                     GgmlType::Q5_0 => block_loop::<Q5_0, $vnni>(ty, w, acts, out),
                     GgmlType::Q5_1 => block_loop::<Q5_1, $vnni>(ty, w, acts, out),
                     GgmlType::Q8_0 => block_loop::<Q8_0, $vnni>(ty, w, acts, out),
-                    GgmlType::Q4K => block_loop::<Q4K, $vnni>(ty, w, acts, out),
-                    GgmlType::Q5K => block_loop::<Q5K, $vnni>(ty, w, acts, out),
-                    GgmlType::Q6K => block_loop::<Q6K, $vnni>(ty, w, acts, out),
+                    GgmlType::Q4K => block_loop_k::<Q4K, $vnni>(ty, w, acts, out),
+                    GgmlType::Q5K => block_loop_k::<Q5K, $vnni>(ty, w, acts, out),
+                    GgmlType::Q6K => block_loop_k::<Q6K, $vnni>(ty, w, acts, out),
                     _ => unreachable!(),
                 }
             }
@@ -665,6 +902,15 @@ mod tests {
         GgmlType::Q6K,
     ];
 
+    /// The scalar reference for `ty`.
+    fn reference(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        if is_k(ty) {
+            dot_rows_scalar_k(ty, w, acts, out)
+        } else {
+            dot_rows_scalar(ty, w, acts, out)
+        }
+    }
+
     /// Random weight blocks with sane f16 scales.
     fn weights(ty: GgmlType, n_elems: usize, rng: &mut Rng) -> Vec<u8> {
         let mut w: Vec<u8> = (0..ty.bytes_for(n_elems as u64).unwrap())
@@ -701,7 +947,7 @@ mod tests {
             let w = weights(ty, n, &mut rng);
             let a = acts(ty, n, &mut rng, 3.0);
             let mut out = [0f32];
-            dot_rows_scalar(ty, &w, &[&a], &mut out);
+            reference(ty, &w, &[&a], &mut out);
             let mut wf = vec![0f32; n];
             crate::dequantize(ty, &w, &mut wf).unwrap();
             let af: Vec<f32> = a
@@ -733,7 +979,7 @@ mod tests {
                         .collect();
                     let refs: Vec<&[BlockQ8]> = a.iter().map(|v| v.as_slice()).collect();
                     let mut want = vec![0f32; rows];
-                    dot_rows_scalar(ty, &w, &refs, &mut want);
+                    reference(ty, &w, &refs, &mut want);
                     let mut got = vec![0f32; rows];
                     dot_rows_with(level, ty, &w, &refs, &mut got);
                     for r in 0..rows {
@@ -774,7 +1020,7 @@ mod tests {
                 let mut q = vec![BlockQ8::default(); n / QK8];
                 quantize_row(act_format(ty), &x, &mut q);
                 let mut want = [0f32];
-                dot_rows_scalar(ty, &w, &[&q], &mut want);
+                reference(ty, &w, &[&q], &mut want);
                 assert!(want[0].is_finite(), "{ty}");
                 for level in Simd::available() {
                     let mut got = [0f32];

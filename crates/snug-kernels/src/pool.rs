@@ -141,7 +141,7 @@ fn worker(s: &Shared, t: usize) {
             }
             spins = spins.wrapping_add(1);
             // Reading the clock is not free: look at it now and then.
-            if spins % 4096 != 0 || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(4096) || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }

@@ -77,6 +77,8 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             threads,
             ctx: max_need.max(1),
             batch: a.batch,
+            // A base context and one fork of it.
+            max_seqs: 2,
             ..Default::default()
         },
     );
@@ -103,13 +105,16 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
                 samples,
             });
         }
+        // Decode tests at depth share one prefilled context: each repetition
+        // decodes in a fork of it (copy-on-write pages), then drops the fork.
+        let base = engine.create_sequence();
+        if d > 0 && !tg.is_empty() {
+            engine.feed(base, &tokens(d, vocab, 1))?;
+        }
         for &n in &tg {
             let mut samples = Vec::new();
             for rep in 0..=a.reps {
-                let s = engine.create_sequence();
-                if d > 0 {
-                    engine.feed(s, &tokens(d, vocab, 1))?;
-                }
+                let s = engine.fork(base)?;
                 let toks = tokens(n, vocab, 3);
                 let t = Instant::now();
                 for &tok in &toks {
@@ -127,6 +132,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
                 samples,
             });
         }
+        engine.free_sequence(base);
     }
     let name = file.get_str("general.name").unwrap_or("model").to_string();
     if a.output == "json" {

@@ -3,6 +3,7 @@
 //! a non-zero exit code.
 
 mod bench;
+mod chat;
 mod progress;
 mod run;
 
@@ -40,6 +41,20 @@ enum Command {
     Run(RunArgs),
     /// Measure prefill and decode throughput (like llama-bench).
     Bench(BenchArgs),
+    /// Chat interactively; the KV cache is kept between turns.
+    Chat(ChatArgs),
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    /// A model alias (pulled if needed) or a path to a GGUF file.
+    #[arg(default_value = DEFAULT_ALIAS)]
+    model: String,
+    /// A system message to start the conversation with.
+    #[arg(long)]
+    system: Option<String>,
+    #[command(flatten)]
+    gen: GenArgs,
 }
 
 #[derive(Args)]
@@ -178,6 +193,7 @@ fn main() -> ExitCode {
         Command::List => cmd_list(),
         Command::Run(a) => run::cmd_run(a),
         Command::Bench(a) => bench::cmd_bench(a),
+        Command::Chat(a) => chat::cmd_chat(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

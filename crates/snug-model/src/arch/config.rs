@@ -96,7 +96,7 @@ impl Config {
         let value_dim = h
             .get_u64(&key("attention.value_length"))
             .map_or(head_dim, |v| v as usize);
-        if value_dim != head_dim || head_dim % 16 != 0 || head_dim > 1024 {
+        if value_dim != head_dim || !head_dim.is_multiple_of(16) || head_dim > 1024 {
             return Err(ModelError::Bad(format!(
                 "head dim {head_dim} (values {value_dim}) is not supported"
             )));
@@ -146,7 +146,7 @@ impl Config {
 
     /// Whether layer `l` attends within the sliding window.
     pub fn is_local(&self, layer: usize) -> bool {
-        self.sliding_window.is_some() && (layer + 1) % self.swa_period != 0
+        self.sliding_window.is_some() && !(layer + 1).is_multiple_of(self.swa_period)
     }
 
     /// The first key position query position `pos` sees in layer `l`.

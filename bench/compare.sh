@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# snug bench beside llama-bench on the same GGUF files, same threads:
+# pp128, pp512, tg128, and tg64 at depth 2048; llama.cpp with -fa 0 and 1.
+# Writes one markdown file per program and model into OUT (default
+# bench/out, not committed) and prints them.
+#
+# Usage: bench/compare.sh LLAMA_BIN_DIR [OUT] [MODELS...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=$1
+out=${2:-bench/out}
+shift $(( $# >= 2 ? 2 : 1 ))
+models=${*:-smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b}
+threads=${THREADS:-2}
+reps=${REPS:-3}
+mkdir -p "$out"
+cargo build --release -p snug >&2
+for m in $models; do
+  path=$(target/release/snug pull "$m" | tail -n 1)
+  "$bin/llama-bench" -m "$path" -t "$threads" -p 128,512 -n 128 -fa 0,1 -r "$reps" -o md > "$out/llama-$m.md" 2>/dev/null
+  "$bin/llama-bench" -m "$path" -t "$threads" -p 0 -n 64 -d 2048 -fa 0,1 -r "$reps" -o md 2>/dev/null | grep "d2048" >> "$out/llama-$m.md"
+  target/release/snug bench "$path" -t "$threads" -p 128,512 -n 128 -r "$reps" > "$out/snug-$m.md"
+  target/release/snug bench "$path" -t "$threads" -p "" -n 64 -d 2048 -r "$reps" | tail -n 1 >> "$out/snug-$m.md"
+  cat "$out/llama-$m.md" "$out/snug-$m.md"
+done

@@ -1,0 +1,127 @@
+//! `snug chat`: a multi-turn conversation that keeps the KV cache between
+//! turns. Each turn renders the whole conversation with the chat template,
+//! and only the tokens after the longest prefix already in the cache are
+//! prefilled; the count is printed.
+
+use std::io::{BufRead, Write};
+
+use anyhow::{Context, Result};
+use snug_engine::generate::GenerateRequest;
+use snug_engine::Engine;
+use snug_model::arch::Model;
+use snug_model::template::{ChatTemplate, Message};
+use snug_model::{EncodeOptions, Tokenizer};
+
+use crate::run::{engine_options, sampling};
+use crate::{open_model, ChatArgs};
+
+const HELP: &str = "commands: /reset (forget the conversation), /stats (cache and speed), /quit";
+
+pub fn cmd_chat(a: ChatArgs) -> Result<()> {
+    let file = open_model(&a.model)?;
+    let model = Model::load(&file)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
+    if template.is_fallback {
+        eprintln!("note: the model has no chat template; using the plain `role: content` format");
+    }
+    let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("").to_string();
+    let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("").to_string();
+    let mut engine = Engine::new(&model, engine_options(&a.gen, &model)?);
+    let mut seq = engine.create_sequence();
+    let mut messages: Vec<Message> = Vec::new();
+    if let Some(sys) = &a.system {
+        messages.push(Message::new("system", sys));
+    }
+    let mut last_stats = None;
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    eprintln!("{HELP}");
+    loop {
+        write!(stdout, "> ")?;
+        stdout.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).context("reading standard input")? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/quit" | "/exit" => break,
+            "/reset" => {
+                engine.free_sequence(seq);
+                seq = engine.create_sequence();
+                messages.retain(|m| m.role == "system");
+                eprintln!("[conversation reset]");
+                continue;
+            }
+            "/stats" => {
+                let (total, used) = engine.kv_bytes();
+                eprintln!(
+                    "[cache: {} tokens, KV {} used of {} reserved]",
+                    engine.tokens(seq)?.len(),
+                    crate::human_bytes(used as u64),
+                    crate::human_bytes(total as u64)
+                );
+                if let Some(s) = &last_stats {
+                    eprintln!("[last turn: {s}]");
+                }
+                continue;
+            }
+            cmd if cmd.starts_with('/') => {
+                eprintln!("unknown command {cmd:?}; {HELP}");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(Message::new("user", line));
+        let text = template.render(
+            &messages,
+            true,
+            &bos,
+            &eos,
+            std::collections::BTreeMap::<String, String>::new(),
+        )?;
+        let prompt = tok.encode(
+            &text,
+            EncodeOptions {
+                add_special: bos.is_empty() || !text.starts_with(&bos),
+                parse_special: true,
+            },
+        );
+        let req = GenerateRequest {
+            prompt,
+            max_tokens: a.gen.max_tokens,
+            params: sampling(&a.gen),
+            stop: a.gen.stop.clone(),
+        };
+        let g = match engine.generate(seq, &tok, &req, |t| {
+            print!("{t}");
+            let _ = std::io::stdout().flush();
+        }) {
+            Ok(g) => g,
+            Err(e) => {
+                // The turn is dropped; the conversation so far stays.
+                messages.pop();
+                eprintln!("\nerror: {e}");
+                continue;
+            }
+        };
+        println!();
+        eprintln!(
+            "[{} prompt tokens, {} reused from the cache, {} prefilled; {} generated at {:.1} tok/s{}]",
+            g.prompt_tokens,
+            g.reused_tokens,
+            g.prompt_tokens - g.reused_tokens,
+            g.tokens.len(),
+            g.stats.decode_tok_s,
+            if g.context_full { "; context full" } else { "" }
+        );
+        last_stats = Some(format!(
+            "prefill {:.1} tok/s, decode {:.1} tok/s, ttft {:.0} ms",
+            g.stats.prefill_tok_s, g.stats.decode_tok_s, g.stats.ttft_ms
+        ));
+        messages.push(Message::new("assistant", &g.text));
+    }
+    Ok(())
+}
