@@ -409,10 +409,21 @@ fn chat_reuses_the_cache_across_turns() {
     let turns: Vec<&str> = err.lines().filter(|l| l.contains("reused from the cache")).collect();
     assert_eq!(turns.len(), 3, "{err}");
     let reused = |l: &str| -> u64 {
-        l.split(", ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap()
+        l.split(", ")
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
     };
     assert_eq!(reused(turns[0]), 0, "first turn starts cold");
-    assert!(reused(turns[1]) > 20, "second turn should reuse the first: {}", turns[1]);
+    assert!(
+        reused(turns[1]) > 20,
+        "second turn should reuse the first: {}",
+        turns[1]
+    );
     assert_eq!(reused(turns[2]), 0, "after /reset nothing is reused");
     assert!(err.contains("[cache:"), "{err}");
 }
