@@ -196,6 +196,11 @@ impl Acc {
     }
 }
 
+/// The canonical final sum of the two 8-lane accumulator sets.
+pub(crate) fn reduce_sets(a0: [f32; 8], a1: [f32; 8]) -> f32 {
+    Acc([a0, a1]).finish()
+}
+
 /// One unpacked weight block: true integer levels, per-lane scale factors
 /// (to be multiplied by the activation scale), and an optional minimum.
 struct WBlock {

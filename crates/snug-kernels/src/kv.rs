@@ -144,6 +144,18 @@ impl KvStorage {
     }
 }
 
+/// Softmax of one head's scores in place: max, exp, sum in position order.
+fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let mut sum = 0f32;
+    for s in row.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|s| *s *= inv);
+}
+
 /// One query row's attention inputs.
 pub struct AttnQuery<'a> {
     /// The sequence's pages, in position order.
@@ -189,6 +201,30 @@ pub fn attend_group(
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Data::F16(d), true) = (&kv.data, crate::cpu::simd() >= crate::cpu::Simd::Avx2) {
+        let n = query.end - query.start;
+        let scores = &mut scratch.scores[..q.len() / kv.shape.head_dim * n];
+        // SAFETY: AVX2, FMA and F16C are present (checked by `simd`).
+        unsafe { x86::attend_group_f16(d, kv, layer, kv_head, query, q, scale, out, scores) };
+        return;
+    }
+    attend_group_generic(kv, layer, kv_head, query, q, scale, out, scratch)
+}
+
+/// [`attend_group`] through `read`, `dot_f32` and `axpy`: the reference the
+/// fused F16 path is tested against.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group_generic(
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
     let pt = kv.shape.page_tokens;
     let hd = kv.shape.head_dim;
     let group = q.len() / hd;
@@ -201,21 +237,125 @@ pub fn attend_group(
         }
     }
     for g in 0..group {
-        let row = &mut scores[g * n..(g + 1) * n];
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-        let mut sum = 0f32;
-        for s in row.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        row.iter_mut().for_each(|s| *s *= inv);
+        softmax_row(&mut scores[g * n..(g + 1) * n]);
     }
     out.fill(0.0);
     for (i, p) in (query.start..query.end).enumerate() {
         kv.read(query.pages[p / pt], layer, true, kv_head, p % pt, kbuf);
         for g in 0..group {
             crate::vec::axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_f16_attention_matches_the_generic_path_bitwise() {
+        let shape = KvShape {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            page_tokens: 16,
+        };
+        let mut kv = KvStorage::new(shape, KvFormat::F16, 6);
+        let mut x = 0x1234_5678u32;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x % 2000) as f32 / 1000.0 - 1.0
+        };
+        let pages = [3u32, 0, 5, 1];
+        for p in 0..60 {
+            let k: Vec<f32> = (0..128).map(|_| rnd()).collect();
+            let v: Vec<f32> = (0..128).map(|_| rnd()).collect();
+            kv.write(1, pages[p / 16], p % 16, &k, &v);
+        }
+        let q: Vec<f32> = (0..3 * 64).map(|_| rnd() * 3.0).collect();
+        for (start, end) in [(0, 1), (0, 60), (13, 47)] {
+            let query = AttnQuery {
+                pages: &pages,
+                start,
+                end,
+            };
+            let mut s1 = AttnScratch::new(64, 64, 3);
+            let mut s2 = AttnScratch::new(64, 64, 3);
+            let (mut a, mut b) = (vec![0f32; 192], vec![0f32; 192]);
+            attend_group(&kv, 1, 1, &query, &q, 0.125, &mut a, &mut s1);
+            attend_group_generic(&kv, 1, 1, &query, &q, 0.125, &mut b, &mut s2);
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{start}..{end}"
+            );
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! Attention over F16 pages with the conversions fused into the dot
+    //! products and value sums: the same operations, in the same order, as
+    //! the generic path (`dot_f32` lanes and tree, `axpy`'s fused
+    //! multiply-adds), without a call per position.
+
+    use std::arch::x86_64::*;
+
+    use super::{softmax_row, AttnQuery, KvStorage};
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group_f16(
+        d: &[u16],
+        kv: &KvStorage,
+        layer: usize,
+        kv_head: usize,
+        query: &AttnQuery,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        scores: &mut [f32],
+    ) {
+        let pt = kv.shape.page_tokens;
+        let hd = kv.shape.head_dim;
+        let group = q.len() / hd;
+        let n = query.end - query.start;
+        for (i, p) in (query.start..query.end).enumerate() {
+            let o = kv.offset(query.pages[p / pt], layer, false, kv_head, p % pt);
+            let k = d[o..o + hd].as_ptr();
+            for g in 0..group {
+                let qg = q.as_ptr().add(g * hd);
+                let mut a0 = _mm256_setzero_ps();
+                let mut a1 = _mm256_setzero_ps();
+                for c in (0..hd).step_by(16) {
+                    let k0 = _mm256_cvtph_ps(_mm_loadu_si128(k.add(c) as *const __m128i));
+                    let k1 = _mm256_cvtph_ps(_mm_loadu_si128(k.add(c + 8) as *const __m128i));
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c)), k0, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c + 8)), k1, a1);
+                }
+                let (mut l0, mut l1) = ([0f32; 8], [0f32; 8]);
+                _mm256_storeu_ps(l0.as_mut_ptr(), a0);
+                _mm256_storeu_ps(l1.as_mut_ptr(), a1);
+                scores[g * n + i] = crate::dot::reduce_sets(l0, l1) * scale;
+            }
+        }
+        for g in 0..group {
+            softmax_row(&mut scores[g * n..(g + 1) * n]);
+        }
+        out.fill(0.0);
+        for (i, p) in (query.start..query.end).enumerate() {
+            let o = kv.offset(query.pages[p / pt], layer, true, kv_head, p % pt);
+            let v = d[o..o + hd].as_ptr();
+            for c in (0..hd).step_by(8) {
+                let v8 = _mm256_cvtph_ps(_mm_loadu_si128(v.add(c) as *const __m128i));
+                for g in 0..group {
+                    let op = out.as_mut_ptr().add(g * hd + c);
+                    let w = _mm256_set1_ps(scores[g * n + i]);
+                    _mm256_storeu_ps(op, _mm256_fmadd_ps(w, v8, _mm256_loadu_ps(op)));
+                }
+            }
         }
     }
 }
