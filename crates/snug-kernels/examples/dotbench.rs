@@ -1,17 +1,18 @@
-//! Single-thread throughput of the dot kernels: GB/s of weights read for one
-//! activation row (decode) and for four (prefill tile), per type and path.
-//! `cargo run --release -p snug-kernels --example dotbench`
+//! Single-thread throughput of the dot kernels: GB/s of weights read and
+//! GMAC/s for one activation row (decode) and for 64 (prefill), per type
+//! and path, in tasks of 16 weight rows as the matrix product runs them.
+//! `cargo run --release -p snug-kernels --example dotbench [TYPE...]`
 
 use std::time::Instant;
 
 use snug_kernels::cpu::Simd;
-use snug_kernels::dot::{act_format, dot_rows_with, quantize_row, BlockQ8};
+use snug_kernels::dot::{act_format, dot_tile_with, quantize_row, BlockQ8};
 use snug_kernels::GgmlType;
 
 fn main() {
-    let k = 4096;
-    let rows = 512;
-    let types = [
+    let k = 2048;
+    let rows: usize = std::env::var("ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+    let all = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q5_0,
@@ -19,28 +20,40 @@ fn main() {
         GgmlType::Q4K,
         GgmlType::Q6K,
     ];
-    let x: Vec<f32> = (0..k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+    let wanted: Vec<String> = std::env::args().skip(1).collect();
+    let types: Vec<GgmlType> = all
+        .into_iter()
+        .filter(|t| wanted.is_empty() || wanted.iter().any(|w| w.eq_ignore_ascii_case(t.name())))
+        .collect();
+    let x: Vec<f32> = (0..k * 64).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
     for level in Simd::available() {
-        for ty in types {
-            let mut q = vec![BlockQ8::default(); k / 32];
-            quantize_row(act_format(ty), &x, &mut q);
-            let acts: Vec<&[BlockQ8]> = vec![&q; 4];
+        for &ty in &types {
+            let mut q = vec![BlockQ8::default(); 64 * k / 32];
+            for (xr, qr) in x.chunks(k).zip(q.chunks_mut(k / 32)) {
+                quantize_row(act_format(ty), xr, qr);
+            }
+            let acts: Vec<&[BlockQ8]> = q.chunks(k / 32).collect();
             let row_bytes = ty.bytes_for(k as u64).unwrap() as usize;
             let w: Vec<u8> = (0..row_bytes * rows).map(|i| (i * 31 % 251) as u8 & 0x3f).collect();
-            for n in [1usize, 4] {
-                let mut out = vec![0f32; n];
-                let reps = 20;
+            let wrows: Vec<&[u8]> = w.chunks(row_bytes).collect();
+            for n in [1usize, 64] {
+                let mut out = vec![0f32; 16 * n];
+                let reps = if n == 1 {
+                    (51200 / rows).max(2)
+                } else {
+                    (1024 / rows).max(1)
+                };
                 let t = Instant::now();
                 for _ in 0..reps {
-                    for r in 0..rows {
-                        dot_rows_with(level, ty, &w[r * row_bytes..(r + 1) * row_bytes], &acts[..n], &mut out);
+                    for task in wrows.chunks(16) {
+                        dot_tile_with(level, ty, task, &acts[..n], &mut out[..task.len() * n]);
                     }
                 }
                 let s = t.elapsed().as_secs_f64();
                 let gbs = (w.len() * reps) as f64 / s / 1e9;
                 let gmacs = (k * rows * reps * n) as f64 / s / 1e9;
                 println!(
-                    "{:<12} {:<5} rows {n}: {gbs:6.2} GB/s weights, {gmacs:6.2} GMAC/s",
+                    "{:<12} {:<5} rows {n:2}: {gbs:6.2} GB/s weights, {gmacs:6.2} GMAC/s",
                     level.name(),
                     ty.name()
                 );

@@ -439,19 +439,49 @@ pub fn dot_rows(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
 
 /// [`dot_rows`] on a chosen path (for tests and benchmarks).
 pub fn dot_rows_with(level: Simd, ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+    dot_tile_with(level, ty, &[w], acts, out)
+}
+
+/// Dot products of every weight row in `wrows` (all of type `ty` and one
+/// length) with every activation row in `acts`: `out[w * acts.len() + r]`.
+/// Each result is exactly [`dot_rows`]'s for that pair; computing a tile of
+/// weight rows against a tile of activation rows only shares loads.
+pub fn dot_tile(ty: GgmlType, wrows: &[&[u8]], acts: &[&[BlockQ8]], out: &mut [f32]) {
+    dot_tile_with(simd(), ty, wrows, acts, out)
+}
+
+/// [`dot_tile`] on a chosen path (for tests and benchmarks).
+pub fn dot_tile_with(level: Simd, ty: GgmlType, wrows: &[&[u8]], acts: &[&[BlockQ8]], out: &mut [f32]) {
     assert!(supports(ty), "dot: unsupported type {ty}");
-    assert_eq!(acts.len(), out.len(), "dot: one output per activation row");
-    let n_act_blocks = w.len() / ty.type_size() * blocks_per_weight_block(ty);
-    assert_eq!(w.len() % ty.type_size(), 0, "dot: whole weight blocks");
+    assert_eq!(wrows.len() * acts.len(), out.len(), "dot: one output per pair of rows");
+    if wrows.is_empty() || acts.is_empty() {
+        return;
+    }
+    let row_bytes = wrows[0].len();
+    assert_eq!(row_bytes % ty.type_size(), 0, "dot: whole weight blocks");
+    assert!(
+        wrows.iter().all(|w| w.len() == row_bytes),
+        "dot: weight rows of one length"
+    );
+    let n_act_blocks = row_bytes / ty.type_size() * blocks_per_weight_block(ty);
     assert!(acts.iter().all(|a| a.len() == n_act_blocks), "dot: activation length");
     match level {
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 | Simd::Avx512Vnni => {
-            // SAFETY: `level` never exceeds what `Simd::detect` found.
-            unsafe { x86::dot_rows(level == Simd::Avx512Vnni, ty, w, acts, out) }
+            // SAFETY: `level` never exceeds what `Simd::detect` found; shapes
+            // checked above.
+            unsafe { x86::dot_tile(level == Simd::Avx512Vnni, ty, wrows, acts, out) }
         }
-        _ if is_k(ty) => dot_rows_scalar_k(ty, w, acts, out),
-        _ => dot_rows_scalar(ty, w, acts, out),
+        _ => {
+            let n_r = acts.len();
+            for (w, out) in wrows.iter().zip(out.chunks_mut(n_r)) {
+                if is_k(ty) {
+                    dot_rows_scalar_k(ty, w, acts, out)
+                } else {
+                    dot_rows_scalar(ty, w, acts, out)
+                }
+            }
+        }
     }
 }
 
@@ -488,8 +518,8 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::{blocks_per_weight_block, Acc, BlockQ8, ROW_TILE};
-    use crate::quant::{scale_min_k4, GgmlType};
+    use super::{blocks_per_weight_block, Acc, BlockQ8};
+    use crate::quant::GgmlType;
 
     /// 16 packed nibbles as 32 bytes: low nibbles then high nibbles.
     #[inline]
@@ -653,209 +683,335 @@ mod x86 {
         }
     }
 
-    /// The block loop for up to `ROW_TILE` activation rows; inlined into
-    /// the wrappers below, which give it their target features.
-    #[inline(always)]
-    unsafe fn block_loop<U: Unpack, const VNNI: bool>(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
-        match acts.len() {
-            1 => block_loop_rows::<U, VNNI, 1>(ty, w, acts, out),
-            2 => block_loop_rows::<U, VNNI, 2>(ty, w, acts, out),
-            3 => block_loop_rows::<U, VNNI, 3>(ty, w, acts, out),
-            _ => block_loop_rows::<U, VNNI, 4>(ty, w, acts, out),
-        }
-    }
+    /// The weight rows of a tile, as pointers to their first byte.
+    type Rows<const W: usize> = [*const u8; W];
 
-    /// One block of one weight row against `R` activation rows, into the
-    /// accumulator set `acc` (even or odd blocks).
+    /// One 32-element block `b` of `W` weight rows against `R` activation
+    /// rows, into the accumulator set `acc` (even or odd blocks). Each
+    /// activation block is loaded once for all `W` weight rows and each
+    /// weight block unpacked once for all `R` activation rows.
     #[inline(always)]
-    unsafe fn block_step<U: Unpack, const VNNI: bool, const R: usize>(
-        wblock: &[u8],
-        j: usize,
+    unsafe fn block_step<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
+        rows: &Rows<W>,
+        ts: usize,
+        per: usize,
         b: usize,
-        acts: &[&[BlockQ8]],
-        acc: &mut [__m256; R],
+        acts: &[&[BlockQ8]; R],
+        acc: &mut [[__m256; R]; W],
     ) {
-        let (wv, scale, min) = U::unpack(wblock, j);
-        let ax = _mm256_sign_epi8(wv, wv);
+        let (wb, j) = (b / per, b % per);
+        let mut av = [_mm256_setzero_si256(); R];
+        let mut ad = [_mm256_setzero_ps(); R];
+        let mut sv = [_mm256_setzero_ps(); R];
         for r in 0..R {
-            let a = acts.get_unchecked(r).get_unchecked(b);
-            let av = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-            let sy = _mm256_sign_epi8(av, wv);
-            let lanes = if VNNI {
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
-            } else {
-                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
-            };
-            let ad = _mm256_set1_ps(a.d);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, ad), acc[r]);
+            let a = acts[r].get_unchecked(b);
+            av[r] = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+            ad[r] = _mm256_set1_ps(a.d);
             if U::HAS_MIN {
-                let sv = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, a.s);
-                acc[r] = _mm256_fmadd_ps(min, sv, acc[r]);
+                sv[r] = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, a.s);
             }
         }
-    }
-
-    /// `R` is a constant so the accumulators live in registers; blocks go
-    /// in pairs so the even/odd set is known statically.
-    #[inline(always)]
-    unsafe fn block_loop_rows<U: Unpack, const VNNI: bool, const R: usize>(
-        ty: GgmlType,
-        w: &[u8],
-        acts: &[&[BlockQ8]],
-        out: &mut [f32],
-    ) {
-        let per = blocks_per_weight_block(ty);
-        let ts = ty.type_size();
-        let nblocks = w.len() / ts * per;
-        let mut even = [_mm256_setzero_ps(); R];
-        let mut odd = [_mm256_setzero_ps(); R];
-        let wblock = |b: usize| w.get_unchecked((b / per) * ts..(b / per + 1) * ts);
-        let mut b = 0;
-        while b + 1 < nblocks {
-            block_step::<U, VNNI, R>(wblock(b), b % per, b, acts, &mut even);
-            block_step::<U, VNNI, R>(wblock(b + 1), (b + 1) % per, b + 1, acts, &mut odd);
-            b += 2;
-        }
-        if b < nblocks {
-            block_step::<U, VNNI, R>(wblock(b), b % per, b, acts, &mut even);
-        }
-        for r in 0..R {
-            let mut a = Acc::new();
-            _mm256_storeu_ps(a.0[0].as_mut_ptr(), even[r]);
-            _mm256_storeu_ps(a.0[1].as_mut_ptr(), odd[r]);
-            out[r] = a.finish();
-        }
-    }
-
-    /// The K-quant super-block loop: integer lanes scaled and summed over
-    /// the 8 blocks of a super-block, one float step per super-block.
-    #[inline(always)]
-    unsafe fn block_loop_k<U: Unpack, const VNNI: bool>(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
-        match acts.len() {
-            1 => block_loop_k_rows::<U, VNNI, 1>(ty, w, acts, out),
-            2 => block_loop_k_rows::<U, VNNI, 2>(ty, w, acts, out),
-            3 => block_loop_k_rows::<U, VNNI, 3>(ty, w, acts, out),
-            _ => block_loop_k_rows::<U, VNNI, 4>(ty, w, acts, out),
-        }
-    }
-
-    /// One super-block of one weight row against `R` activation rows.
-    #[inline(always)]
-    unsafe fn k_step<U: Unpack, const VNNI: bool, const R: usize>(
-        wblock: &[u8],
-        sb: usize,
-        acts: &[&[BlockQ8]],
-        acc: &mut [__m256; R],
-    ) {
-        // Q4_K and Q5_K levels are non-negative; Q6_K's are signed.
-        let signed = !U::HAS_MIN;
-        // Scales, computed inline (F16C for the f16 fields): the same
-        // integers and floats as `super::k_scales`.
-        let (d, dmin) = if signed {
-            (h2f(wblock, 208), 0.0)
-        } else {
-            (h2f(wblock, 0), h2f(wblock, 2))
-        };
-        let mut lanes = [_mm256_setzero_si256(); R];
-        let mut minsum = [0i32; R];
-        for j in 0..8 {
-            let wv = U::unpack(wblock, j).0;
-            let ax = if signed { _mm256_sign_epi8(wv, wv) } else { wv };
-            let (scv, m) = if signed {
-                let (h, k) = (j / 4, j % 4);
-                let a = *wblock.get_unchecked(192 + h * 8 + 2 * k) as i8 as i32;
-                let c = *wblock.get_unchecked(192 + h * 8 + 2 * k + 1) as i8 as i32;
-                (_mm256_set_m128i(_mm_set1_epi32(c), _mm_set1_epi32(a)), 0)
-            } else {
-                let (sc, m) = scale_min_k4(j, wblock.get_unchecked(4..16));
-                (_mm256_set1_epi32(sc as i32), m as i32)
-            };
+        for w in 0..W {
+            let blk = std::slice::from_raw_parts(rows[w].add(wb * ts), ts);
+            let (wv, scale, min) = U::unpack(blk, j);
+            // Types with a minimum have non-negative levels and need no
+            // sign transfer.
+            let ax = if U::HAS_MIN { wv } else { _mm256_sign_epi8(wv, wv) };
             for r in 0..R {
-                let ab = acts.get_unchecked(r).get_unchecked(sb * 8 + j);
-                let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-                let sy = if signed { _mm256_sign_epi8(av, wv) } else { av };
-                let p = if VNNI {
+                let sy = if U::HAS_MIN { av[r] } else { _mm256_sign_epi8(av[r], wv) };
+                let lanes = if VNNI {
                     _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
                 } else {
                     _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
                 };
-                lanes[r] = _mm256_add_epi32(lanes[r], _mm256_mullo_epi32(p, scv));
+                acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, ad[r]), acc[w][r]);
                 if U::HAS_MIN {
-                    minsum[r] += m * ab.sum;
+                    acc[w][r] = _mm256_fmadd_ps(min, sv[r], acc[w][r]);
                 }
-            }
-        }
-        for r in 0..R {
-            let da = acts.get_unchecked(r).get_unchecked(sb * 8).d;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[r]), _mm256_set1_ps(d * da), acc[r]);
-            if U::HAS_MIN {
-                let m = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, minsum[r] as f32);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin * da)), m, acc[r]);
             }
         }
     }
 
+    /// Writes the canonical sums of a tile's accumulators, `out[w * R + r]`.
     #[inline(always)]
-    unsafe fn block_loop_k_rows<U: Unpack, const VNNI: bool, const R: usize>(
+    unsafe fn finish_tile<const W: usize, const R: usize>(
+        even: &[[__m256; R]; W],
+        odd: &[[__m256; R]; W],
+        out: &mut [f32],
+    ) {
+        for w in 0..W {
+            for r in 0..R {
+                let mut a = Acc::new();
+                _mm256_storeu_ps(a.0[0].as_mut_ptr(), even[w][r]);
+                _mm256_storeu_ps(a.0[1].as_mut_ptr(), odd[w][r]);
+                *out.get_unchecked_mut(w * R + r) = a.finish();
+            }
+        }
+    }
+
+    /// `W` weight rows of a 32-element block type against `R` activation
+    /// rows; blocks go in pairs so the even/odd set is known statically.
+    #[inline(always)]
+    unsafe fn block_tile<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         ty: GgmlType,
-        w: &[u8],
-        acts: &[&[BlockQ8]],
+        rows: &Rows<W>,
+        row_bytes: usize,
+        acts: &[&[BlockQ8]; R],
+        out: &mut [f32],
+    ) {
+        let per = blocks_per_weight_block(ty);
+        let ts = ty.type_size();
+        let nblocks = row_bytes / ts * per;
+        let mut even = [[_mm256_setzero_ps(); R]; W];
+        let mut odd = [[_mm256_setzero_ps(); R]; W];
+        let mut b = 0;
+        while b + 1 < nblocks {
+            block_step::<U, VNNI, W, R>(rows, ts, per, b, acts, &mut even);
+            block_step::<U, VNNI, W, R>(rows, ts, per, b + 1, acts, &mut odd);
+            b += 2;
+        }
+        if b < nblocks {
+            block_step::<U, VNNI, W, R>(rows, ts, per, b, acts, &mut even);
+        }
+        finish_tile(&even, &odd, out);
+    }
+
+    /// The eight 6-bit scales and minimums of a Q4_K / Q5_K super-block
+    /// (`scale_min_k4` for every block at once): scales in 16-bit lanes
+    /// 0..8 of the result, minimums in lanes 8..16.
+    #[inline(always)]
+    unsafe fn scales_mins_k4(b: *const u8) -> __m256i {
+        const M1: u32 = 0x3f3f_3f3f;
+        const M2: u32 = 0x0f0f_0f0f;
+        const M3: u32 = 0x0303_0303;
+        let p = b.add(4);
+        let u0 = (p as *const u32).read_unaligned();
+        let u1 = (p.add(4) as *const u32).read_unaligned();
+        let u2 = (p.add(8) as *const u32).read_unaligned();
+        let sc_lo = u0 & M1;
+        let sc_hi = (u2 & M2) | (((u0 >> 6) & M3) << 4);
+        let m_lo = u1 & M1;
+        let m_hi = ((u2 >> 4) & M2) | (((u1 >> 6) & M3) << 4);
+        _mm256_cvtepu8_epi16(_mm_set_epi32(m_hi as i32, m_lo as i32, sc_hi as i32, sc_lo as i32))
+    }
+
+    /// Horizontal sum of eight 32-bit integers (exact).
+    #[inline(always)]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b01_00_11_10));
+        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b10_11_00_01));
+        _mm_cvtsi128_si32(x)
+    }
+
+    /// One super-block `sb` of `W` weight rows against `R` activation rows.
+    ///
+    /// Per block, the byte products are summed in pairs to 16 bits
+    /// (`maddubs`, which cannot saturate: weights are at most 32 in
+    /// magnitude), then multiplied by the block's scale and summed in pairs
+    /// to 32 bits (`vpdpwssd` or `madd`): lane k gets exactly
+    /// `scale_j * (sum of w*a over elements 4k..4k+3)`, as in the reference.
+    /// Integer sums do not depend on their order, so the kernel is free to
+    /// arrange them.
+    #[inline(always)]
+    unsafe fn k_step<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
+        rows: &Rows<W>,
+        ts: usize,
+        sb: usize,
+        acts: &[&[BlockQ8]; R],
+        acc: &mut [[__m256; R]; W],
+    ) {
+        // Q4_K and Q5_K levels are non-negative; Q6_K's are signed.
+        let signed = !U::HAS_MIN;
+        let blk: [&[u8]; W] = std::array::from_fn(|w| std::slice::from_raw_parts(rows[w].add(sb * ts), ts));
+        let mut lanes = [[_mm256_setzero_si256(); R]; W];
+        let mut sm = [_mm256_setzero_si256(); W];
+        if !signed {
+            for w in 0..W {
+                sm[w] = scales_mins_k4(blk[w].as_ptr());
+            }
+        }
+        for j in 0..8 {
+            let mut av = [_mm256_setzero_si256(); R];
+            for r in 0..R {
+                let ab = acts[r].get_unchecked(sb * 8 + j);
+                av[r] = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            }
+            for w in 0..W {
+                let wv = U::unpack(blk[w], j).0;
+                let ax = if signed { _mm256_sign_epi8(wv, wv) } else { wv };
+                let scv = if signed {
+                    let (h, k) = (j / 4, j % 4);
+                    let a = *blk[w].get_unchecked(192 + h * 8 + 2 * k) as i8 as i16;
+                    let c = *blk[w].get_unchecked(192 + h * 8 + 2 * k + 1) as i8 as i16;
+                    _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a))
+                } else {
+                    // Broadcast 16-bit lane j of the scales.
+                    let idx = _mm256_set1_epi16((((2 * j + 1) << 8) | (2 * j)) as i16);
+                    _mm256_shuffle_epi8(_mm256_permute2x128_si256(sm[w], sm[w], 0), idx)
+                };
+                for r in 0..R {
+                    let sy = if signed { _mm256_sign_epi8(av[r], wv) } else { av[r] };
+                    let p16 = _mm256_maddubs_epi16(ax, sy);
+                    lanes[w][r] = if VNNI {
+                        _mm256_dpwssd_epi32(lanes[w][r], p16, scv)
+                    } else {
+                        _mm256_add_epi32(lanes[w][r], _mm256_madd_epi16(p16, scv))
+                    };
+                }
+            }
+        }
+        for r in 0..R {
+            let blocks = acts[r].get_unchecked(sb * 8..sb * 8 + 8);
+            let da = blocks[0].d;
+            // The eight block sums as 16-bit lanes (each |sum| <= 32 * 128).
+            let sums = if U::HAS_MIN {
+                _mm_set_epi16(
+                    blocks[7].sum as i16,
+                    blocks[6].sum as i16,
+                    blocks[5].sum as i16,
+                    blocks[4].sum as i16,
+                    blocks[3].sum as i16,
+                    blocks[2].sum as i16,
+                    blocks[1].sum as i16,
+                    blocks[0].sum as i16,
+                )
+            } else {
+                _mm_setzero_si128()
+            };
+            for w in 0..W {
+                let (d, dmin) = if signed {
+                    (h2f(blk[w], 208), 0.0)
+                } else {
+                    (h2f(blk[w], 0), h2f(blk[w], 2))
+                };
+                acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[w][r]), _mm256_set1_ps(d * da), acc[w][r]);
+                if U::HAS_MIN {
+                    let mins = _mm256_extracti128_si256(sm[w], 1);
+                    let prod = _mm_madd_epi16(mins, sums);
+                    let minsum = hsum_i32(_mm256_castsi128_si256(prod)) as f32;
+                    let m = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, minsum);
+                    acc[w][r] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin * da)), m, acc[w][r]);
+                }
+            }
+        }
+    }
+
+    /// `W` weight rows of a K-quant type against `R` activation rows.
+    #[inline(always)]
+    unsafe fn k_tile<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
+        ty: GgmlType,
+        rows: &Rows<W>,
+        row_bytes: usize,
+        acts: &[&[BlockQ8]; R],
         out: &mut [f32],
     ) {
         let ts = ty.type_size();
-        let n = w.len() / ts;
-        let mut even = [_mm256_setzero_ps(); R];
-        let mut odd = [_mm256_setzero_ps(); R];
+        let n = row_bytes / ts;
+        let mut even = [[_mm256_setzero_ps(); R]; W];
+        let mut odd = [[_mm256_setzero_ps(); R]; W];
         let mut sb = 0;
         while sb + 1 < n {
-            k_step::<U, VNNI, R>(w.get_unchecked(sb * ts..(sb + 1) * ts), sb, acts, &mut even);
-            k_step::<U, VNNI, R>(w.get_unchecked((sb + 1) * ts..(sb + 2) * ts), sb + 1, acts, &mut odd);
+            k_step::<U, VNNI, W, R>(rows, ts, sb, acts, &mut even);
+            k_step::<U, VNNI, W, R>(rows, ts, sb + 1, acts, &mut odd);
             sb += 2;
         }
         if sb < n {
-            k_step::<U, VNNI, R>(w.get_unchecked(sb * ts..(sb + 1) * ts), sb, acts, &mut even);
+            k_step::<U, VNNI, W, R>(rows, ts, sb, acts, &mut even);
         }
-        for r in 0..R {
-            let mut a = Acc::new();
-            _mm256_storeu_ps(a.0[0].as_mut_ptr(), even[r]);
-            _mm256_storeu_ps(a.0[1].as_mut_ptr(), odd[r]);
-            out[r] = a.finish();
+        finish_tile(&even, &odd, out);
+    }
+
+    /// One tile of a given type.
+    #[inline(always)]
+    unsafe fn tile<const VNNI: bool, const W: usize, const R: usize>(
+        ty: GgmlType,
+        rows: &Rows<W>,
+        row_bytes: usize,
+        acts: &[&[BlockQ8]; R],
+        out: &mut [f32],
+    ) {
+        match ty {
+            GgmlType::Q4_0 => block_tile::<Q4_0, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            GgmlType::Q4_1 => block_tile::<Q4_1, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            GgmlType::Q5_0 => block_tile::<Q5_0, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            GgmlType::Q5_1 => block_tile::<Q5_1, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            GgmlType::Q8_0 => block_tile::<Q8_0, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            GgmlType::Q4K => k_tile::<Q4K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            GgmlType::Q5K => k_tile::<Q5K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            GgmlType::Q6K => k_tile::<Q6K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+            _ => unreachable!(),
         }
     }
 
-    macro_rules! dispatch {
-        ($name:ident, $vnni:expr, $($feat:tt)*) => {
-            #[target_feature(enable = $($feat)*)]
-            unsafe fn $name(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
-                match ty {
-                    GgmlType::Q4_0 => block_loop::<Q4_0, $vnni>(ty, w, acts, out),
-                    GgmlType::Q4_1 => block_loop::<Q4_1, $vnni>(ty, w, acts, out),
-                    GgmlType::Q5_0 => block_loop::<Q5_0, $vnni>(ty, w, acts, out),
-                    GgmlType::Q5_1 => block_loop::<Q5_1, $vnni>(ty, w, acts, out),
-                    GgmlType::Q8_0 => block_loop::<Q8_0, $vnni>(ty, w, acts, out),
-                    GgmlType::Q4K => block_loop_k::<Q4K, $vnni>(ty, w, acts, out),
-                    GgmlType::Q5K => block_loop_k::<Q5K, $vnni>(ty, w, acts, out),
-                    GgmlType::Q6K => block_loop_k::<Q6K, $vnni>(ty, w, acts, out),
-                    _ => unreachable!(),
+    /// Weight rows per tile for one activation row, and for four.
+    const W_ONE: usize = 1;
+    const W_FOUR: usize = 1;
+
+    /// All tiles of `wrows x acts`: weight rows in groups of `W_ONE` against
+    /// one activation row, or of `W_FOUR` against four; remainders one by
+    /// one. `out[w * acts.len() + r]`.
+    #[inline(always)]
+    unsafe fn tiles<const VNNI: bool>(ty: GgmlType, wrows: &[&[u8]], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        let row_bytes = wrows[0].len();
+        let n_r = acts.len();
+        let mut r0 = 0;
+        while r0 < n_r {
+            let four = n_r - r0 >= 4;
+            let rt = if four { 4 } else { 1 };
+            let mut tmp = [0f32; 16];
+            let mut w0 = 0;
+            while w0 < wrows.len() {
+                let left = wrows.len() - w0;
+                let wt;
+                if four {
+                    let a: &[&[BlockQ8]; 4] = acts[r0..r0 + 4].try_into().unwrap();
+                    if left >= W_FOUR {
+                        let rows: Rows<W_FOUR> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
+                        tile::<VNNI, W_FOUR, 4>(ty, &rows, row_bytes, a, &mut tmp);
+                        wt = W_FOUR;
+                    } else {
+                        tile::<VNNI, 1, 4>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
+                        wt = 1;
+                    }
+                } else {
+                    let a: &[&[BlockQ8]; 1] = std::slice::from_ref(&acts[r0]).try_into().unwrap();
+                    if left >= W_ONE {
+                        let rows: Rows<W_ONE> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
+                        tile::<VNNI, W_ONE, 1>(ty, &rows, row_bytes, a, &mut tmp);
+                        wt = W_ONE;
+                    } else {
+                        tile::<VNNI, 1, 1>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
+                        wt = 1;
+                    }
                 }
+                for w in 0..wt {
+                    for r in 0..rt {
+                        *out.get_unchecked_mut((w0 + w) * n_r + r0 + r) = tmp[w * rt + r];
+                    }
+                }
+                w0 += wt;
             }
-        };
+            r0 += rt;
+        }
     }
 
-    dispatch!(block_loop_avx2, false, "avx2,fma,f16c");
-    dispatch!(
-        block_loop_vnni,
-        true,
-        "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
-    );
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tiles_avx2(ty: GgmlType, wrows: &[&[u8]], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        tiles::<false>(ty, wrows, acts, out)
+    }
 
-    pub(super) unsafe fn dot_rows(vnni: bool, ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
-        for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
-            if vnni {
-                block_loop_vnni(ty, w, acts, out)
-            } else {
-                block_loop_avx2(ty, w, acts, out)
-            }
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn tiles_vnni(ty: GgmlType, wrows: &[&[u8]], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        tiles::<true>(ty, wrows, acts, out)
+    }
+
+    /// Every weight row in `wrows` against every activation row in `acts`.
+    pub(super) unsafe fn dot_tile(vnni: bool, ty: GgmlType, wrows: &[&[u8]], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        if vnni {
+            tiles_vnni(ty, wrows, acts, out)
+        } else {
+            tiles_avx2(ty, wrows, acts, out)
         }
     }
 
@@ -989,6 +1145,39 @@ mod tests {
                     dot_rows_with(level, ty, &w, &refs, &mut got);
                     for r in 0..rows {
                         assert_eq!(got[r].to_bits(), want[r].to_bits(), "{level:?} {ty} row {r}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_of_weight_rows_equal_single_rows() {
+        let mut rng = Rng(1234);
+        for level in Simd::available() {
+            for ty in TYPES {
+                // An odd and an even number of super-blocks / blocks.
+                for n in [768, 1024] {
+                    let n_w = 7;
+                    let n_r = 9;
+                    let ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
+                    let a: Vec<Vec<BlockQ8>> = (0..n_r).map(|r| acts(ty, n, &mut rng, 0.5 + r as f32 * 3.0)).collect();
+                    let refs: Vec<&[BlockQ8]> = a.iter().map(|v| v.as_slice()).collect();
+                    let wrefs: Vec<&[u8]> = ws.iter().map(|v| v.as_slice()).collect();
+                    for (nw, nr) in [(n_w, n_r), (4, 1), (2, 4), (5, 4), (3, 2), (1, 9)] {
+                        let mut got = vec![0f32; nw * nr];
+                        dot_tile_with(level, ty, &wrefs[..nw], &refs[..nr], &mut got);
+                        for w in 0..nw {
+                            let mut want = vec![0f32; nr];
+                            reference(ty, &ws[w], &refs[..nr], &mut want);
+                            for r in 0..nr {
+                                assert_eq!(
+                                    got[w * nr + r].to_bits(),
+                                    want[r].to_bits(),
+                                    "{level:?} {ty} n {n} tile {nw}x{nr} at ({w}, {r})"
+                                );
+                            }
+                        }
                     }
                 }
             }

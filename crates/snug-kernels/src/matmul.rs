@@ -8,7 +8,7 @@
 //! So a row's outputs are bitwise the same whatever the batch width, the
 //! row's place in it, or the thread count.
 
-use crate::dot::{act_format, dot_f32, dot_rows, quantize_row, supports, BlockQ8, QK8};
+use crate::dot::{act_format, dot_f32, dot_tile, quantize_row, supports, BlockQ8, QK8};
 use crate::pool::ThreadPool;
 use crate::quant::{dequantize, GgmlType};
 
@@ -70,8 +70,9 @@ unsafe impl Send for SendPtr {}
 
 /// Output features handed to a thread at a time.
 const FEATURES_PER_TASK: usize = 16;
-/// Activation rows computed together against one weight row.
-const TILE: usize = 4;
+/// Activation rows a task takes per pass over its weight rows (the kernel
+/// tiles them further).
+const ROWS_PER_PASS: usize = 64;
 
 /// `out` (`n_rows x w.rows`) = `x` (`n_rows x w.cols`) times `w` transposed.
 pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut [f32], scratch: &mut MatmulScratch) {
@@ -114,19 +115,23 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     let q8 = &scratch.q8[..n_rows * nb];
     pool.run(tasks, &|t| {
         let op = &out_ptr;
-        for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
-            let wrow = w.row(o);
-            for r0 in (0..n_rows).step_by(TILE) {
-                let m = TILE.min(n_rows - r0);
-                let acts: [&[BlockQ8]; TILE] = std::array::from_fn(|i| {
-                    let r = (r0 + i).min(n_rows - 1);
-                    &q8[r * nb..(r + 1) * nb]
-                });
-                let mut col = [0f32; TILE];
-                dot_rows(w.ty, wrow, &acts[..m], &mut col[..m]);
-                for (i, v) in col[..m].iter().enumerate() {
+        let o0 = t * FEATURES_PER_TASK;
+        let o1 = (o0 + FEATURES_PER_TASK).min(n);
+        let wrows: [&[u8]; FEATURES_PER_TASK] = std::array::from_fn(|i| w.row((o0 + i).min(o1 - 1)));
+        let wrows = &wrows[..o1 - o0];
+        let mut tile = [0f32; FEATURES_PER_TASK * ROWS_PER_PASS];
+        for r0 in (0..n_rows).step_by(ROWS_PER_PASS) {
+            let m = ROWS_PER_PASS.min(n_rows - r0);
+            let acts: [&[BlockQ8]; ROWS_PER_PASS] = std::array::from_fn(|i| {
+                let r = (r0 + i).min(n_rows - 1);
+                &q8[r * nb..(r + 1) * nb]
+            });
+            let out_tile = &mut tile[..wrows.len() * m];
+            dot_tile(w.ty, wrows, &acts[..m], out_tile);
+            for (i, o) in (o0..o1).enumerate() {
+                for r in 0..m {
                     // SAFETY: each (r, o) is written by exactly one task.
-                    unsafe { *op.0.add((r0 + i) * n + o) = *v };
+                    unsafe { *op.0.add((r0 + r) * n + o) = out_tile[i * m + r] };
                 }
             }
         }

@@ -1,11 +1,13 @@
 //! A persistent thread pool for data-parallel kernels.
 //!
-//! `run(n_tasks, f)` calls `f(task)` for every task in `0..n_tasks`, split
-//! into contiguous, static shares: thread `t` of `T` always takes the same
-//! share, so work placement is deterministic (kernels never let it change a
-//! result anyway: tasks write disjoint outputs). The calling thread takes
-//! share 0. Workers spin briefly between jobs, since a forward pass issues
-//! hundreds of short jobs a token, then sleep on a condition variable.
+//! `run(n_tasks, f)` calls `f(task)` for every task in `0..n_tasks`. Threads
+//! claim contiguous runs of tasks from a shared counter, large runs first
+//! and smaller ones as the job drains (guided self-scheduling), so a thread
+//! that starts late or runs slower does not hold the others up. Which
+//! thread runs a task never changes a result: tasks write disjoint outputs
+//! and each output's arithmetic is fixed by the kernel. Workers spin
+//! briefly between jobs, since a forward pass issues hundreds of short jobs
+//! a token, then sleep on a condition variable.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -20,6 +22,8 @@ struct Shared {
     generation: AtomicUsize,
     job: UnsafeCell<Option<Job>>,
     n_tasks: AtomicUsize,
+    /// The next unclaimed task of the current job.
+    next: AtomicUsize,
     /// The last generation each worker finished.
     done: Vec<AtomicUsize>,
     sleepers: AtomicUsize,
@@ -54,6 +58,7 @@ impl ThreadPool {
             generation: AtomicUsize::new(0),
             job: UnsafeCell::new(None),
             n_tasks: AtomicUsize::new(0),
+            next: AtomicUsize::new(0),
             done: (0..threads).map(|_| AtomicUsize::new(0)).collect(),
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
@@ -101,13 +106,16 @@ impl ThreadPool {
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize, usize) + Sync), Job>(f) };
         unsafe { *s.job.get() = Some(job) };
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
+        s.next.store(0, Ordering::Relaxed);
         let gen = s.generation.fetch_add(1, Ordering::Release) + 1;
         if s.sleepers.load(Ordering::Acquire) > 0 {
             let _l = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        for task in share(0, s.threads, n_tasks) {
-            f(task, 0);
+        while let Some(tasks) = claim(s, n_tasks) {
+            for task in tasks {
+                f(task, 0);
+            }
         }
         for t in 1..s.threads {
             while s.done[t].load(Ordering::Acquire) != gen {
@@ -117,12 +125,23 @@ impl ThreadPool {
     }
 }
 
-/// The tasks thread `t` of `threads` takes out of `n`.
-fn share(t: usize, threads: usize, n: usize) -> std::ops::Range<usize> {
-    let per = n / threads;
-    let extra = n % threads;
-    let start = t * per + t.min(extra);
-    start..start + per + usize::from(t < extra)
+/// Claims the next run of tasks of the current job: a share of what is left
+/// (half of an even split), at least one task.
+fn claim(s: &Shared, n: usize) -> Option<std::ops::Range<usize>> {
+    let mut cur = s.next.load(Ordering::Relaxed);
+    loop {
+        if cur >= n {
+            return None;
+        }
+        let take = ((n - cur) / (2 * s.threads)).max(1);
+        match s
+            .next
+            .compare_exchange_weak(cur, cur + take, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => return Some(cur..cur + take),
+            Err(now) => cur = now,
+        }
+    }
 }
 
 fn worker(s: &Shared, t: usize) {
@@ -159,8 +178,10 @@ fn worker(s: &Shared, t: usize) {
         let n = s.n_tasks.load(Ordering::Relaxed);
         if let Some(job) = job {
             let f = unsafe { &*job };
-            for task in share(t, s.threads, n) {
-                f(task, t);
+            while let Some(tasks) = claim(s, n) {
+                for task in tasks {
+                    f(task, t);
+                }
             }
         }
         s.done[t].store(gen, Ordering::Release);
@@ -235,15 +256,5 @@ mod tests {
             }
         }
         assert_eq!(total.load(Ordering::Relaxed), 2000 * 6);
-    }
-
-    #[test]
-    fn shares_cover_the_range() {
-        for threads in 1..5 {
-            for n in 0..20 {
-                let v: Vec<usize> = (0..threads).flat_map(|t| share(t, threads, n)).collect();
-                assert_eq!(v, (0..n).collect::<Vec<_>>());
-            }
-        }
     }
 }

@@ -54,8 +54,9 @@ fn parse_list(s: &str) -> Result<Vec<usize>> {
 }
 
 pub fn cmd_bench(a: BenchArgs) -> Result<()> {
-    let pp = parse_list(&a.prompt)?;
-    let tg = parse_list(&a.gen)?;
+    // Zero-length tests are skipped, as llama-bench does with `-p 0`.
+    let pp: Vec<usize> = parse_list(&a.prompt)?.into_iter().filter(|&n| n > 0).collect();
+    let tg: Vec<usize> = parse_list(&a.gen)?.into_iter().filter(|&n| n > 0).collect();
     let depths = parse_list(&a.depth)?;
     if a.reps == 0 {
         bail!("--reps must be at least 1");
