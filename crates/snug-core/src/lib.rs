@@ -1,8 +1,12 @@
 //! snug's bookkeeping, with no tensors in it: which KV pages exist, which
-//! sequence uses which, and what a change to that costs. Everything here is
-//! plain data with fast unit tests; the engine applies the plans it makes
-//! to the tensor storage.
+//! sequence uses which, and what a change to that costs; and the memory
+//! ledger's counters. Everything here is plain data with fast unit tests;
+//! the engine applies the plans it makes to the tensor storage.
 
+pub mod alloc;
+pub mod ledger;
 pub mod pages;
 
+pub use alloc::CountingAlloc;
+pub use ledger::Ledger;
 pub use pages::{PageId, PagePool, PageTable, PagesError};

@@ -73,8 +73,8 @@ impl KvStorage {
     pub fn new(shape: KvShape, format: KvFormat, n_pages: usize) -> KvStorage {
         let n = shape.page_elems() * n_pages;
         let data = match format {
-            KvFormat::F32 => Data::F32(vec![0.0; n]),
-            KvFormat::F16 => Data::F16(vec![0; n]),
+            KvFormat::F32 => Data::F32(crate::vec::committed(0.0, n)),
+            KvFormat::F16 => Data::F16(crate::vec::committed(0, n)),
         };
         KvStorage {
             shape,
@@ -177,8 +177,8 @@ impl AttnScratch {
     /// KV head.
     pub fn new(ctx: usize, head_dim: usize, group: usize) -> AttnScratch {
         AttnScratch {
-            scores: vec![0.0; ctx * group.max(1)],
-            kv: vec![0.0; head_dim],
+            scores: crate::vec::committed(0.0, ctx * group.max(1)),
+            kv: crate::vec::committed(0.0, head_dim),
         }
     }
 }

@@ -53,7 +53,7 @@ impl MatmulScratch {
     /// Scratch for up to `rows` activation rows of up to `cols` elements.
     pub fn with_capacity(rows: usize, cols: usize) -> MatmulScratch {
         MatmulScratch {
-            q8: vec![BlockQ8::default(); rows * cols.div_ceil(QK8)],
+            q8: crate::vec::committed(BlockQ8::default(), rows * cols.div_ceil(QK8)),
         }
     }
 

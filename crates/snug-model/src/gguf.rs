@@ -439,6 +439,36 @@ impl GgufFile {
     pub fn file_size(&self) -> u64 {
         self.mmap.len() as u64
     }
+
+    /// Bytes of the mapped file resident in this process's memory (what
+    /// the resident set size counts for the mapping: `Rss` of its entry in
+    /// `/proc/self/smaps`), or `None` where the system cannot tell.
+    pub fn resident_bytes(&self) -> Option<u64> {
+        // The mapping ends on a page boundary; the file need not.
+        mapping_rss(self.mmap.as_ptr() as usize).map(|b| b.min(self.file_size()))
+    }
+}
+
+/// `Rss` of the mapping that starts at `start`, from `/proc/self/smaps`.
+fn mapping_rss(start: usize) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut in_mapping = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, _)) = first.split_once('-') {
+            if let Ok(lo) = usize::from_str_radix(lo, 16) {
+                in_mapping = lo == start;
+                continue;
+            }
+        }
+        if in_mapping {
+            if let Some(rest) = line.strip_prefix("Rss:") {
+                let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+                return Some(kb * 1024);
+            }
+        }
+    }
+    None
 }
 
 impl std::ops::Deref for GgufFile {

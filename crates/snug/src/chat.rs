@@ -66,6 +66,8 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
                 if let Some(s) = &last_stats {
                     eprintln!("[last turn: {s}]");
                 }
+                let ledger = crate::run::ledger(&file, &engine);
+                eprint!("{}", crate::run::ledger_text(&ledger, crate::run::peak_rss_bytes()));
                 continue;
             }
             cmd if cmd.starts_with('/') => {

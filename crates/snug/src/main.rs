@@ -184,7 +184,16 @@ struct TokenizeArgs {
     jsonl: bool,
 }
 
+/// Every heap allocation is counted for the memory ledger.
+#[global_allocator]
+static HEAP: snug_core::CountingAlloc = snug_core::CountingAlloc::new();
+
+/// Resident bytes when the process started, before any model: program text,
+/// libraries, the main stack.
+static RUNTIME_RSS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
 fn main() -> ExitCode {
+    RUNTIME_RSS.get_or_init(|| run::rss_bytes("VmRSS:"));
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Pull(a) => cmd_pull(a),

@@ -3,6 +3,7 @@
 use std::io::Write;
 
 use anyhow::{bail, Context, Result};
+use snug_core::Ledger;
 use snug_engine::generate::GenerateRequest;
 use snug_engine::sampling::SamplingParams;
 use snug_engine::{Engine, EngineOptions};
@@ -116,7 +117,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     if g.context_full {
         eprintln!("note: stopped at the context limit of {} tokens", engine.options.ctx);
     }
-    let (kv_total, kv_used) = engine.kv_bytes();
+    let ledger = ledger(&file, &engine);
     let peak_rss = peak_rss_bytes();
     if a.json {
         let v = serde_json::json!({
@@ -131,12 +132,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
                 "prefill_tokens": g.stats.prefill_tokens,
                 "decode_tokens": g.stats.decode_tokens,
                 "peak_rss_bytes": peak_rss,
-                "ledger": {
-                    "weights_mapped_bytes": file.file_size(),
-                    "kv_reserved_bytes": kv_total,
-                    "kv_used_bytes": kv_used,
-                    "scratch_bytes": engine.scratch_bytes(),
-                },
+                "ledger": ledger_json(&ledger, peak_rss),
             },
         });
         writeln!(stdout, "{v}")?;
@@ -151,25 +147,72 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
             g.stats.decode_tok_s,
             g.finish_reason.as_str()
         );
-        eprintln!(
-            "memory: weights {} mapped, KV {} reserved ({} used), scratch {}, peak RSS {}",
-            crate::human_bytes(file.file_size()),
-            crate::human_bytes(kv_total as u64),
-            crate::human_bytes(kv_used as u64),
-            crate::human_bytes(engine.scratch_bytes() as u64),
-            crate::human_bytes(peak_rss)
-        );
+        eprint!("{}", ledger_text(&ledger, peak_rss));
     }
     Ok(())
 }
 
+/// The memory ledger of a run so far.
+pub fn ledger(file: &snug_model::GgufFile, engine: &Engine) -> Ledger {
+    let (kv_reserved, kv_used) = engine.kv_bytes();
+    Ledger::from_heap_peak(
+        *crate::RUNTIME_RSS.get().unwrap_or(&0),
+        file.file_size(),
+        file.resident_bytes().unwrap_or(0),
+        kv_reserved as u64,
+        kv_used as u64,
+        engine.scratch_bytes() as u64,
+        crate::HEAP.peak() as u64,
+    )
+}
+
+/// The ledger's `--json` object (field names are part of the output
+/// contract).
+pub fn ledger_json(l: &Ledger, peak_rss: u64) -> serde_json::Value {
+    serde_json::json!({
+        "runtime_bytes": l.runtime,
+        "weights_mapped_bytes": l.weights_mapped,
+        "weights_resident_bytes": l.weights_resident,
+        "kv_reserved_bytes": l.kv_reserved,
+        "kv_used_bytes": l.kv_used,
+        "scratch_bytes": l.scratch,
+        "heap_other_bytes": l.heap_other,
+        "total_bytes": l.total(),
+        "ratio_to_peak_rss": l.ratio_to(peak_rss),
+    })
+}
+
+/// The ledger as lines for `--stats` and `/stats`.
+pub fn ledger_text(l: &Ledger, peak_rss: u64) -> String {
+    let h = crate::human_bytes;
+    format!(
+        "memory: weights {} resident of {} mapped; KV {} reserved, {} used; scratch {}; other heap {}; runtime {}\n\
+         memory: ledger total {}, measured peak RSS {} ({:+.1}%)\n",
+        h(l.weights_resident),
+        h(l.weights_mapped),
+        h(l.kv_reserved),
+        h(l.kv_used),
+        h(l.scratch),
+        h(l.heap_other),
+        h(l.runtime),
+        h(l.total()),
+        h(peak_rss),
+        (l.ratio_to(peak_rss) - 1.0) * 100.0
+    )
+}
+
 /// Peak resident set size of this process (Linux `VmHWM`), 0 if unknown.
 pub fn peak_rss_bytes() -> u64 {
+    rss_bytes("VmHWM:")
+}
+
+/// A size field of `/proc/self/status` in bytes, 0 if unknown.
+pub fn rss_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })

@@ -368,6 +368,46 @@ fn run_json_reports_the_contract_fields() {
 }
 
 #[test]
+fn the_memory_ledger_agrees_with_measured_peak_rss() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    // A prompt long enough to run full prefill chunks, and a decode.
+    let prompt = "The history of the river is long. ".repeat(40);
+    let out = snug()
+        .arg("run")
+        .arg(&p)
+        .args(["-p", &prompt, "-n", "24", "--json", "-t", "2", "--ctx", "2048"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let l = &v["stats"]["ledger"];
+    let n = |k: &str| l[k].as_u64().unwrap_or_else(|| panic!("ledger.{k}: {l}"));
+    let peak = v["stats"]["peak_rss_bytes"].as_u64().unwrap();
+    assert!(peak > 0, "peak RSS unknown");
+    // The parts add up to the total.
+    let parts = n("runtime_bytes")
+        + n("weights_resident_bytes")
+        + n("kv_reserved_bytes")
+        + n("scratch_bytes")
+        + n("heap_other_bytes");
+    assert_eq!(parts, n("total_bytes"));
+    // The whole model is read during a forward pass, except rows of the
+    // embedding table that no token looked up.
+    assert!(n("weights_resident_bytes") <= n("weights_mapped_bytes"));
+    assert!(n("weights_resident_bytes") * 10 >= n("weights_mapped_bytes") * 8, "{l}");
+    // 2048 positions x 30 layers x 2 x 3 heads x 64 x 2 bytes.
+    assert_eq!(n("kv_reserved_bytes"), 2048 * 30 * 2 * 3 * 64 * 2);
+    assert!(n("kv_used_bytes") > 0 && n("kv_used_bytes") < n("kv_reserved_bytes"));
+    let ratio = l["ratio_to_peak_rss"].as_f64().unwrap();
+    assert!((ratio - n("total_bytes") as f64 / peak as f64).abs() < 1e-9);
+    assert!(
+        (0.95..=1.05).contains(&ratio),
+        "ledger {} vs peak RSS {peak}: {ratio}",
+        n("total_bytes")
+    );
+}
+
+#[test]
 fn run_stops_at_the_context_limit_with_length() {
     let Some(p) = model_path("smollm2-135m") else { return };
     let out = snug()

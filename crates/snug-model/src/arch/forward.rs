@@ -12,6 +12,7 @@ use snug_kernels::kv::{attend_group, AttnQuery, AttnScratch, KvStorage};
 use snug_kernels::matmul::{matmul, MatmulScratch, Weight};
 use snug_kernels::ops::{add, gelu_mul, rms_norm, silu_mul, Rope};
 use snug_kernels::pool::ThreadPool;
+use snug_kernels::vec::committed;
 
 use super::config::Arch;
 use super::weights::Model;
@@ -62,16 +63,16 @@ impl ForwardScratch {
         let kvd = c.kv_heads * c.head_dim;
         ForwardScratch {
             max_rows,
-            x: vec![0.0; max_rows * c.dim],
-            h: vec![0.0; max_rows * c.dim],
-            q: vec![0.0; max_rows * qd],
-            k: vec![0.0; max_rows * kvd],
-            v: vec![0.0; max_rows * kvd],
-            attn: vec![0.0; max_rows * qd],
-            o: vec![0.0; max_rows * c.dim],
-            gate: vec![0.0; max_rows * c.ff],
-            up: vec![0.0; max_rows * c.ff],
-            sel: vec![0.0; max_rows * c.dim],
+            x: committed(0.0, max_rows * c.dim),
+            h: committed(0.0, max_rows * c.dim),
+            q: committed(0.0, max_rows * qd),
+            k: committed(0.0, max_rows * kvd),
+            v: committed(0.0, max_rows * kvd),
+            attn: committed(0.0, max_rows * qd),
+            o: committed(0.0, max_rows * c.dim),
+            gate: committed(0.0, max_rows * c.ff),
+            up: committed(0.0, max_rows * c.ff),
+            sel: committed(0.0, max_rows * c.dim),
             attn_threads: (0..threads.max(1))
                 .map(|_| std::sync::Mutex::new(AttnScratch::new(max_ctx, c.head_dim, c.heads / c.kv_heads)))
                 .collect(),

@@ -1,0 +1,78 @@
+//! The memory ledger: where every resident byte of a run goes.
+//!
+//! ```text
+//! total = runtime + weights (resident) + KV (reserved) + scratch + other heap
+//! ```
+//!
+//! `runtime` is the process's resident size before the model is opened
+//! (program text, libraries, thread stacks); weights are the pages of the
+//! mapped model file that are resident (`mincore`); KV pages and scratch are
+//! allocated whole and written at start, so reserved is resident; "other
+//! heap" is the rest of the counted heap's peak (tokenizer, logits, token
+//! lists). The total is checked against the measured peak resident size.
+
+/// One run's memory, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ledger {
+    pub runtime: u64,
+    pub weights_mapped: u64,
+    pub weights_resident: u64,
+    pub kv_reserved: u64,
+    pub kv_used: u64,
+    pub scratch: u64,
+    pub heap_other: u64,
+}
+
+impl Ledger {
+    /// A ledger from the heap's peak, which includes the KV pages and the
+    /// scratch (both heap allocations).
+    pub fn from_heap_peak(
+        runtime: u64,
+        weights_mapped: u64,
+        weights_resident: u64,
+        kv_reserved: u64,
+        kv_used: u64,
+        scratch: u64,
+        heap_peak: u64,
+    ) -> Ledger {
+        Ledger {
+            runtime,
+            weights_mapped,
+            weights_resident,
+            kv_reserved,
+            kv_used,
+            scratch,
+            heap_other: heap_peak.saturating_sub(kv_reserved + scratch),
+        }
+    }
+
+    /// The bytes the ledger says are resident.
+    pub fn total(&self) -> u64 {
+        self.runtime + self.weights_resident + self.kv_reserved + self.scratch + self.heap_other
+    }
+
+    /// `total / measured`: 1.0 when the ledger matches a measured resident
+    /// size exactly.
+    pub fn ratio_to(&self, measured: u64) -> f64 {
+        if measured == 0 {
+            return f64::NAN;
+        }
+        self.total() as f64 / measured as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn other_heap_excludes_kv_and_scratch() {
+        let l = Ledger::from_heap_peak(5, 100, 90, 40, 10, 8, 60);
+        assert_eq!(l.heap_other, 12);
+        assert_eq!(l.total(), 5 + 90 + 40 + 8 + 12);
+        assert!((l.ratio_to(155) - 1.0).abs() < 1e-12);
+        // A heap peak below the engine's buffers (not possible in a real run)
+        // does not underflow.
+        assert_eq!(Ledger::from_heap_peak(0, 0, 0, 40, 0, 8, 10).heap_other, 0);
+    }
+}
