@@ -134,6 +134,22 @@ mod x86 {
     }
 }
 
+/// A vector of `n` copies of `value` whose memory is written now, so it is
+/// resident from the start. Engine buffers (KV pages, scratch) use it: the
+/// memory ledger counts what they reserve, and reserved memory must really
+/// be held, not left to fault in later (a zeroed allocation from the system
+/// is mapped lazily and would only count once touched).
+pub fn committed<T: Copy>(value: T, n: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(value);
+    }
+    // Keep the writes even where `value` is all zeros and the allocator
+    // handed out fresh zero pages.
+    std::hint::black_box(v.as_mut_ptr());
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,20 +172,4 @@ mod tests {
             assert_eq!(back[i], f16::from_bits(h[i]).to_f32());
         }
     }
-}
-
-/// A vector of `n` copies of `value` whose memory is written now, so it is
-/// resident from the start. Engine buffers (KV pages, scratch) use it: the
-/// memory ledger counts what they reserve, and reserved memory must really
-/// be held, not left to fault in later (a zeroed allocation from the system
-/// is mapped lazily and would only count once touched).
-pub fn committed<T: Copy>(value: T, n: usize) -> Vec<T> {
-    let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
-        v.push(value);
-    }
-    // Keep the writes even where `value` is all zeros and the allocator
-    // handed out fresh zero pages.
-    std::hint::black_box(v.as_mut_ptr());
-    v
 }
