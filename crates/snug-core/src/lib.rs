@@ -1,11 +1,13 @@
 //! snug's bookkeeping, with no tensors in it: which KV pages exist, which
-//! sequence uses which, and what a change to that costs; and the memory
-//! ledger's counters. Everything here is plain data with fast unit tests;
+//! sequence uses which, and what a change to that costs; the drafter and
+//! the speculation policy; and the memory ledger's counters. Everything here is plain data with fast unit tests;
 //! the engine applies the plans it makes to the tensor storage.
 
 pub mod alloc;
+pub mod draft;
 pub mod ledger;
 pub mod pages;
+pub mod speculate;
 
 pub use alloc::CountingAlloc;
 pub use ledger::Ledger;

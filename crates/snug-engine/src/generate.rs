@@ -1,15 +1,31 @@
 //! Generating text for one sequence: reuse whatever prefix of the prompt
-//! the sequence already holds, prefill the rest, then decode token by token
-//! until an end-of-generation token, a stop string, the token limit or the
-//! context limit.
+//! the sequence already holds, prefill the rest, then decode until an
+//! end-of-generation token, a stop string, the token limit or the context
+//! limit.
+//!
+//! Decoding may speculate: the drafter proposes the tokens that followed
+//! the latest earlier occurrence of the last few tokens; the sampled token
+//! and the draft run as one batch through the forward path; each row's
+//! target is sampled exactly as plain decoding would sample that position
+//! (same logits, by batch invariance; same history; same counter-based
+//! random draw), drafts are kept while they equal their targets, and the
+//! rest is rolled back by truncating the page table. So the output is the
+//! same, byte for byte, with speculation on or off.
 
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use serde::Serialize;
+use snug_core::draft::PromptLookup;
+use snug_core::speculate::{Mode, Policy};
 use snug_model::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::sampling::{Sampler, SamplingParams};
 use crate::{Engine, EngineError, SeqId};
+
+/// N-gram sizes the drafter matches, longest first.
+pub const DRAFT_MIN_N: usize = 2;
+pub const DRAFT_MAX_N: usize = 4;
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -19,6 +35,8 @@ pub struct GenerateRequest {
     pub params: SamplingParams,
     /// Generation stops before any of these strings; they are not emitted.
     pub stop: Vec<String>,
+    /// Speculative decoding (never changes the output).
+    pub speculate: Mode,
 }
 
 /// Why generation ended.
@@ -48,6 +66,28 @@ pub struct GenerateStats {
     pub prefill_tok_s: f64,
     pub decode_tokens: usize,
     pub decode_tok_s: f64,
+    pub speculation: SpecStats,
+}
+
+/// What speculation did during one generation.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SpecStats {
+    pub mode: &'static str,
+    /// Verify forwards (a sampled token plus its draft).
+    pub rounds: usize,
+    /// Draft tokens verified.
+    pub drafted: usize,
+    /// Draft tokens accepted.
+    pub accepted: usize,
+    /// `accepted / drafted`.
+    pub acceptance_rate: f64,
+    /// Accepted draft tokens per verify round.
+    pub mean_accepted: f64,
+    /// Plain decode steps taken with speculation on or auto: no draft
+    /// found, or the policy judged it unprofitable.
+    pub fallbacks: usize,
+    pub verify_ms: f64,
+    pub decode_ms: f64,
 }
 
 /// The result of a generation.
@@ -155,11 +195,25 @@ impl Engine<'_> {
         let mut logits = self.feed(seq, to_feed)?.to_vec();
         let prefill_s = start.elapsed().as_secs_f64();
         stats.prefill_tok_s = to_feed.len() as f64 / prefill_s.max(1e-9);
+        let mut policy = Policy::new(req.speculate, &[]);
+        let mut drafter = PromptLookup::new(DRAFT_MIN_N, DRAFT_MAX_N);
+        let mut spec = SpecStats {
+            mode: req.speculate.as_str(),
+            ..Default::default()
+        };
+        // Tokens already sampled and not yet emitted, each with whether its
+        // KV is already written (accepted drafts) or not (the last one).
+        let mut ready: VecDeque<(u32, bool)> = VecDeque::new();
         let mut stopped_by_string = false;
         let decode_start = Instant::now();
         while out_tokens.len() < req.max_tokens {
-            let position = history.len() as u64;
-            let next = sampler.sample(&logits, &history, &req.params, position);
+            let (next, in_kv) = match ready.pop_front() {
+                Some(r) => r,
+                None => (
+                    sampler.sample(&logits, &history, &req.params, history.len() as u64),
+                    false,
+                ),
+            };
             if out_tokens.is_empty() {
                 stats.ttft_ms = start.elapsed().as_secs_f64() * 1e3;
             }
@@ -181,14 +235,96 @@ impl Engine<'_> {
             if out_tokens.len() == req.max_tokens {
                 break;
             }
-            if self.tokens(seq)?.len() + 1 > self.options.ctx {
+            if in_kv {
+                continue;
+            }
+            let held = self.tokens(seq)?.len();
+            if held + 1 > self.options.ctx {
                 context_full = true;
                 break;
             }
-            let next_logits = self.feed(seq, &[next])?;
-            logits.clear();
-            logits.extend_from_slice(next_logits);
+            // Draft: at most what fits in the context and is still wanted
+            // (the sampled token itself takes one place of each).
+            let room = (self.options.ctx - held - 1).min(req.max_tokens - out_tokens.len());
+            let mut k = 0;
+            if req.speculate != Mode::Off && room > 0 {
+                drafter.sync(&history);
+                let available = drafter.draft(room.min(policy.max_draft)).len();
+                if available > 0 && req.speculate == Mode::Auto && !policy.has_costs() {
+                    // The first time a draft is on offer: what do verify
+                    // forwards cost on this machine (measured once per
+                    // engine, then refined by every step)?
+                    for (rows, secs) in self.speculation_costs(seq, next)? {
+                        policy.observe(rows, secs);
+                    }
+                }
+                k = policy.draft_len(available);
+            }
+            let step_start = Instant::now();
+            if k == 0 {
+                let next_logits = self.feed(seq, &[next])?;
+                logits.clear();
+                logits.extend_from_slice(next_logits);
+                let secs = step_start.elapsed().as_secs_f64();
+                if req.speculate != Mode::Off {
+                    spec.fallbacks += 1;
+                    policy.observe(1, secs);
+                }
+                spec.decode_ms += secs * 1e3;
+                continue;
+            }
+            // Verify: the sampled token and k draft tokens in one forward.
+            let draft: Vec<u32> = drafter.draft(k).to_vec();
+            let mut rows = Vec::with_capacity(k + 1);
+            rows.push((seq, next, true));
+            rows.extend(draft.iter().map(|&t| (seq, t, true)));
+            let vocab = self.model.config.vocab;
+            let all = self.step(&rows)?;
+            policy.observe(rows.len(), step_start.elapsed().as_secs_f64());
+            let base = history.len();
+            let mut accepted = 0;
+            for (i, &d) in draft.iter().enumerate() {
+                let row = &all[i * vocab..(i + 1) * vocab];
+                let target = sampler.sample(row, &history, &req.params, history.len() as u64);
+                if target != d {
+                    ready.push_back((target, false));
+                    break;
+                }
+                accepted += 1;
+                ready.push_back((target, true));
+                history.push(target);
+            }
+            if accepted == draft.len() {
+                let row = &all[draft.len() * vocab..(draft.len() + 1) * vocab];
+                let target = sampler.sample(row, &history, &req.params, history.len() as u64);
+                ready.push_back((target, false));
+            }
+            // The emitting loop pushes these again as it reaches them.
+            history.truncate(base);
+            self.truncate(seq, held + 1 + accepted)?;
+            policy.record(draft.len(), accepted);
+            spec.rounds += 1;
+            spec.drafted += draft.len();
+            spec.accepted += accepted;
+            spec.verify_ms += step_start.elapsed().as_secs_f64() * 1e3;
         }
+        // Leave the sequence holding what plain decoding would have fed:
+        // every emitted token but the last, or all of them when an
+        // end-of-generation token ended it (accepted drafts may be ahead).
+        let fed = if finish == FinishReason::Stop && !stopped_by_string {
+            out_tokens.len()
+        } else {
+            out_tokens.len().saturating_sub(1)
+        };
+        let keep = (req.prompt.len() + fed).min(self.tokens(seq)?.len());
+        self.truncate(seq, keep)?;
+        if spec.drafted > 0 {
+            spec.acceptance_rate = spec.accepted as f64 / spec.drafted as f64;
+        }
+        if spec.rounds > 0 {
+            spec.mean_accepted = spec.accepted as f64 / spec.rounds as f64;
+        }
+        stats.speculation = spec;
         if !stopped_by_string {
             // Flush what was held back: partial characters, stop prefixes.
             let (mut tail, stopped) = stops.push(&decoder.finish());

@@ -71,6 +71,8 @@ pub struct Engine<'m> {
     scratch: ForwardScratch,
     logits: Vec<f32>,
     seqs: Vec<Option<Sequence>>,
+    /// Measured seconds per forward by row count, for speculation.
+    spec_costs: Option<Vec<(usize, f64)>>,
 }
 
 impl<'m> Engine<'m> {
@@ -94,6 +96,7 @@ impl<'m> Engine<'m> {
             scratch: ForwardScratch::new(model, options.batch, options.ctx, options.threads),
             logits: Vec::new(),
             seqs: Vec::new(),
+            spec_costs: None,
             options,
         }
     }
@@ -242,6 +245,35 @@ impl<'m> Engine<'m> {
                 .forward(chunk, &mut view, &mut self.scratch, &self.pool, &mut self.logits);
         }
         Ok(&self.logits)
+    }
+
+    /// Seconds per forward of 1 and 9 rows (a decode step and a verify of 8
+    /// draft tokens) on this machine, measured once per engine by appending
+    /// rows of `token` to `seq` and rolling them back. Empty when the
+    /// sequence has no room for the measurement.
+    pub fn speculation_costs(&mut self, seq: SeqId, token: u32) -> Result<Vec<(usize, f64)>, EngineError> {
+        if let Some(c) = &self.spec_costs {
+            return Ok(c.clone());
+        }
+        let held = self.tokens(seq)?.len();
+        let most = snug_core::speculate::MAX_DRAFT + 1;
+        if held + most > self.options.ctx {
+            return Ok(Vec::new());
+        }
+        let mut costs = Vec::new();
+        for rows in [1, most] {
+            let t = std::time::Instant::now();
+            let r = self.step(&vec![(seq, token, true); rows]).map(|_| ());
+            let secs = t.elapsed().as_secs_f64();
+            self.truncate(seq, held)?;
+            match r {
+                Ok(()) => costs.push((rows, secs)),
+                Err(EngineError::Pages(_)) => return Ok(Vec::new()),
+                Err(e) => return Err(e),
+            }
+        }
+        self.spec_costs = Some(costs.clone());
+        Ok(costs)
     }
 
     /// Appends `tokens` to a sequence in prefill chunks; returns the logits

@@ -28,6 +28,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("").to_string();
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("").to_string();
     let mut engine = Engine::new(&model, engine_options(&a.gen, &model)?);
+    let speculate = crate::run::speculate_mode(&a.gen)?;
     let mut seq = engine.create_sequence();
     let mut messages: Vec<Message> = Vec::new();
     if let Some(sys) = &a.system {
@@ -96,6 +97,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             max_tokens: a.gen.max_tokens,
             params: sampling(&a.gen),
             stop: a.gen.stop.clone(),
+            speculate,
         };
         let g = match engine.generate(seq, &tok, &req, |t| {
             print!("{t}");
@@ -120,9 +122,13 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             if g.context_full { "; context full" } else { "" }
         );
         last_stats = Some(format!(
-            "prefill {:.1} tok/s, decode {:.1} tok/s, ttft {:.0} ms",
-            g.stats.prefill_tok_s, g.stats.decode_tok_s, g.stats.ttft_ms
+            "prefill {:.1} tok/s, decode {:.1} tok/s, ttft {:.0} ms; {}",
+            g.stats.prefill_tok_s,
+            g.stats.decode_tok_s,
+            g.stats.ttft_ms,
+            crate::run::speculation_text(&g.stats.speculation)
         ));
+        crate::run::append_metrics(&a.gen, &a.model, &g)?;
         messages.push(Message::new("assistant", &g.text));
     }
     Ok(())

@@ -118,6 +118,15 @@ struct GenArgs {
     /// KV cache format: f16 or f32.
     #[arg(long, default_value = "f16")]
     kv: String,
+    /// Speculative decoding from prompt lookup: on, off, or auto (drafts
+    /// when this machine's measured verify cost and the acceptance so far
+    /// promise a gain). The output is the same either way.
+    #[arg(long, default_value = "auto")]
+    speculate: String,
+    /// Append one JSON line per request (tokens, timing, speculation) to
+    /// this file.
+    #[arg(long, value_name = "PATH")]
+    metrics_file: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -3,8 +3,9 @@
 use std::io::Write;
 
 use anyhow::{bail, Context, Result};
+use snug_core::speculate::Mode;
 use snug_core::Ledger;
-use snug_engine::generate::GenerateRequest;
+use snug_engine::generate::{GenerateRequest, Generation, SpecStats};
 use snug_engine::sampling::SamplingParams;
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::kv::KvFormat;
@@ -25,6 +26,53 @@ pub fn sampling(g: &GenArgs) -> SamplingParams {
         penalty_last_n: 64,
         seed: g.seed,
     }
+}
+
+pub fn speculate_mode(g: &GenArgs) -> Result<Mode> {
+    Mode::parse(&g.speculate).with_context(|| format!("unknown --speculate {:?} (on, off or auto)", g.speculate))
+}
+
+/// One line of `--stats` about speculation.
+pub fn speculation_text(s: &SpecStats) -> String {
+    format!(
+        "speculation {}: {} rounds, {} drafted, {} accepted ({:.0}%), {:.2} accepted a round, {} plain steps; verify {:.0} ms, decode {:.0} ms",
+        s.mode,
+        s.rounds,
+        s.drafted,
+        s.accepted,
+        s.acceptance_rate * 100.0,
+        s.mean_accepted,
+        s.fallbacks,
+        s.verify_ms,
+        s.decode_ms
+    )
+}
+
+/// Appends one request's line to the metrics file, if one was asked for.
+pub fn append_metrics(g: &GenArgs, model: &str, gen: &Generation) -> Result<()> {
+    let Some(path) = &g.metrics_file else {
+        return Ok(());
+    };
+    let line = serde_json::json!({
+        "model": model,
+        "prompt_tokens": gen.prompt_tokens,
+        "reused_tokens": gen.reused_tokens,
+        "output_tokens": gen.tokens.len(),
+        "finish_reason": gen.finish_reason.as_str(),
+        "ttft_ms": gen.stats.ttft_ms,
+        "prefill_tok_s": gen.stats.prefill_tok_s,
+        "decode_tok_s": gen.stats.decode_tok_s,
+        "speculation": gen.stats.speculation,
+    });
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening the metrics file {}", path.display()))?;
+    // One write per line, so concurrent writers do not interleave lines.
+    f.write_all(format!("{line}\n").as_bytes())
+        .with_context(|| format!("writing the metrics file {}", path.display()))?;
+    Ok(())
 }
 
 pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
@@ -100,6 +148,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
         max_tokens: a.gen.max_tokens,
         params: sampling(&a.gen),
         stop: a.gen.stop.clone(),
+        speculate: speculate_mode(&a.gen)?,
     };
     let stream = !a.json;
     let mut stdout = std::io::stdout().lock();
@@ -133,6 +182,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
                 "decode_tokens": g.stats.decode_tokens,
                 "peak_rss_bytes": peak_rss,
                 "ledger": ledger_json(&ledger, peak_rss),
+                "speculation": g.stats.speculation,
             },
         });
         writeln!(stdout, "{v}")?;
@@ -147,8 +197,10 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
             g.stats.decode_tok_s,
             g.finish_reason.as_str()
         );
+        eprintln!("{}", speculation_text(&g.stats.speculation));
         eprint!("{}", ledger_text(&ledger, peak_rss));
     }
+    append_metrics(&a.gen, &a.model, &g)?;
     Ok(())
 }
 

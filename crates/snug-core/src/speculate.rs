@@ -1,0 +1,261 @@
+//! When to speculate, and how far: a cost model of verify forwards against
+//! plain decode steps, and the acceptance rate seen so far.
+//!
+//! A verify of `k` drafted tokens runs `k + 1` rows in one forward and
+//! yields `1 + (accepted drafts)` tokens. With a per-token acceptance rate
+//! `a` (drafts are accepted as a prefix, so the chance that the first `i`
+//! all pass is about `a^i`), the expected tokens per verify are
+//! `1 + a + a^2 + ... + a^k`, and the gain over plain decoding is that
+//! number times `cost(1) / cost(k + 1)`. In `auto` mode the policy drafts
+//! the `k` with the best expected gain, and only when it exceeds 1. After a
+//! run of declined drafts it verifies one draft token anyway, so a rate
+//! learned on unrepetitive text can recover when the text starts to repeat.
+
+/// Speculation setting of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Plain decoding.
+    Off,
+    /// Verify every draft the drafter finds (up to the maximum length).
+    On,
+    /// Verify drafts when the cost model expects a gain.
+    Auto,
+}
+
+impl Mode {
+    pub fn parse(s: &str) -> Option<Mode> {
+        match s {
+            "off" => Some(Mode::Off),
+            "on" => Some(Mode::On),
+            "auto" => Some(Mode::Auto),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Off => "off",
+            Mode::On => "on",
+            Mode::Auto => "auto",
+        }
+    }
+}
+
+/// Most draft tokens verified at once.
+pub const MAX_DRAFT: usize = 8;
+
+/// Declined drafts after which `auto` verifies one token to re-measure.
+const PROBE_EVERY: u32 = 16;
+
+/// The speculation policy of one generation.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub mode: Mode,
+    pub max_draft: usize,
+    /// Measured seconds per forward of `r` rows at index `r - 1` (a moving
+    /// average), for 1..=MAX_DRAFT+1; `None` where not measured.
+    measured: [Option<f64>; MAX_DRAFT + 1],
+    /// Decayed counts of accepted draft tokens and of draft tokens tried.
+    succ: f64,
+    tried: f64,
+    declined: u32,
+}
+
+impl Policy {
+    /// A policy with forward costs measured for some row counts (`(rows,
+    /// seconds)`); see [`Policy::observe`].
+    pub fn new(mode: Mode, costs: &[(usize, f64)]) -> Policy {
+        let mut p = Policy {
+            mode,
+            max_draft: MAX_DRAFT,
+            measured: [None; MAX_DRAFT + 1],
+            succ: 1.0,
+            tried: 2.0,
+            declined: 0,
+        };
+        for &(rows, secs) in costs {
+            p.observe(rows, secs);
+        }
+        p
+    }
+
+    /// Records how long a forward of `rows` rows took. Costs of row counts
+    /// never measured are interpolated linearly between measured ones (and
+    /// extrapolated from the nearest two; with one measurement, taken as
+    /// proportional to rows, the pessimistic compute-bound case).
+    pub fn observe(&mut self, rows: usize, secs: f64) {
+        if !(1..=MAX_DRAFT + 1).contains(&rows) || !secs.is_finite() || secs <= 0.0 {
+            return;
+        }
+        let m = &mut self.measured[rows - 1];
+        *m = Some(match *m {
+            Some(old) => 0.7 * old + 0.3 * secs,
+            None => secs,
+        });
+    }
+
+    /// Whether any forward cost is known yet.
+    pub fn has_costs(&self) -> bool {
+        self.measured.iter().any(Option::is_some)
+    }
+
+    fn cost(&self, rows: usize) -> f64 {
+        let pts: Vec<(f64, f64)> = self
+            .measured
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| m.map(|s| ((i + 1) as f64, s)))
+            .collect();
+        let x = rows as f64;
+        match pts.len() {
+            0 => x,
+            1 => pts[0].1 * x / pts[0].0,
+            n => {
+                let i = pts.iter().position(|p| p.0 >= x).unwrap_or(n - 1).max(1);
+                let (a, b) = (pts[i - 1], pts[i]);
+                (a.1 + (b.1 - a.1) * (x - a.0) / (b.0 - a.0)).max(f64::MIN_POSITIVE)
+            }
+        }
+    }
+
+    /// Cost of a forward of `rows` rows relative to one row.
+    pub fn relative_cost(&self, rows: usize) -> f64 {
+        self.cost(rows.clamp(1, MAX_DRAFT + 1)) / self.cost(1)
+    }
+
+    /// The current estimate of the per-token acceptance rate.
+    pub fn acceptance(&self) -> f64 {
+        self.succ / self.tried
+    }
+
+    /// Expected tokens per second gained by verifying `k` draft tokens, as a
+    /// multiple of plain decoding.
+    pub fn expected_gain(&self, k: usize) -> f64 {
+        let a = self.acceptance();
+        let mut tokens = 1.0;
+        let mut p = 1.0;
+        for _ in 0..k {
+            p *= a;
+            tokens += p;
+        }
+        tokens / self.relative_cost(k + 1)
+    }
+
+    /// How many of `available` draft tokens to verify; 0 means a plain
+    /// decode step.
+    pub fn draft_len(&mut self, available: usize) -> usize {
+        let most = available.min(self.max_draft);
+        if most == 0 {
+            return 0;
+        }
+        match self.mode {
+            Mode::Off => 0,
+            Mode::On => most,
+            Mode::Auto => {
+                let (best_k, _) =
+                    (1..=most)
+                        .map(|k| (k, self.expected_gain(k)))
+                        .fold((0, 1.0), |acc, x| if x.1 > acc.1 { x } else { acc });
+                if best_k > 0 {
+                    self.declined = 0;
+                    best_k
+                } else {
+                    self.declined += 1;
+                    if self.declined >= PROBE_EVERY {
+                        self.declined = 0;
+                        1
+                    } else {
+                        0
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records a verify of `drafted` tokens of which the first `accepted`
+    /// matched.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        const DECAY: f64 = 0.95;
+        // Tokens actually tested: the accepted ones and the first rejected.
+        let tested = (accepted + usize::from(accepted < drafted)) as f64;
+        self.succ = self.succ * DECAY + accepted as f64;
+        self.tried = self.tried * DECAY + tested;
+        // Keep a floor so the estimate never becomes certain.
+        self.succ = self.succ.max(0.0);
+        self.tried = self.tried.max(self.succ + 0.5);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cheap_verify() -> Vec<(usize, f64)> {
+        // Memory-bound decode: more rows cost little.
+        vec![(1, 10.0), (2, 10.5), (4, 11.5), (9, 14.0)]
+    }
+
+    #[test]
+    fn costs_are_interpolated() {
+        let p = Policy::new(Mode::Auto, &cheap_verify());
+        assert!((p.relative_cost(1) - 1.0).abs() < 1e-12);
+        assert!((p.relative_cost(3) - 1.1).abs() < 1e-12);
+        assert!((p.relative_cost(9) - 1.4).abs() < 1e-12);
+        let p = Policy::new(Mode::Auto, &[(1, 2.0)]);
+        assert!((p.relative_cost(5) - 5.0).abs() < 1e-12);
+        // Measurements refine the model as a moving average.
+        let mut p = Policy::new(Mode::Auto, &[(1, 10.0), (9, 20.0)]);
+        assert!((p.relative_cost(5) - 1.5).abs() < 1e-12);
+        p.observe(9, 10.0);
+        assert!((p.relative_cost(9) - 1.7).abs() < 1e-12);
+        p.observe(0, 1.0);
+        p.observe(3, f64::NAN);
+        assert!((p.relative_cost(9) - 1.7).abs() < 1e-12);
+    }
+
+    #[test]
+    fn off_never_drafts_and_on_always_does() {
+        let mut off = Policy::new(Mode::Off, &cheap_verify());
+        assert_eq!(off.draft_len(5), 0);
+        let mut on = Policy::new(Mode::On, &cheap_verify());
+        assert_eq!(on.draft_len(5), 5);
+        assert_eq!(on.draft_len(50), MAX_DRAFT);
+        assert_eq!(on.draft_len(0), 0);
+    }
+
+    #[test]
+    fn auto_follows_acceptance() {
+        let mut p = Policy::new(Mode::Auto, &cheap_verify());
+        for _ in 0..50 {
+            p.record(8, 8);
+        }
+        assert!(p.acceptance() > 0.9);
+        assert!(p.draft_len(8) >= 6, "{}", p.draft_len(8));
+        for _ in 0..100 {
+            p.record(4, 0);
+        }
+        assert!(p.acceptance() < 0.05);
+        // Declines, then probes with one token after a run of declines.
+        let lens: Vec<usize> = (0..PROBE_EVERY).map(|_| p.draft_len(8)).collect();
+        assert!(lens[..PROBE_EVERY as usize - 1].iter().all(|&k| k == 0));
+        assert_eq!(lens[PROBE_EVERY as usize - 1], 1);
+    }
+
+    #[test]
+    fn expensive_verify_is_declined() {
+        // Compute-bound: every row costs as much as a decode step.
+        let mut p = Policy::new(Mode::Auto, &[(1, 1.0), (9, 9.0)]);
+        for _ in 0..20 {
+            p.record(4, 2);
+        }
+        assert_eq!(p.draft_len(8), 0);
+    }
+
+    #[test]
+    fn modes_parse() {
+        for m in [Mode::Off, Mode::On, Mode::Auto] {
+            assert_eq!(Mode::parse(m.as_str()), Some(m));
+        }
+        assert_eq!(Mode::parse("yes"), None);
+    }
+}

@@ -1,0 +1,271 @@
+//! Speculative decoding never changes the output: the same tokens, text,
+//! finish reason and final KV state with speculation on, off and auto, for
+//! greedy decoding and seeded sampling (with and without penalties), on all
+//! four real models and on prompts of several kinds, including positions
+//! where the two best logits nearly tie. And a verify row's logits are
+//! bitwise the logits of decoding that position alone.
+
+use snug_core::speculate::Mode;
+use snug_engine::generate::{GenerateRequest, Generation};
+use snug_engine::sampling::SamplingParams;
+use snug_engine::{Engine, EngineOptions, SeqId};
+use snug_model::arch::Model;
+use snug_model::testing::{model_path, MODELS};
+use snug_model::{EncodeOptions, GgufFile, Tokenizer};
+
+/// Real text no one here wrote: the start of the Apache License 2.0 as
+/// Debian ships it, with a fallback for systems without it.
+fn license_text() -> String {
+    license_chars(1400)
+}
+
+fn license_chars(n: usize) -> String {
+    std::fs::read_to_string("/usr/share/common-licenses/Apache-2.0")
+        .map(|t| t.chars().take(n).collect())
+        .unwrap_or_else(|_| {
+            "Licensed under the Apache License, Version 2.0 (the \"License\"); you may not use this file \
+             except in compliance with the License. You may obtain a copy of the License at \
+             http://www.apache.org/licenses/LICENSE-2.0 Unless required by applicable law or agreed to in \
+             writing, software distributed under the License is distributed on an \"AS IS\" BASIS, WITHOUT \
+             WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied."
+                .to_string()
+        })
+}
+
+fn prompts() -> Vec<(&'static str, String)> {
+    let lic = license_text();
+    let para: String = lic.chars().skip(200).take(500).collect();
+    vec![
+        (
+            "verbatim",
+            format!(
+                "Copy this text exactly.\n\nText:\n{para}\n\nCopy:\n{}",
+                para.chars().take(80).collect::<String>()
+            ),
+        ),
+        (
+            "code edit",
+            "Rename the variable `total` to `sum`.\n\n\
+             fn add_all(xs: &[i32]) -> i32 {\n    let mut total = 0;\n    for x in xs {\n        total += x;\n    }\n    total\n}\n\n\
+             Result:\n\nfn add_all(xs: &[i32]) -> i32 {\n"
+                .to_string(),
+        ),
+        (
+            "extraction",
+            "Orders:\n- id 1041, Anna Berg, 3 chairs, Oslo\n- id 1042, Tomas Lind, 1 table, Bergen\n\
+             - id 1043, Mia Holm, 6 lamps, Oslo\n\nNames and cities:\n- Anna Berg, Oslo\n-"
+                .to_string(),
+        ),
+        ("free", "Tell me about the ocean in a few sentences.".to_string()),
+    ]
+}
+
+fn options() -> EngineOptions {
+    EngineOptions {
+        threads: 2,
+        ctx: 1024,
+        batch: 64,
+        max_seqs: 1,
+        page_tokens: 16,
+        ..Default::default()
+    }
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    }
+}
+
+fn sampled(seed: u64, penalties: bool) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_k: 0,
+        top_p: 0.95,
+        min_p: 0.0,
+        repeat_penalty: if penalties { 1.1 } else { 1.0 },
+        presence_penalty: if penalties { 0.2 } else { 0.0 },
+        seed,
+        ..Default::default()
+    }
+}
+
+/// Generates on `seq` (which reuses whatever prefix of the prompt it
+/// holds, as chat turns do); returns the generation and the tokens the
+/// sequence holds afterwards.
+fn run(
+    engine: &mut Engine,
+    seq: SeqId,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    params: &SamplingParams,
+    mode: Mode,
+    n: usize,
+) -> (Generation, Vec<u32>) {
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: n,
+        params: params.clone(),
+        stop: Vec::new(),
+        speculate: mode,
+    };
+    let g = engine.generate(seq, tok, &req, |_| {}).unwrap();
+    let held = engine.tokens(seq).unwrap().to_vec();
+    (g, held)
+}
+
+fn assert_same(what: &str, off: &(Generation, Vec<u32>), other: &(Generation, Vec<u32>)) {
+    assert_eq!(off.0.tokens, other.0.tokens, "{what}: tokens");
+    assert_eq!(off.0.text, other.0.text, "{what}: text");
+    assert_eq!(off.0.finish_reason, other.0.finish_reason, "{what}: finish reason");
+    assert_eq!(off.1, other.1, "{what}: tokens held by the sequence");
+}
+
+#[test]
+fn output_is_identical_with_speculation_on_off_and_auto() {
+    for alias in MODELS {
+        let Some(path) = model_path(alias) else { continue };
+        let file = GgufFile::open(&path).unwrap();
+        let model = Model::load(&file).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let mut engine = Engine::new(&model, options());
+        let mut drafted = 0;
+        let mut accepted = 0;
+        for (kind, text) in prompts() {
+            let ids = tok.encode(&text, EncodeOptions::default());
+            let seq = engine.create_sequence();
+            let configs = [
+                ("greedy", greedy()),
+                ("sampled", sampled(7, false)),
+                ("sampled with penalties", sampled(11, true)),
+            ];
+            for (name, params) in configs {
+                let off = run(&mut engine, seq, &tok, &ids, &params, Mode::Off, 40);
+                assert_eq!(off.0.stats.speculation.rounds, 0);
+                let on = run(&mut engine, seq, &tok, &ids, &params, Mode::On, 40);
+                let what = format!("{alias} {kind} {name} on");
+                assert_same(&what, &off, &on);
+                drafted += on.0.stats.speculation.drafted;
+                accepted += on.0.stats.speculation.accepted;
+                if name == "greedy" {
+                    let auto = run(&mut engine, seq, &tok, &ids, &params, Mode::Auto, 40);
+                    assert_same(&format!("{alias} {kind} {name} auto"), &off, &auto);
+                }
+            }
+            engine.free_sequence(seq);
+        }
+        eprintln!("{alias}: {drafted} draft tokens verified, {accepted} accepted");
+        // The copying prompts must actually exercise verification.
+        assert!(
+            drafted > 50 && accepted > 20,
+            "{alias}: {drafted} drafted, {accepted} accepted"
+        );
+    }
+}
+
+/// Top-2 margin of each row of logits.
+fn margins(logits: &[f32], vocab: usize) -> Vec<f32> {
+    logits
+        .chunks_exact(vocab)
+        .map(|row| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &x in row {
+                if x > a {
+                    b = a;
+                    a = x;
+                } else if x > b {
+                    b = x;
+                }
+            }
+            a - b
+        })
+        .collect()
+}
+
+#[test]
+fn near_ties_inside_verify_batches_decide_as_plain_decoding() {
+    // A long real text, then a part of it again: in the second copy the
+    // drafter proposes the rest of the first, so positions there are
+    // decided inside verify batches; the license's own repeated phrases
+    // draw drafts too. The positions with the smallest top-2 margins are
+    // the ones where any difference between a batched and a lone row would
+    // show.
+    let lic = license_chars(5000);
+    let para: String = lic.chars().take(700).collect();
+    let text = format!("{lic}\n\n{para}");
+    for alias in MODELS {
+        let Some(path) = model_path(alias) else { continue };
+        let file = GgufFile::open(&path).unwrap();
+        let model = Model::load(&file).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let ids = tok.encode(&text, EncodeOptions::default());
+        let vocab = model.config.vocab;
+        let mut engine = Engine::new(&model, EngineOptions { ctx: 2048, ..options() });
+        let seq = engine.create_sequence();
+        let mut m = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(64) {
+            let rows: Vec<(SeqId, u32, bool)> = chunk.iter().map(|&t| (seq, t, true)).collect();
+            m.extend(margins(engine.step(&rows).unwrap(), vocab));
+        }
+        engine.free_sequence(seq);
+        // Row i predicts position i + 1. The smallest margins of the whole
+        // text, and of the copied half (where drafts are on offer).
+        let half = ids.len() - tok.encode(&para, EncodeOptions::default()).len() + 8;
+        let smallest = |range: std::ops::Range<usize>, n: usize| {
+            let mut order: Vec<usize> = range.collect();
+            order.sort_by(|&a, &b| m[a].total_cmp(&m[b]));
+            order.truncate(n);
+            order
+        };
+        let mut chosen = smallest(8..ids.len() - 1, 3);
+        chosen.extend(smallest(half..ids.len() - 1, 3));
+        // In order, so each prompt extends the cached one.
+        chosen.sort_unstable();
+        let found: Vec<f32> = chosen.iter().map(|&i| m[i]).collect();
+        let ties = m.iter().filter(|&&x| x < 1e-3).count();
+        eprintln!(
+            "{alias}: {} positions, {ties} with a top-2 margin below 1e-3; smallest (whole text, copied part): {found:?}",
+            m.len()
+        );
+        let seq = engine.create_sequence();
+        for &i in &chosen {
+            // Start a few tokens before the near-tie, so that in the copied
+            // half it falls inside a draft.
+            let prompt = &ids[..i - 2];
+            for params in [greedy(), sampled(3, false)] {
+                let off = run(&mut engine, seq, &tok, prompt, &params, Mode::Off, 8);
+                let on = run(&mut engine, seq, &tok, prompt, &params, Mode::On, 8);
+                assert_same(&format!("{alias} near-tie at {i} (margin {})", m[i]), &off, &on);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_verify_rows_logits_equal_decoding_that_position_alone() {
+    for alias in MODELS {
+        let Some(path) = model_path(alias) else { continue };
+        let file = GgufFile::open(&path).unwrap();
+        let model = Model::load(&file).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let ids = tok.encode(&license_text(), EncodeOptions::default());
+        let (prompt, draft) = (&ids[..40], &ids[40..49]);
+        let vocab = model.config.vocab;
+        let mut engine = Engine::new(&model, options());
+        let seq = engine.create_sequence();
+        engine.feed(seq, prompt).unwrap();
+        // One verify batch of 9 rows...
+        let rows: Vec<(SeqId, u32, bool)> = draft.iter().map(|&t| (seq, t, true)).collect();
+        let batched: Vec<u32> = engine.step(&rows).unwrap().iter().map(|x| x.to_bits()).collect();
+        // ... rolled back, then the same positions decoded one at a time.
+        engine.truncate(seq, prompt.len()).unwrap();
+        for (i, &t) in draft.iter().enumerate() {
+            let alone: Vec<u32> = engine.feed(seq, &[t]).unwrap().iter().map(|x| x.to_bits()).collect();
+            assert!(
+                alone == batched[i * vocab..(i + 1) * vocab],
+                "{alias}: verify row {i} differs from decoding it alone"
+            );
+        }
+    }
+}
