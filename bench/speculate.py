@@ -18,7 +18,6 @@ Usage: bench/speculate.py --llama-bin DIR [--models a,b] [--reps 3] [-n 128]
 """
 
 import argparse
-import inspect
 import json
 import os
 import re
@@ -32,7 +31,11 @@ def workloads():
     lic = open("/usr/share/common-licenses/Apache-2.0").read()
     start = lic.index("2. Grant of Copyright License.")
     para = " ".join(lic[start : lic.index("3. Grant of Patent License.")].split())
-    code = inspect.getsource(textwrap.dedent)
+    # The source of textwrap.dedent, read from the file (this folder's
+    # tokenize.py shadows the module `inspect` would need).
+    src = open(textwrap.__file__).read()
+    start = src.index("def dedent(")
+    code = src[start : src.index("\ndef ", start + 1) + 1]
     services = [
         l.split("#")[0].strip()
         for l in open("/etc/services")

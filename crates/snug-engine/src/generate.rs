@@ -196,6 +196,7 @@ impl Engine<'_> {
         let prefill_s = start.elapsed().as_secs_f64();
         stats.prefill_tok_s = to_feed.len() as f64 / prefill_s.max(1e-9);
         let mut policy = Policy::new(req.speculate, &[]);
+        let mut calibrated = false;
         let mut drafter = PromptLookup::new(DRAFT_MIN_N, DRAFT_MAX_N);
         let mut spec = SpecStats {
             mode: req.speculate.as_str(),
@@ -250,7 +251,8 @@ impl Engine<'_> {
             if req.speculate != Mode::Off && room > 0 {
                 drafter.sync(&history);
                 let available = drafter.draft(room.min(policy.max_draft)).len();
-                if available > 0 && req.speculate == Mode::Auto && !policy.has_costs() {
+                if available > 0 && req.speculate == Mode::Auto && !calibrated {
+                    calibrated = true;
                     // The first time a draft is on offer: what do verify
                     // forwards cost on this machine (measured once per
                     // engine, then refined by every step)?
