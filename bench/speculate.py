@@ -87,12 +87,14 @@ def llama_speed(cmd):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--snug", default="target/release/snug")
-    ap.add_argument("--llama-bin", required=True)
+    ap.add_argument("--llama-bin", default="")
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--workloads", help="comma-separated subset of the workloads")
+    ap.add_argument("--snug-only", action="store_true", help="skip llama.cpp")
     a = ap.parse_args()
     raw = []
     rows = []
@@ -100,6 +102,8 @@ def main():
         path = subprocess.run([a.snug, "pull", alias], capture_output=True, text=True,
                               check=True).stdout.strip().splitlines()[-1]
         for kind, user in workloads():
+            if a.workloads and kind not in a.workloads.split(","):
+                continue
             prompt = chatml(user)
             res = {"off": [], "on": [], "auto": [], "llama": [], "lookup": []}
             spec = {}
@@ -110,6 +114,10 @@ def main():
                     res[mode].append(tps)
                     texts.setdefault(mode, text)
                     spec[mode] = s
+                if a.snug_only:
+                    res["llama"].append(float("nan"))
+                    res["lookup"].append(float("nan"))
+                    continue
                 base = [f"{a.llama_bin}/llama-completion", "-m", path, "-p", prompt, "-n", str(a.n),
                         "-t", str(a.threads), "--temp", "0", "-no-cnv", "--no-warmup"]
                 res["llama"].append(llama_speed(base)[0])

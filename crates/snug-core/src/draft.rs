@@ -122,9 +122,15 @@ impl PromptLookup {
     /// the history's last n tokens, trying the longest n first. Empty when
     /// nothing matches.
     pub fn draft(&self, k: usize) -> &[u32] {
+        self.draft_match(k).0
+    }
+
+    /// [`PromptLookup::draft`] and the length n of the match that found it
+    /// (0 when none).
+    pub fn draft_match(&self, k: usize) -> (&[u32], usize) {
         let len = self.tokens.len();
         if k == 0 {
-            return &[];
+            return (&[], 0);
         }
         for n in (self.min_n..=self.max_n).rev() {
             let slot = n - self.min_n;
@@ -133,10 +139,10 @@ impl PromptLookup {
             }
             if let Some(&at) = self.latest[slot].get(&key(&self.tokens[len - n..])) {
                 let at = at as usize;
-                return &self.tokens[at..(at + k).min(len)];
+                return (&self.tokens[at..(at + k).min(len)], n);
             }
         }
-        &[]
+        (&[], 0)
     }
 }
 
@@ -197,7 +203,9 @@ mod tests {
         let mut d = PromptLookup::new(2, 3);
         // "5 1 2" -> 30 (longer, older); "1 2" -> 20 (shorter, newer).
         d.extend(&[5, 1, 2, 30, 0, 1, 2, 20, 0, 5, 1, 2]);
-        assert_eq!(d.draft(1), &[30]);
+        assert_eq!(d.draft_match(1), (&[30][..], 3));
+        d.push(7);
+        assert_eq!(d.draft_match(1), (&[][..], 0));
     }
 
     #[test]

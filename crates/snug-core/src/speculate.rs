@@ -44,8 +44,14 @@ impl Mode {
 /// Most draft tokens verified at once.
 pub const MAX_DRAFT: usize = 8;
 
+/// Longest n-gram match the acceptance statistics distinguish.
+const MAX_MATCH: usize = crate::draft::MAX_N;
+
 /// Declined drafts after which `auto` verifies one token to re-measure.
-const PROBE_EVERY: u32 = 16;
+const PROBE_EVERY: u32 = 8;
+
+/// Prior acceptance rate of a draft found by an n-token match, by n.
+const PRIOR: [f64; MAX_MATCH + 1] = [0.2, 0.2, 0.3, 0.45, 0.6];
 
 /// The speculation policy of one generation.
 #[derive(Clone, Debug)]
@@ -55,9 +61,11 @@ pub struct Policy {
     /// Measured seconds per forward of `r` rows at index `r - 1` (a moving
     /// average), for 1..=MAX_DRAFT+1; `None` where not measured.
     measured: [Option<f64>; MAX_DRAFT + 1],
-    /// Decayed counts of accepted draft tokens and of draft tokens tried.
-    succ: f64,
-    tried: f64,
+    /// Per length of the n-gram that found the draft (index n, up to
+    /// `draft::MAX_N`): decayed counts of accepted draft tokens and of draft
+    /// tokens tested. A 4-token match predicts better than a 2-token one.
+    succ: [f64; MAX_MATCH + 1],
+    tried: [f64; MAX_MATCH + 1],
     declined: u32,
 }
 
@@ -69,8 +77,11 @@ impl Policy {
             mode,
             max_draft: MAX_DRAFT,
             measured: [None; MAX_DRAFT + 1],
-            succ: 1.0,
-            tried: 2.0,
+            // A prior worth two tokens of evidence, cautious for short
+            // matches (a wasted verify costs more than a missed one gains)
+            // and hopeful for long ones, which rarely occur by chance.
+            succ: std::array::from_fn(|n| 2.0 * PRIOR[n]),
+            tried: [2.0; MAX_MATCH + 1],
             declined: 0,
         };
         for &(rows, secs) in costs {
@@ -123,15 +134,17 @@ impl Policy {
         self.cost(rows.clamp(1, MAX_DRAFT + 1)) / self.cost(1)
     }
 
-    /// The current estimate of the per-token acceptance rate.
-    pub fn acceptance(&self) -> f64 {
-        self.succ / self.tried
+    /// The current estimate of the per-token acceptance rate of drafts
+    /// found by an n-gram of `n` tokens.
+    pub fn acceptance(&self, n: usize) -> f64 {
+        let n = n.min(MAX_MATCH);
+        self.succ[n] / self.tried[n]
     }
 
-    /// Expected tokens per second gained by verifying `k` draft tokens, as a
-    /// multiple of plain decoding.
-    pub fn expected_gain(&self, k: usize) -> f64 {
-        let a = self.acceptance();
+    /// Expected tokens per second gained by verifying `k` draft tokens found
+    /// by an `n`-token match, as a multiple of plain decoding.
+    pub fn expected_gain(&self, n: usize, k: usize) -> f64 {
+        let a = self.acceptance(n);
         let mut tokens = 1.0;
         let mut p = 1.0;
         for _ in 0..k {
@@ -141,9 +154,9 @@ impl Policy {
         tokens / self.relative_cost(k + 1)
     }
 
-    /// How many of `available` draft tokens to verify; 0 means a plain
-    /// decode step.
-    pub fn draft_len(&mut self, available: usize) -> usize {
+    /// How many of `available` draft tokens, found by an `n`-token match,
+    /// to verify; 0 means a plain decode step.
+    pub fn draft_len(&mut self, available: usize, n: usize) -> usize {
         let most = available.min(self.max_draft);
         if most == 0 {
             return 0;
@@ -152,10 +165,9 @@ impl Policy {
             Mode::Off => 0,
             Mode::On => most,
             Mode::Auto => {
-                let (best_k, _) =
-                    (1..=most)
-                        .map(|k| (k, self.expected_gain(k)))
-                        .fold((0, 1.0), |acc, x| if x.1 > acc.1 { x } else { acc });
+                let (best_k, _) = (1..=most)
+                    .map(|k| (k, self.expected_gain(n, k)))
+                    .fold((0, 1.0), |acc, x| if x.1 > acc.1 { x } else { acc });
                 if best_k > 0 {
                     self.declined = 0;
                     best_k
@@ -172,17 +184,17 @@ impl Policy {
         }
     }
 
-    /// Records a verify of `drafted` tokens of which the first `accepted`
-    /// matched.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
-        const DECAY: f64 = 0.95;
+    /// Records a verify of `drafted` tokens, found by an `n`-token match,
+    /// of which the first `accepted` matched.
+    pub fn record(&mut self, n: usize, drafted: usize, accepted: usize) {
+        const DECAY: f64 = 0.9;
+        let n = n.min(MAX_MATCH);
         // Tokens actually tested: the accepted ones and the first rejected.
         let tested = (accepted + usize::from(accepted < drafted)) as f64;
-        self.succ = self.succ * DECAY + accepted as f64;
-        self.tried = self.tried * DECAY + tested;
-        // Keep a floor so the estimate never becomes certain.
-        self.succ = self.succ.max(0.0);
-        self.tried = self.tried.max(self.succ + 0.5);
+        self.succ[n] = self.succ[n] * DECAY + accepted as f64;
+        self.tried[n] = self.tried[n] * DECAY + tested;
+        // Keep a margin so the estimate never becomes certain.
+        self.tried[n] = self.tried[n].max(self.succ[n] + 0.5);
     }
 }
 
@@ -221,27 +233,30 @@ mod tests {
     #[test]
     fn off_never_drafts_and_on_always_does() {
         let mut off = Policy::new(Mode::Off, &cheap_verify());
-        assert_eq!(off.draft_len(5), 0);
+        assert_eq!(off.draft_len(5, 3), 0);
         let mut on = Policy::new(Mode::On, &cheap_verify());
-        assert_eq!(on.draft_len(5), 5);
-        assert_eq!(on.draft_len(50), MAX_DRAFT);
-        assert_eq!(on.draft_len(0), 0);
+        assert_eq!(on.draft_len(5, 3), 5);
+        assert_eq!(on.draft_len(50, 3), MAX_DRAFT);
+        assert_eq!(on.draft_len(0, 3), 0);
     }
 
     #[test]
     fn auto_follows_acceptance() {
         let mut p = Policy::new(Mode::Auto, &cheap_verify());
         for _ in 0..50 {
-            p.record(8, 8);
+            p.record(4, 8, 8);
         }
-        assert!(p.acceptance() > 0.9);
-        assert!(p.draft_len(8) >= 6, "{}", p.draft_len(8));
+        assert!(p.acceptance(4) > 0.9);
+        assert!(p.draft_len(8, 4) >= 6, "{}", p.draft_len(8, 4));
         for _ in 0..100 {
-            p.record(4, 0);
+            p.record(2, 4, 0);
         }
-        assert!(p.acceptance() < 0.05);
+        assert!(p.acceptance(2) < 0.05);
+        // Statistics are kept per match length.
+        assert!(p.acceptance(4) > 0.9);
+        assert!(p.draft_len(8, 4) >= 6);
         // Declines, then probes with one token after a run of declines.
-        let lens: Vec<usize> = (0..PROBE_EVERY).map(|_| p.draft_len(8)).collect();
+        let lens: Vec<usize> = (0..PROBE_EVERY).map(|_| p.draft_len(8, 2)).collect();
         assert!(lens[..PROBE_EVERY as usize - 1].iter().all(|&k| k == 0));
         assert_eq!(lens[PROBE_EVERY as usize - 1], 1);
     }
@@ -251,9 +266,9 @@ mod tests {
         // Compute-bound: every row costs as much as a decode step.
         let mut p = Policy::new(Mode::Auto, &[(1, 1.0), (9, 9.0)]);
         for _ in 0..20 {
-            p.record(4, 2);
+            p.record(3, 4, 2);
         }
-        assert_eq!(p.draft_len(8), 0);
+        assert_eq!(p.draft_len(8, 3), 0);
     }
 
     #[test]

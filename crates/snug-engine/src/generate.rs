@@ -248,9 +248,12 @@ impl Engine<'_> {
             // (the sampled token itself takes one place of each).
             let room = (self.options.ctx - held - 1).min(req.max_tokens - out_tokens.len());
             let mut k = 0;
+            let mut matched = 0;
             if req.speculate != Mode::Off && room > 0 {
                 drafter.sync(&history);
-                let available = drafter.draft(room.min(policy.max_draft)).len();
+                let (found, n) = drafter.draft_match(room.min(policy.max_draft));
+                let available = found.len();
+                matched = n;
                 if available > 0 && req.speculate == Mode::Auto && !calibrated {
                     calibrated = true;
                     // The first time a draft is on offer: what do verify
@@ -260,7 +263,7 @@ impl Engine<'_> {
                         policy.observe(rows, secs);
                     }
                 }
-                k = policy.draft_len(available);
+                k = policy.draft_len(available, matched);
             }
             let step_start = Instant::now();
             if k == 0 {
@@ -304,7 +307,7 @@ impl Engine<'_> {
             // The emitting loop pushes these again as it reaches them.
             history.truncate(base);
             self.truncate(seq, held + 1 + accepted)?;
-            policy.record(draft.len(), accepted);
+            policy.record(matched, draft.len(), accepted);
             spec.rounds += 1;
             spec.drafted += draft.len();
             spec.accepted += accepted;

@@ -247,16 +247,17 @@ impl<'m> Engine<'m> {
         Ok(&self.logits)
     }
 
-    /// Seconds per forward of 1 and 9 rows (a decode step and a verify of 8
+    /// Seconds per forward of 1 and 5 rows (a decode step and a verify of 4
     /// draft tokens) on this machine, measured once per engine by appending
     /// rows of `token` to `seq` and rolling them back. Empty when the
-    /// sequence has no room for the measurement.
+    /// sequence has no room for the measurement. (The policy fits a line
+    /// through these and every later step's time.)
     pub fn speculation_costs(&mut self, seq: SeqId, token: u32) -> Result<Vec<(usize, f64)>, EngineError> {
         if let Some(c) = &self.spec_costs {
             return Ok(c.clone());
         }
         let held = self.tokens(seq)?.len();
-        let most = snug_core::speculate::MAX_DRAFT + 1;
+        let most = 5;
         if held + most > self.options.ctx {
             return Ok(Vec::new());
         }

@@ -948,41 +948,53 @@ mod x86 {
     const W_ONE: usize = 1;
     const W_FOUR: usize = 1;
 
-    /// All tiles of `wrows x acts`: weight rows in groups of `W_ONE` against
-    /// one activation row, or of `W_FOUR` against four; remainders one by
-    /// one. `out[w * acts.len() + r]`.
+    /// All tiles of `wrows x acts`: activation rows in fours, then a pair,
+    /// then one; weight rows in groups of `W_ONE` against one activation
+    /// row, of `W_FOUR` against four, one by one otherwise.
+    /// `out[w * acts.len() + r]`.
     #[inline(always)]
     unsafe fn tiles<const VNNI: bool>(ty: GgmlType, wrows: &[&[u8]], acts: &[&[BlockQ8]], out: &mut [f32]) {
         let row_bytes = wrows[0].len();
         let n_r = acts.len();
         let mut r0 = 0;
         while r0 < n_r {
-            let four = n_r - r0 >= 4;
-            let rt = if four { 4 } else { 1 };
+            let rt = match n_r - r0 {
+                1 => 1,
+                2 | 3 => 2,
+                _ => 4,
+            };
             let mut tmp = [0f32; 16];
             let mut w0 = 0;
             while w0 < wrows.len() {
                 let left = wrows.len() - w0;
                 let wt;
-                if four {
-                    let a: &[&[BlockQ8]; 4] = acts[r0..r0 + 4].try_into().unwrap();
-                    if left >= W_FOUR {
-                        let rows: Rows<W_FOUR> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
-                        tile::<VNNI, W_FOUR, 4>(ty, &rows, row_bytes, a, &mut tmp);
-                        wt = W_FOUR;
-                    } else {
-                        tile::<VNNI, 1, 4>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
+                match rt {
+                    4 => {
+                        let a: &[&[BlockQ8]; 4] = acts[r0..r0 + 4].try_into().unwrap();
+                        if left >= W_FOUR {
+                            let rows: Rows<W_FOUR> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
+                            tile::<VNNI, W_FOUR, 4>(ty, &rows, row_bytes, a, &mut tmp);
+                            wt = W_FOUR;
+                        } else {
+                            tile::<VNNI, 1, 4>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
+                            wt = 1;
+                        }
+                    }
+                    2 => {
+                        let a: &[&[BlockQ8]; 2] = acts[r0..r0 + 2].try_into().unwrap();
+                        tile::<VNNI, 1, 2>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
                         wt = 1;
                     }
-                } else {
-                    let a: &[&[BlockQ8]; 1] = std::slice::from_ref(&acts[r0]).try_into().unwrap();
-                    if left >= W_ONE {
-                        let rows: Rows<W_ONE> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
-                        tile::<VNNI, W_ONE, 1>(ty, &rows, row_bytes, a, &mut tmp);
-                        wt = W_ONE;
-                    } else {
-                        tile::<VNNI, 1, 1>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
-                        wt = 1;
+                    _ => {
+                        let a: &[&[BlockQ8]; 1] = std::slice::from_ref(&acts[r0]).try_into().unwrap();
+                        if left >= W_ONE {
+                            let rows: Rows<W_ONE> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
+                            tile::<VNNI, W_ONE, 1>(ty, &rows, row_bytes, a, &mut tmp);
+                            wt = W_ONE;
+                        } else {
+                            tile::<VNNI, 1, 1>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
+                            wt = 1;
+                        }
                     }
                 }
                 for w in 0..wt {

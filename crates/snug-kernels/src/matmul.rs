@@ -70,6 +70,9 @@ unsafe impl Send for SendPtr {}
 
 /// Output features handed to a thread at a time.
 const FEATURES_PER_TASK: usize = 16;
+/// Up to this many activation rows are quantized on the calling thread.
+const SERIAL_QUANTIZE_ROWS: usize = 4;
+
 /// Activation rows a task takes per pass over its weight rows (the kernel
 /// tiles them further).
 const ROWS_PER_PASS: usize = 64;
@@ -101,8 +104,11 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
         scratch.q8.resize(n_rows * nb, BlockQ8::default());
     }
     let format = act_format(w.ty);
-    if n_rows == 1 {
-        quantize_row(format, x, &mut scratch.q8[..nb]);
+    if n_rows <= SERIAL_QUANTIZE_ROWS {
+        // A few rows quantize faster than a hand-off to the pool.
+        for (xr, qr) in x.chunks_exact(k).zip(scratch.q8.chunks_exact_mut(nb)) {
+            quantize_row(format, xr, qr);
+        }
     } else {
         let q8_ptr = SendBlocks(scratch.q8.as_mut_ptr());
         pool.run(n_rows, &|r| {

@@ -284,9 +284,20 @@ impl Model<'_> {
         let q = &s.q;
         let storage: &KvStorage = kv.storage;
         let threads = &s.attn_threads;
-        pool.run_with_thread(rows.len() * c.kv_heads, &|task, thread| {
+        // A task is a part of one (row, KV head) group of query heads. Few
+        // rows (decode) give too few groups to keep every thread busy, so
+        // groups are split into parts then; a head's arithmetic does not
+        // depend on which heads share its pass over the keys and values.
+        let parts = attention_parts(rows.len() * c.kv_heads, group, pool.threads());
+        let per_part = group.div_ceil(parts);
+        pool.run_with_thread(rows.len() * c.kv_heads * parts, &|task, thread| {
             let out = &out;
-            let (r, g) = (task / c.kv_heads, task % c.kv_heads);
+            let (rg, part) = (task / parts, task % parts);
+            let (r, g) = (rg / c.kv_heads, rg % c.kv_heads);
+            let heads = part * per_part..((part + 1) * per_part).min(group);
+            if heads.is_empty() {
+                return;
+            }
             let row = rows[r];
             let query = AttnQuery {
                 pages: kv.pages[row.seq],
@@ -294,11 +305,25 @@ impl Model<'_> {
                 end: row.pos + 1,
             };
             let mut scratch = threads[thread].lock().unwrap_or_else(|e| e.into_inner());
-            let span = r * qd + g * group * hd..r * qd + (g + 1) * group * hd;
-            // SAFETY: each (row, KV head) slice of the output is written by
-            // exactly one task.
+            let first = r * qd + (g * group + heads.start) * hd;
+            let span = first..first + heads.len() * hd;
+            // SAFETY: each (row, query head) slice of the output is written
+            // by exactly one task.
             let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(span.start), span.len()) };
             attend_group(storage, layer, g, &query, &q[span], c.attn_scale, o, &mut scratch);
         });
     }
+}
+
+/// Into how many parts each (row, KV head) group of `group` query heads is
+/// split so that `groups` groups leave no thread of `threads` idle. Only
+/// then: a part re-reads the group's keys and values, which costs more
+/// than an uneven share (measured: splitting SmolLM2's three groups for two
+/// threads was 15% slower at depth 2048; splitting Gemma 3's single group
+/// was 7% faster).
+fn attention_parts(groups: usize, group: usize, threads: usize) -> usize {
+    if groups >= threads {
+        return 1;
+    }
+    threads.div_ceil(groups.max(1)).clamp(1, group.max(1))
 }
