@@ -265,6 +265,11 @@ impl Engine<'_> {
                 }
                 k = policy.draft_len(available, matched);
             }
+            // A verify that the page pool cannot hold becomes a plain step
+            // (which it can: the pages the sampled token needs are fewer).
+            if k > 0 && !self.has_room(seq, k + 1)? {
+                k = 0;
+            }
             let step_start = Instant::now();
             if k == 0 {
                 let next_logits = self.feed(seq, &[next])?;

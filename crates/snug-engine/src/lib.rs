@@ -131,6 +131,13 @@ impl<'m> Engine<'m> {
         Ok(&self.seq(id)?.tokens)
     }
 
+    /// Whether `n` more positions fit the sequence: within the context
+    /// limit, with enough free pages.
+    pub fn has_room(&self, id: SeqId, n: usize) -> Result<bool, EngineError> {
+        let s = self.seq(id)?;
+        Ok(s.tokens.len() + n <= self.options.ctx && s.table.can_append(&self.pages, n))
+    }
+
     /// Drops a sequence and returns its pages.
     pub fn free_sequence(&mut self, id: SeqId) {
         if let Some(Some(mut s)) = self.seqs.get_mut(id).map(Option::take) {

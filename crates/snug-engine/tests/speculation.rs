@@ -292,3 +292,43 @@ fn a_verify_rows_logits_equal_decoding_that_position_alone() {
         }
     }
 }
+
+#[test]
+fn a_verify_that_does_not_fit_the_pages_decodes_plainly() {
+    // Another sequence holds all pages but exactly those that plain
+    // decoding needs. A verify reaching one position further (into a page
+    // plain decoding never needs) must give way to a plain step, with the
+    // same output as speculation off, not fail.
+    let Some(path) = model_path("smollm2-135m") else { return };
+    let file = GgufFile::open(&path).unwrap();
+    let model = Model::load(&file).unwrap();
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let text = format!("{0} {0} {0} {0}", "one two three four five six seven eight");
+    let ids = tok.encode(&text, EncodeOptions::default());
+    let pt = 4;
+    // Plain decoding holds at most prompt + n - 1 positions: make that a
+    // whole number of pages.
+    let mut n = 24;
+    while !(ids.len() + n - 1).is_multiple_of(pt) {
+        n += 1;
+    }
+    let opts = EngineOptions {
+        ctx: 256,
+        page_tokens: pt,
+        ..options()
+    };
+    let total_pages = 256 / pt;
+    let needed = (ids.len() + n - 1) / pt;
+    let mut outs = Vec::new();
+    for mode in [Mode::Off, Mode::On] {
+        let mut engine = Engine::new(&model, opts.clone());
+        let other = engine.create_sequence();
+        let filler = vec![ids[1]; (total_pages - needed) * pt];
+        engine.feed(other, &filler).unwrap();
+        let seq = engine.create_sequence();
+        outs.push(run(&mut engine, seq, &tok, &ids, &greedy(), mode, n));
+    }
+    assert_same("pages for plain decoding only", &outs[0], &outs[1]);
+    assert_eq!(outs[0].0.tokens.len(), n);
+    assert!(outs[1].0.stats.speculation.rounds > 0, "no draft was verified");
+}
