@@ -976,7 +976,7 @@ mod x86 {
                 let wt;
                 match rt {
                     4 => {
-                        let a: &[&[BlockQ8]; 4] = acts[r0..r0 + 4].try_into().unwrap();
+                        let a: &[&[BlockQ8]; 4] = &std::array::from_fn(|i| acts[r0 + i]);
                         if left >= W_FOUR {
                             let rows: Rows<W_FOUR> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
                             tile::<VNNI, W_FOUR, 4>(ty, &rows, row_bytes, a, &mut tmp);
@@ -987,12 +987,12 @@ mod x86 {
                         }
                     }
                     2 => {
-                        let a: &[&[BlockQ8]; 2] = acts[r0..r0 + 2].try_into().unwrap();
+                        let a: &[&[BlockQ8]; 2] = &std::array::from_fn(|i| acts[r0 + i]);
                         tile::<VNNI, 1, 2>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
                         wt = 1;
                     }
                     _ => {
-                        let a: &[&[BlockQ8]; 1] = std::slice::from_ref(&acts[r0]).try_into().unwrap();
+                        let a: &[&[BlockQ8]; 1] = &[acts[r0]];
                         if left >= W_ONE {
                             let rows: Rows<W_ONE> = std::array::from_fn(|i| wrows[w0 + i].as_ptr());
                             tile::<VNNI, W_ONE, 1>(ty, &rows, row_bytes, a, &mut tmp);
