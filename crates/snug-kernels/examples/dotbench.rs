@@ -1,12 +1,14 @@
 //! Single-thread throughput of the dot kernels: GB/s of weights read and
 //! GMAC/s for one activation row (decode) and for 64 (prefill), per type
-//! and path, in tasks of 16 weight rows as the matrix product runs them.
+//! and path, in tasks of 16 weight rows as the matrix product runs them;
+//! then the panel kernel (packing included) for 64 and 512 rows.
 //! `cargo run --release -p snug-kernels --example dotbench [TYPE...]`
 
 use std::time::Instant;
 
 use snug_kernels::cpu::Simd;
 use snug_kernels::dot::{act_format, dot_tile_with, quantize_row, BlockQ8};
+use snug_kernels::panel::{activation_aux, aux_len, Panel};
 use snug_kernels::GgmlType;
 
 fn main() {
@@ -58,6 +60,39 @@ fn main() {
                     ty.name()
                 );
             }
+        }
+    }
+    for &ty in &types {
+        if !snug_kernels::panel::available(ty) {
+            continue;
+        }
+        let nb = k / 32;
+        let xs: Vec<f32> = (0..k * 512).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+        let mut q = vec![BlockQ8::default(); 512 * nb];
+        let mut aux = vec![0i32; 512 * aux_len(ty, nb)];
+        for ((xr, qr), ar) in xs.chunks(k).zip(q.chunks_mut(nb)).zip(aux.chunks_mut(aux_len(ty, nb))) {
+            quantize_row(act_format(ty), xr, qr);
+            activation_aux(ty, qr, ar);
+        }
+        let acts: Vec<&[BlockQ8]> = q.chunks(nb).collect();
+        let auxs: Vec<&[i32]> = aux.chunks(aux_len(ty, nb)).collect();
+        let row_bytes = ty.bytes_for(k as u64).unwrap() as usize;
+        let w: Vec<u8> = (0..row_bytes * rows).map(|i| (i * 31 % 251) as u8 & 0x3f).collect();
+        let wrows: Vec<&[u8]> = w.chunks(row_bytes).collect();
+        let mut panel = Panel::new();
+        for n in [64usize, 512] {
+            let mut out = vec![0f32; 16 * n];
+            let reps = (4096 / rows).max(1) * 64 / n;
+            let t = Instant::now();
+            for _ in 0..reps.max(1) {
+                for task in wrows.chunks(16) {
+                    panel.pack(ty, task);
+                    panel.dot(&acts[..n], &auxs[..n], &mut out[..task.len() * n]);
+                }
+            }
+            let s = t.elapsed().as_secs_f64();
+            let gmacs = (k * rows * reps.max(1) * n) as f64 / s / 1e9;
+            println!("{:<12} {:<5} rows {n:3}: {gmacs:6.2} GMAC/s", "panel", ty.name());
         }
     }
 }

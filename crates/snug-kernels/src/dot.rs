@@ -6,22 +6,28 @@
 //! `q8_1` and `q8_K` formats, same scales and rounding), so the integer part
 //! of every block equals llama.cpp's exactly and results track it closely.
 //! Every weight type is unpacked per 32 elements to its true signed integer
-//! levels. The float part follows one fixed order that every path (scalar,
-//! AVX2, AVX-512 VNNI) performs identically:
+//! levels. Each 32-element block `b` of a row yields one exact integer
+//! `isum_b = sum of w*a`; the float part follows one fixed order that every
+//! path (scalar, AVX2, AVX-512 VNNI, the row-interleaved panels of
+//! [`crate::panel`]) performs identically:
 //!
 //! ```text
-//! block b (32 elements) -> 8 integer lanes, lane k = sum of w*a over elements 4k..4k+3
-//!   acc[b % 2][k] = fma(lane_k as f32, scale_b[k] * d_b, acc[b % 2][k])
-//!   acc[b % 2][k] = fma(min_b, (s_b if k == 0 else 0), acc[b % 2][k])   (types with a min)
-//! result = tree sum of (acc[0][k] + acc[1][k]) over k: ((0+1)+(2+3))+((4+5)+(6+7))
+//!   acc[b % 8] = fma(isum_b as f32, d_w * d_a, acc[b % 8])
+//!   acc[b % 8] = fma(m_w, s_a, acc[b % 8])          (types with a minimum)
+//! result = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 //! ```
 //!
 //! K-quant types (256-element super-blocks, whose activations share one
-//! `q8_K` scale) keep the integers longer, as ggml does: within super-block
-//! `sb`, `lane_k = sum over its 8 blocks j of scale_j * (integer lane k of
-//! block j)` and `minsum = sum_j min_j * sum(a_j)`, exactly; then
-//! `acc[sb % 2][k] = fma(lane_k, d * d_a, ...)` and, for types with a
-//! minimum, `fma(-(dmin * d_a), (minsum if k == 0 else 0), ...)`.
+//! `q8_K` scale) keep the integers longer, as ggml does: super-block `sb`
+//! yields `isum = sum over its 16-element groups g of scale_g * (sum of w*a
+//! over g)` and `minsum = sum over its blocks j of min_j * sum(a_j)`, both
+//! exact; then `acc[sb % 8] = fma(isum as f32, d * d_a, ...)` and, for types
+//! with a minimum, `fma(-(dmin * d_a), minsum as f32, ...)`.
+//!
+//! One integer per block and eight accumulators indexed by block number is
+//! what lets a kernel put sixteen weight rows in the lanes of one vector
+//! (the panels that prefill uses) and still produce a row-at-a-time
+//! kernel's bits.
 //!
 //! The scalar code is the reference and performs exactly these operations;
 //! the SIMD paths compute the same lanes with vector instructions, so their
@@ -196,16 +202,35 @@ impl Acc {
     }
 }
 
+/// The eight float accumulators of one (weight row, activation row) pair of
+/// a quantized dot product: block (or super-block) `b` goes to `acc[b % 8]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Acc8(pub(crate) [f32; 8]);
+
+impl Acc8 {
+    pub(crate) fn new() -> Acc8 {
+        Acc8([0.0; 8])
+    }
+
+    /// The canonical final sum.
+    pub(crate) fn finish(&self) -> f32 {
+        let a = &self.0;
+        ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+    }
+}
+
 /// The canonical final sum of the two 8-lane accumulator sets.
 pub(crate) fn reduce_sets(a0: [f32; 8], a1: [f32; 8]) -> f32 {
     Acc([a0, a1]).finish()
 }
 
-/// One unpacked weight block: true integer levels, per-lane scale factors
-/// (to be multiplied by the activation scale), and an optional minimum.
+/// One unpacked weight block: true integer levels, the scale (to be
+/// multiplied by the activation scale), and an optional minimum. K-quant
+/// blocks carry only their levels (their scales are integers, see
+/// [`k_scales`]).
 struct WBlock {
     w: [i8; QK8],
-    scale: [f32; 8],
+    scale: f32,
     min: Option<f32>,
 }
 
@@ -223,14 +248,14 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
                 w[i] = (b[2 + i] & 15) as i8 - 8;
                 w[i + 16] = (b[2 + i] >> 4) as i8 - 8;
             }
-            ([f16_at(b, 0); 8], None)
+            (f16_at(b, 0), None)
         }
         GgmlType::Q4_1 => {
             for i in 0..16 {
                 w[i] = (b[4 + i] & 15) as i8;
                 w[i + 16] = (b[4 + i] >> 4) as i8;
             }
-            ([f16_at(b, 0); 8], Some(f16_at(b, 2)))
+            (f16_at(b, 0), Some(f16_at(b, 2)))
         }
         GgmlType::Q5_0 => {
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
@@ -238,7 +263,7 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
                 w[i] = ((b[6 + i] & 15) | (((qh >> i) & 1) << 4) as u8) as i8 - 16;
                 w[i + 16] = ((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4) as u8) as i8 - 16;
             }
-            ([f16_at(b, 0); 8], None)
+            (f16_at(b, 0), None)
         }
         GgmlType::Q5_1 => {
             let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
@@ -246,17 +271,15 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
                 w[i] = ((b[8 + i] & 15) | (((qh >> i) & 1) << 4) as u8) as i8;
                 w[i + 16] = ((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4) as u8) as i8;
             }
-            ([f16_at(b, 0); 8], Some(f16_at(b, 2)))
+            (f16_at(b, 0), Some(f16_at(b, 2)))
         }
         GgmlType::Q8_0 => {
             for i in 0..32 {
                 w[i] = b[2 + i] as i8;
             }
-            ([f16_at(b, 0); 8], None)
+            (f16_at(b, 0), None)
         }
         GgmlType::Q4K | GgmlType::Q5K => {
-            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-            let (sc, m) = scale_min_k4(j, &b[4..16]);
             let qs_at = if ty == GgmlType::Q4K { 16 } else { 48 };
             let q = &b[qs_at + (j / 2) * 32..qs_at + (j / 2) * 32 + 32];
             for i in 0..32 {
@@ -268,10 +291,9 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
                 };
                 w[i] = (nib | high) as i8;
             }
-            ([d * sc as f32; 8], Some(-(dmin * m as f32)))
+            (0.0, None)
         }
         GgmlType::Q6K => {
-            let d = f16_at(b, 208);
             let (h, k) = (j / 4, j % 4);
             let ql = &b[h * 64..h * 64 + 64];
             let qh = &b[128 + h * 32..128 + h * 32 + 32];
@@ -285,10 +307,7 @@ fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
                 let hi = (qh[l] >> (2 * k)) & 3;
                 w[l] = (lo | (hi << 4)) as i8 - 32;
             }
-            let sc_a = b[192 + h * 8 + 2 * k] as i8 as f32;
-            let sc_b = b[192 + h * 8 + 2 * k + 1] as i8 as f32;
-            let (a, bb) = (d * sc_a, d * sc_b);
-            ([a, a, a, a, bb, bb, bb, bb], None)
+            (0.0, None)
         }
         _ => unreachable!("dot: unsupported type {ty}"),
     };
@@ -302,35 +321,28 @@ fn blocks_per_weight_block(ty: GgmlType) -> usize {
 
 /// Adds one block's contribution to `acc` (scalar reference).
 #[inline]
-fn accumulate(acc: &mut Acc, b: usize, wb: &WBlock, a: &BlockQ8) {
-    let set = &mut acc.0[b % 2];
-    for (k, lane) in set.iter_mut().enumerate() {
-        let mut s = 0i32;
-        for i in 4 * k..4 * k + 4 {
-            s += wb.w[i] as i32 * a.qs[i] as i32;
-        }
-        *lane = (s as f32).mul_add(wb.scale[k] * a.d, *lane);
-    }
+fn accumulate(acc: &mut Acc8, b: usize, wb: &WBlock, a: &BlockQ8) {
+    let isum: i32 = wb.w.iter().zip(&a.qs).map(|(&w, &q)| w as i32 * q as i32).sum();
+    let lane = &mut acc.0[b % 8];
+    *lane = (isum as f32).mul_add(wb.scale * a.d, *lane);
     if let Some(min) = wb.min {
-        for (k, lane) in set.iter_mut().enumerate() {
-            let s = if k == 0 { a.s } else { 0.0 };
-            *lane = min.mul_add(s, *lane);
-        }
+        *lane = min.mul_add(a.s, *lane);
     }
 }
 
-/// Integer scales of one K-quant super-block: per block j, the scale of
-/// each of its 8 lanes, and its minimum (0 for types without one).
-struct KScales {
-    sc: [[i32; 8]; 8],
-    min: [i32; 8],
-    d: f32,
-    dmin: f32,
+/// Integer scales of one K-quant super-block: the scale of each of its 16
+/// groups of 16 elements, the minimum of each block of 32 (0 for types
+/// without one), and the float factors.
+pub(crate) struct KScales {
+    pub(crate) sc: [i32; 16],
+    pub(crate) min: [i32; 8],
+    pub(crate) d: f32,
+    pub(crate) dmin: f32,
 }
 
-fn k_scales(ty: GgmlType, b: &[u8]) -> KScales {
+pub(crate) fn k_scales(ty: GgmlType, b: &[u8]) -> KScales {
     let mut ks = KScales {
-        sc: [[0; 8]; 8],
+        sc: [0; 16],
         min: [0; 8],
         d: 0.0,
         dmin: 0.0,
@@ -341,17 +353,15 @@ fn k_scales(ty: GgmlType, b: &[u8]) -> KScales {
             ks.dmin = f16_at(b, 2);
             for j in 0..8 {
                 let (sc, m) = scale_min_k4(j, &b[4..16]);
-                ks.sc[j] = [sc as i32; 8];
+                ks.sc[2 * j] = sc as i32;
+                ks.sc[2 * j + 1] = sc as i32;
                 ks.min[j] = m as i32;
             }
         }
         GgmlType::Q6K => {
             ks.d = f16_at(b, 208);
-            for j in 0..8 {
-                let (h, k) = (j / 4, j % 4);
-                let a = b[192 + h * 8 + 2 * k] as i8 as i32;
-                let c = b[192 + h * 8 + 2 * k + 1] as i8 as i32;
-                ks.sc[j] = [a, a, a, a, c, c, c, c];
+            for (g, sc) in ks.sc.iter_mut().enumerate() {
+                *sc = b[192 + g] as i8 as i32;
             }
         }
         _ => unreachable!("k_scales: {ty}"),
@@ -368,33 +378,26 @@ fn dot_rows_scalar_k(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32
     let ts = ty.type_size();
     let has_min = ty != GgmlType::Q6K;
     for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
-        let mut accs = [Acc::new(); ROW_TILE];
+        let mut accs = [Acc8::new(); ROW_TILE];
         for (sb, wblock) in w.chunks_exact(ts).enumerate() {
             let ks = k_scales(ty, wblock);
             let ws: [[i8; QK8]; 8] = std::array::from_fn(|j| k_weights(ty, wblock, j));
             for (acc, a) in accs.iter_mut().zip(acts) {
-                let mut lanes = [0i32; 8];
+                let mut isum = 0i32;
                 let mut minsum = 0i32;
                 for j in 0..8 {
                     let ab = &a[sb * 8 + j];
-                    for (k, lane) in lanes.iter_mut().enumerate() {
-                        let p: i32 = (4 * k..4 * k + 4).map(|i| ws[j][i] as i32 * ab.qs[i] as i32).sum();
-                        *lane += ks.sc[j][k] * p;
+                    for h in 0..2 {
+                        let p: i32 = (16 * h..16 * h + 16).map(|i| ws[j][i] as i32 * ab.qs[i] as i32).sum();
+                        isum += ks.sc[2 * j + h] * p;
                     }
                     minsum += ks.min[j] * ab.sum;
                 }
                 let da = a[sb * 8].d;
-                let set = &mut acc.0[sb % 2];
-                let scale = ks.d * da;
-                for (k, lane) in set.iter_mut().enumerate() {
-                    *lane = (lanes[k] as f32).mul_add(scale, *lane);
-                }
+                let lane = &mut acc.0[sb % 8];
+                *lane = (isum as f32).mul_add(ks.d * da, *lane);
                 if has_min {
-                    let c = -(ks.dmin * da);
-                    for (k, lane) in set.iter_mut().enumerate() {
-                        let m = if k == 0 { minsum as f32 } else { 0.0 };
-                        *lane = c.mul_add(m, *lane);
-                    }
+                    *lane = (-(ks.dmin * da)).mul_add(minsum as f32, *lane);
                 }
             }
         }
@@ -415,7 +418,7 @@ fn dot_rows_scalar(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32])
     let per = blocks_per_weight_block(ty);
     let ts = ty.type_size();
     for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
-        let mut accs = [Acc::new(); ROW_TILE];
+        let mut accs = [Acc8::new(); ROW_TILE];
         for (wi, wblock) in w.chunks_exact(ts).enumerate() {
             for j in 0..per {
                 let b = wi * per + j;
@@ -511,14 +514,14 @@ pub fn dot_f32_scalar(w: &[f32], x: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // row-indexed parallel arrays of registers
-mod x86 {
+pub(crate) mod x86 {
     //! AVX2 and AVX-512 VNNI versions of the block loop. Each computes the
     //! same integer lanes as `unpack` + `accumulate` and the same float
     //! operations in the same order.
 
     use std::arch::x86_64::*;
 
-    use super::{blocks_per_weight_block, Acc, BlockQ8};
+    use super::{Acc, Acc8, BlockQ8};
     use crate::quant::GgmlType;
 
     /// 16 packed nibbles as 32 bytes: low nibbles then high nibbles.
@@ -544,213 +547,216 @@ mod x86 {
         _mm256_and_si256(set, _mm256_set1_epi8(0x10))
     }
 
-    #[inline(always)]
-    unsafe fn h2f(b: &[u8], at: usize) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-            u16::from_le_bytes([b[at], b[at + 1]]) as i32
-        )))
-    }
-
-    /// One weight type's unpacking: the weights of activation-block `j` of
-    /// a weight block as signed bytes, the per-lane scale (before the
-    /// activation scale) and, for types with one, the per-lane minimum.
-    trait Unpack {
+    /// One weight type's unpacking: the levels of activation-block `j` of a
+    /// weight block as bytes (signed for the types without a minimum,
+    /// non-negative for the others), and where the block keeps its f16
+    /// scale and minimum.
+    pub(crate) trait Unpack {
         const HAS_MIN: bool;
-        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256);
+        /// Byte offset of the f16 scale `d` in a weight block.
+        const D_AT: usize;
+        /// Byte offset of the f16 minimum (`m`, or `dmin` for K-quants).
+        const M_AT: usize = 2;
+        unsafe fn levels(b: *const u8, j: usize) -> __m256i;
     }
 
-    struct Q4_0;
-    struct Q4_1;
-    struct Q5_0;
-    struct Q5_1;
-    struct Q8_0;
-    struct Q4K;
-    struct Q5K;
-    struct Q6K;
+    pub(crate) struct Q4_0;
+    pub(crate) struct Q4_1;
+    pub(crate) struct Q5_0;
+    pub(crate) struct Q5_1;
+    pub(crate) struct Q8_0;
+    pub(crate) struct Q4K;
+    pub(crate) struct Q5K;
+    pub(crate) struct Q6K;
 
     impl Unpack for Q4_0 {
         const HAS_MIN: bool = false;
+        const D_AT: usize = 0;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
-            let w = _mm256_sub_epi8(nibbles_16(b.as_ptr().add(2)), _mm256_set1_epi8(8));
-            (w, _mm256_set1_ps(h2f(b, 0)), _mm256_setzero_ps())
+        unsafe fn levels(b: *const u8, _: usize) -> __m256i {
+            _mm256_sub_epi8(nibbles_16(b.add(2)), _mm256_set1_epi8(8))
         }
     }
 
     impl Unpack for Q4_1 {
         const HAS_MIN: bool = true;
+        const D_AT: usize = 0;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
-            (
-                nibbles_16(b.as_ptr().add(4)),
-                _mm256_set1_ps(h2f(b, 0)),
-                _mm256_set1_ps(h2f(b, 2)),
-            )
+        unsafe fn levels(b: *const u8, _: usize) -> __m256i {
+            nibbles_16(b.add(4))
         }
     }
 
     impl Unpack for Q5_0 {
         const HAS_MIN: bool = false;
+        const D_AT: usize = 0;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
-            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-            let w = _mm256_or_si256(nibbles_16(b.as_ptr().add(6)), bits_to_0x10(qh));
-            (
-                _mm256_sub_epi8(w, _mm256_set1_epi8(16)),
-                _mm256_set1_ps(h2f(b, 0)),
-                _mm256_setzero_ps(),
-            )
+        unsafe fn levels(b: *const u8, _: usize) -> __m256i {
+            let qh = (b.add(2) as *const u32).read_unaligned();
+            let w = _mm256_or_si256(nibbles_16(b.add(6)), bits_to_0x10(qh));
+            _mm256_sub_epi8(w, _mm256_set1_epi8(16))
         }
     }
 
     impl Unpack for Q5_1 {
         const HAS_MIN: bool = true;
+        const D_AT: usize = 0;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
-            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-            let w = _mm256_or_si256(nibbles_16(b.as_ptr().add(8)), bits_to_0x10(qh));
-            (w, _mm256_set1_ps(h2f(b, 0)), _mm256_set1_ps(h2f(b, 2)))
+        unsafe fn levels(b: *const u8, _: usize) -> __m256i {
+            let qh = (b.add(4) as *const u32).read_unaligned();
+            _mm256_or_si256(nibbles_16(b.add(8)), bits_to_0x10(qh))
         }
     }
 
     impl Unpack for Q8_0 {
         const HAS_MIN: bool = false;
+        const D_AT: usize = 0;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], _: usize) -> (__m256i, __m256, __m256) {
-            let w = _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i);
-            (w, _mm256_set1_ps(h2f(b, 0)), _mm256_setzero_ps())
+        unsafe fn levels(b: *const u8, _: usize) -> __m256i {
+            _mm256_loadu_si256(b.add(2) as *const __m256i)
         }
     }
 
     impl Unpack for Q4K {
         const HAS_MIN: bool = true;
+        const D_AT: usize = 0;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
-            let q = _mm256_loadu_si256(b.as_ptr().add(16 + (j / 2) * 32) as *const __m256i);
+        unsafe fn levels(b: *const u8, j: usize) -> __m256i {
+            let q = _mm256_loadu_si256(b.add(16 + (j / 2) * 32) as *const __m256i);
             let q = if j.is_multiple_of(2) {
                 q
             } else {
                 _mm256_srli_epi16(q, 4)
             };
-            (
-                _mm256_and_si256(q, _mm256_set1_epi8(15)),
-                _mm256_setzero_ps(),
-                _mm256_setzero_ps(),
-            )
+            _mm256_and_si256(q, _mm256_set1_epi8(15))
         }
     }
 
     impl Unpack for Q5K {
         const HAS_MIN: bool = true;
+        const D_AT: usize = 0;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
-            let q = _mm256_loadu_si256(b.as_ptr().add(48 + (j / 2) * 32) as *const __m256i);
+        unsafe fn levels(b: *const u8, j: usize) -> __m256i {
+            let q = _mm256_loadu_si256(b.add(48 + (j / 2) * 32) as *const __m256i);
             let q = if j.is_multiple_of(2) {
                 q
             } else {
                 _mm256_srli_epi16(q, 4)
             };
-            let qh = _mm256_loadu_si256(b.as_ptr().add(16) as *const __m256i);
+            let qh = _mm256_loadu_si256(b.add(16) as *const __m256i);
             let bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j as i32)), _mm256_set1_epi8(1));
-            let w = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(15)), _mm256_slli_epi16(bit, 4));
-            (w, _mm256_setzero_ps(), _mm256_setzero_ps())
+            _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(15)), _mm256_slli_epi16(bit, 4))
         }
     }
 
     impl Unpack for Q6K {
         const HAS_MIN: bool = false;
+        const D_AT: usize = 208;
         #[inline(always)]
-        unsafe fn unpack(b: &[u8], j: usize) -> (__m256i, __m256, __m256) {
-            let p = b.as_ptr();
+        unsafe fn levels(b: *const u8, j: usize) -> __m256i {
             let (h, k) = (j / 4, j % 4);
-            let ql = _mm256_loadu_si256(p.add(h * 64 + (k % 2) * 32) as *const __m256i);
+            let ql = _mm256_loadu_si256(b.add(h * 64 + (k % 2) * 32) as *const __m256i);
             let ql = if k >= 2 { _mm256_srli_epi16(ql, 4) } else { ql };
             let lo = _mm256_and_si256(ql, _mm256_set1_epi8(15));
-            let qh = _mm256_loadu_si256(p.add(128 + h * 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(b.add(128 + h * 32) as *const __m256i);
             let hi = _mm256_and_si256(
                 _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)),
                 _mm256_set1_epi8(3),
             );
-            let w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-            let d = h2f(b, 208);
-            let sc_a = d * (b[192 + h * 8 + 2 * k] as i8 as f32);
-            let sc_b = d * (b[192 + h * 8 + 2 * k + 1] as i8 as f32);
-            (
-                w,
-                _mm256_set_ps(sc_b, sc_b, sc_b, sc_b, sc_a, sc_a, sc_a, sc_a),
-                _mm256_setzero_ps(),
-            )
+            _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32))
         }
     }
 
     /// The weight rows of a tile, as pointers to their first byte.
     type Rows<const W: usize> = [*const u8; W];
 
-    /// One 32-element block `b` of `W` weight rows against `R` activation
-    /// rows, into the accumulator set `acc` (even or odd blocks). Each
-    /// activation block is loaded once for all `W` weight rows and each
-    /// weight block unpacked once for all `R` activation rows.
+    /// The f16 at `p` as f32 bits in a 16-bit lane (for `cvtph`).
     #[inline(always)]
-    unsafe fn block_step<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
+    unsafe fn h16(p: *const u8) -> i16 {
+        (p as *const i16).read_unaligned()
+    }
+
+    /// Eight f16 values (lane i from `at(i)`, zero where `i >= n`) as f32.
+    #[inline(always)]
+    unsafe fn f16x8(n: usize, at: impl Fn(usize) -> *const u8) -> __m256 {
+        let v = |i: usize| if i < n { h16(at(i)) } else { 0 };
+        _mm256_cvtph_ps(_mm_set_epi16(v(7), v(6), v(5), v(4), v(3), v(2), v(1), v(0)))
+    }
+
+    /// Eight f32 values (lane i is `f(i)`, zero where `i >= n`).
+    #[inline(always)]
+    unsafe fn f32x8(n: usize, f: impl Fn(usize) -> f32) -> __m256 {
+        let v = |i: usize| if i < n { f(i) } else { 0.0 };
+        _mm256_set_ps(v(7), v(6), v(5), v(4), v(3), v(2), v(1), v(0))
+    }
+
+    /// Pairwise step of the reduction of eight blocks' lane vectors.
+    #[inline(always)]
+    unsafe fn hadd(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_hadd_epi32(a, b)
+    }
+
+    /// The last step: from `q0` (blocks 0..4, halves apart) and `q1` (blocks
+    /// 4..8) to one vector whose lane j is the exact sum of block j's lanes.
+    #[inline(always)]
+    unsafe fn hfinish(q0: __m256i, q1: __m256i) -> __m256i {
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(q0, q1, 0x20),
+            _mm256_permute2x128_si256(q0, q1, 0x31),
+        )
+    }
+
+    /// The integer lanes of block `b` for `W` weight rows and `R`
+    /// activation rows (lane k: elements 4k..4k+3); zero past the row.
+    #[inline(always)]
+    unsafe fn block_lanes<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         rows: &Rows<W>,
         ts: usize,
-        per: usize,
+        nb: usize,
         b: usize,
         acts: &[&[BlockQ8]; R],
-        acc: &mut [[__m256; R]; W],
-    ) {
-        let (wb, j) = (b / per, b % per);
+    ) -> [[__m256i; R]; W] {
+        let mut out = [[_mm256_setzero_si256(); R]; W];
+        if b >= nb {
+            return out;
+        }
         let mut av = [_mm256_setzero_si256(); R];
-        let mut ad = [_mm256_setzero_ps(); R];
-        let mut sv = [_mm256_setzero_ps(); R];
         for r in 0..R {
-            let a = acts[r].get_unchecked(b);
-            av[r] = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-            ad[r] = _mm256_set1_ps(a.d);
-            if U::HAS_MIN {
-                sv[r] = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, a.s);
-            }
+            av[r] = _mm256_loadu_si256(acts[r].get_unchecked(b).qs.as_ptr() as *const __m256i);
         }
         for w in 0..W {
-            let blk = std::slice::from_raw_parts(rows[w].add(wb * ts), ts);
-            let (wv, scale, min) = U::unpack(blk, j);
+            let wv = U::levels(rows[w].add(b * ts), 0);
             // Types with a minimum have non-negative levels and need no
             // sign transfer.
             let ax = if U::HAS_MIN { wv } else { _mm256_sign_epi8(wv, wv) };
             for r in 0..R {
                 let sy = if U::HAS_MIN { av[r] } else { _mm256_sign_epi8(av[r], wv) };
-                let lanes = if VNNI {
+                out[w][r] = if VNNI {
                     _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
                 } else {
                     _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
                 };
-                acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, ad[r]), acc[w][r]);
-                if U::HAS_MIN {
-                    acc[w][r] = _mm256_fmadd_ps(min, sv[r], acc[w][r]);
-                }
             }
         }
+        out
     }
 
     /// Writes the canonical sums of a tile's accumulators, `out[w * R + r]`.
     #[inline(always)]
-    unsafe fn finish_tile<const W: usize, const R: usize>(
-        even: &[[__m256; R]; W],
-        odd: &[[__m256; R]; W],
-        out: &mut [f32],
-    ) {
+    unsafe fn finish_tile<const W: usize, const R: usize>(acc: &[[__m256; R]; W], out: &mut [f32]) {
         for w in 0..W {
             for r in 0..R {
-                let mut a = Acc::new();
-                _mm256_storeu_ps(a.0[0].as_mut_ptr(), even[w][r]);
-                _mm256_storeu_ps(a.0[1].as_mut_ptr(), odd[w][r]);
+                let mut a = Acc8::new();
+                _mm256_storeu_ps(a.0.as_mut_ptr(), acc[w][r]);
                 *out.get_unchecked_mut(w * R + r) = a.finish();
             }
         }
     }
 
     /// `W` weight rows of a 32-element block type against `R` activation
-    /// rows; blocks go in pairs so the even/odd set is known statically.
+    /// rows, eight blocks at a time: their lane vectors are reduced to one
+    /// vector of eight exact block sums, whose lane j is block `8g + j`,
+    /// the accumulator the reference uses.
     #[inline(always)]
     unsafe fn block_tile<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         ty: GgmlType,
@@ -759,28 +765,66 @@ mod x86 {
         acts: &[&[BlockQ8]; R],
         out: &mut [f32],
     ) {
-        let per = blocks_per_weight_block(ty);
         let ts = ty.type_size();
-        let nblocks = row_bytes / ts * per;
-        let mut even = [[_mm256_setzero_ps(); R]; W];
-        let mut odd = [[_mm256_setzero_ps(); R]; W];
-        let mut b = 0;
-        while b + 1 < nblocks {
-            block_step::<U, VNNI, W, R>(rows, ts, per, b, acts, &mut even);
-            block_step::<U, VNNI, W, R>(rows, ts, per, b + 1, acts, &mut odd);
-            b += 2;
+        let nb = row_bytes / ts;
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut g = 0;
+        while g < nb {
+            let n = (nb - g).min(8);
+            let mut q = [[[_mm256_setzero_si256(); 2]; R]; W];
+            for half in 0..2 {
+                let mut h = [[[_mm256_setzero_si256(); 2]; R]; W];
+                for p in 0..2 {
+                    let b = g + half * 4 + p * 2;
+                    let v0 = block_lanes::<U, VNNI, W, R>(rows, ts, nb, b, acts);
+                    let v1 = block_lanes::<U, VNNI, W, R>(rows, ts, nb, b + 1, acts);
+                    for w in 0..W {
+                        for r in 0..R {
+                            h[w][r][p] = hadd(v0[w][r], v1[w][r]);
+                        }
+                    }
+                }
+                for w in 0..W {
+                    for r in 0..R {
+                        q[w][r][half] = hadd(h[w][r][0], h[w][r][1]);
+                    }
+                }
+            }
+            let mut da = [_mm256_setzero_ps(); R];
+            let mut sa = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                let a = acts[r].as_ptr().add(g);
+                da[r] = f32x8(n, |i| (*a.add(i)).d);
+                if U::HAS_MIN {
+                    sa[r] = f32x8(n, |i| (*a.add(i)).s);
+                }
+            }
+            for w in 0..W {
+                let base = rows[w].add(g * ts);
+                let dw = f16x8(n, |i| base.add(i * ts + U::D_AT));
+                let mw = if U::HAS_MIN {
+                    f16x8(n, |i| base.add(i * ts + U::M_AT))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for r in 0..R {
+                    let isum = hfinish(q[w][r][0], q[w][r][1]);
+                    acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da[r]), acc[w][r]);
+                    if U::HAS_MIN {
+                        acc[w][r] = _mm256_fmadd_ps(mw, sa[r], acc[w][r]);
+                    }
+                }
+            }
+            g += 8;
         }
-        if b < nblocks {
-            block_step::<U, VNNI, W, R>(rows, ts, per, b, acts, &mut even);
-        }
-        finish_tile(&even, &odd, out);
+        finish_tile(&acc, out);
     }
 
     /// The eight 6-bit scales and minimums of a Q4_K / Q5_K super-block
     /// (`scale_min_k4` for every block at once): scales in 16-bit lanes
     /// 0..8 of the result, minimums in lanes 8..16.
     #[inline(always)]
-    unsafe fn scales_mins_k4(b: *const u8) -> __m256i {
+    pub(crate) unsafe fn scales_mins_k4(b: *const u8) -> __m256i {
         const M1: u32 = 0x3f3f_3f3f;
         const M2: u32 = 0x0f0f_0f0f;
         const M3: u32 = 0x0303_0303;
@@ -795,40 +839,35 @@ mod x86 {
         _mm256_cvtepu8_epi16(_mm_set_epi32(m_hi as i32, m_lo as i32, sc_hi as i32, sc_lo as i32))
     }
 
-    /// Horizontal sum of eight 32-bit integers (exact).
-    #[inline(always)]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
-        let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b01_00_11_10));
-        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b10_11_00_01));
-        _mm_cvtsi128_si32(x)
-    }
-
-    /// One super-block `sb` of `W` weight rows against `R` activation rows.
+    /// The integer lanes of super-block `sb` for `W` weight rows against
+    /// `R` activation rows, and the lanes of their minimum sums (zero past
+    /// the row, or for types without a minimum).
     ///
     /// Per block, the byte products are summed in pairs to 16 bits
     /// (`maddubs`, which cannot saturate: weights are at most 32 in
-    /// magnitude), then multiplied by the block's scale and summed in pairs
-    /// to 32 bits (`vpdpwssd` or `madd`): lane k gets exactly
-    /// `scale_j * (sum of w*a over elements 4k..4k+3)`, as in the reference.
-    /// Integer sums do not depend on their order, so the kernel is free to
-    /// arrange them.
+    /// magnitude), then multiplied by the group's scale and summed in pairs
+    /// to 32 bits (`vpdpwssd` or `madd`). Integer sums do not depend on
+    /// their order, so the lanes add up to exactly the reference's `isum`.
     #[inline(always)]
-    unsafe fn k_step<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
+    unsafe fn k_lanes<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         rows: &Rows<W>,
         ts: usize,
+        nsb: usize,
         sb: usize,
         acts: &[&[BlockQ8]; R],
-        acc: &mut [[__m256; R]; W],
-    ) {
+    ) -> ([[__m256i; R]; W], [[__m256i; R]; W]) {
+        let mut lanes = [[_mm256_setzero_si256(); R]; W];
+        let mut mins = [[_mm256_setzero_si256(); R]; W];
+        if sb >= nsb {
+            return (lanes, mins);
+        }
         // Q4_K and Q5_K levels are non-negative; Q6_K's are signed.
         let signed = !U::HAS_MIN;
-        let blk: [&[u8]; W] = std::array::from_fn(|w| std::slice::from_raw_parts(rows[w].add(sb * ts), ts));
-        let mut lanes = [[_mm256_setzero_si256(); R]; W];
+        let blk: [*const u8; W] = std::array::from_fn(|w| rows[w].add(sb * ts));
         let mut sm = [_mm256_setzero_si256(); W];
         if !signed {
             for w in 0..W {
-                sm[w] = scales_mins_k4(blk[w].as_ptr());
+                sm[w] = scales_mins_k4(blk[w]);
             }
         }
         for j in 0..8 {
@@ -838,12 +877,11 @@ mod x86 {
                 av[r] = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
             }
             for w in 0..W {
-                let wv = U::unpack(blk[w], j).0;
+                let wv = U::levels(blk[w], j);
                 let ax = if signed { _mm256_sign_epi8(wv, wv) } else { wv };
                 let scv = if signed {
-                    let (h, k) = (j / 4, j % 4);
-                    let a = *blk[w].get_unchecked(192 + h * 8 + 2 * k) as i8 as i16;
-                    let c = *blk[w].get_unchecked(192 + h * 8 + 2 * k + 1) as i8 as i16;
+                    let a = *blk[w].add(192 + 2 * j) as i8 as i16;
+                    let c = *blk[w].add(192 + 2 * j + 1) as i8 as i16;
                     _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a))
                 } else {
                     // Broadcast 16-bit lane j of the scales.
@@ -861,12 +899,11 @@ mod x86 {
                 }
             }
         }
-        for r in 0..R {
-            let blocks = acts[r].get_unchecked(sb * 8..sb * 8 + 8);
-            let da = blocks[0].d;
-            // The eight block sums as 16-bit lanes (each |sum| <= 32 * 128).
-            let sums = if U::HAS_MIN {
-                _mm_set_epi16(
+        if U::HAS_MIN {
+            for r in 0..R {
+                let blocks = acts[r].get_unchecked(sb * 8..sb * 8 + 8);
+                // The eight block sums as 16-bit lanes (each |sum| <= 32 * 128).
+                let sums = _mm_set_epi16(
                     blocks[7].sum as i16,
                     blocks[6].sum as i16,
                     blocks[5].sum as i16,
@@ -875,29 +912,37 @@ mod x86 {
                     blocks[2].sum as i16,
                     blocks[1].sum as i16,
                     blocks[0].sum as i16,
-                )
-            } else {
-                _mm_setzero_si128()
-            };
-            for w in 0..W {
-                let (d, dmin) = if signed {
-                    (h2f(blk[w], 208), 0.0)
-                } else {
-                    (h2f(blk[w], 0), h2f(blk[w], 2))
-                };
-                acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[w][r]), _mm256_set1_ps(d * da), acc[w][r]);
-                if U::HAS_MIN {
-                    let mins = _mm256_extracti128_si256(sm[w], 1);
-                    let prod = _mm_madd_epi16(mins, sums);
-                    let minsum = hsum_i32(_mm256_castsi128_si256(prod)) as f32;
-                    let m = _mm256_set_ps(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, minsum);
-                    acc[w][r] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin * da)), m, acc[w][r]);
+                );
+                for w in 0..W {
+                    let m = _mm256_extracti128_si256(sm[w], 1);
+                    mins[w][r] = _mm256_castsi128_si256(_mm_madd_epi16(m, sums));
+                    // The upper half of a cast is undefined; clear it.
+                    mins[w][r] = _mm256_inserti128_si256(mins[w][r], _mm_setzero_si128(), 1);
                 }
             }
         }
+        (lanes, mins)
     }
 
-    /// `W` weight rows of a K-quant type against `R` activation rows.
+    /// Horizontal sum of eight 32-bit integers (exact).
+    #[inline(always)]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b01_00_11_10));
+        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b10_11_00_01));
+        _mm_cvtsi128_si32(x)
+    }
+
+    /// `fma(a, b, c)` on scalars, as one instruction.
+    #[inline(always)]
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)))
+    }
+
+    /// `W` weight rows of a K-quant type against `R` activation rows. A
+    /// super-block's lanes are summed to its one integer at once (a
+    /// super-block is long enough that this costs little) and added to
+    /// accumulator `sb % 8` as scalars.
     #[inline(always)]
     unsafe fn k_tile<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         ty: GgmlType,
@@ -907,19 +952,29 @@ mod x86 {
         out: &mut [f32],
     ) {
         let ts = ty.type_size();
-        let n = row_bytes / ts;
-        let mut even = [[_mm256_setzero_ps(); R]; W];
-        let mut odd = [[_mm256_setzero_ps(); R]; W];
-        let mut sb = 0;
-        while sb + 1 < n {
-            k_step::<U, VNNI, W, R>(rows, ts, sb, acts, &mut even);
-            k_step::<U, VNNI, W, R>(rows, ts, sb + 1, acts, &mut odd);
-            sb += 2;
+        let nsb = row_bytes / ts;
+        let mut acc = [[Acc8::new(); R]; W];
+        for sb in 0..nsb {
+            let (lanes, mins) = k_lanes::<U, VNNI, W, R>(rows, ts, nsb, sb, acts);
+            for w in 0..W {
+                let blk = rows[w].add(sb * ts);
+                let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h16(blk.add(U::D_AT)) as i32)));
+                let dmin = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h16(blk.add(U::M_AT)) as i32)));
+                for r in 0..R {
+                    let da = acts[r].get_unchecked(sb * 8).d;
+                    let lane = acc[w][r].0.get_unchecked_mut(sb % 8);
+                    *lane = fma1(hsum_i32(lanes[w][r]) as f32, d * da, *lane);
+                    if U::HAS_MIN {
+                        *lane = fma1(-(dmin * da), hsum_i32(mins[w][r]) as f32, *lane);
+                    }
+                }
+            }
         }
-        if sb < n {
-            k_step::<U, VNNI, W, R>(rows, ts, sb, acts, &mut even);
+        for w in 0..W {
+            for r in 0..R {
+                *out.get_unchecked_mut(w * R + r) = acc[w][r].finish();
+            }
         }
-        finish_tile(&even, &odd, out);
     }
 
     /// One tile of a given type.

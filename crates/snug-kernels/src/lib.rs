@@ -7,6 +7,8 @@
 //! - [`dot`]: quantized dot products with a scalar reference and AVX2 /
 //!   AVX-512 VNNI paths that are bitwise equal to it.
 //! - [`matmul`]: batched matrix multiplication over [`pool`]'s threads.
+//! - [`panel`]: row-interleaved weight panels, the matrix-product kernel
+//!   for many activation rows.
 //! - [`kv`]: KV page storage and attention through page lists.
 //! - [`ops`]: normalization, rotary embedding, activations, softmax.
 //! - [`cpu`]: which SIMD path runs.
@@ -16,6 +18,7 @@ pub mod dot;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
+pub mod panel;
 pub mod pool;
 pub mod quant;
 pub mod vec;

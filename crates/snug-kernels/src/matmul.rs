@@ -2,13 +2,19 @@
 //! matrix in any supported GGML type and a batch of f32 activation rows.
 //!
 //! Activations are quantized once per call, in the format ggml pairs with
-//! the weight type ([`act_format`]); threads
-//! take contiguous ranges of output features; each output is one
-//! [`dot_rows`] result, whose operation order depends only on its own row.
-//! So a row's outputs are bitwise the same whatever the batch width, the
-//! row's place in it, or the thread count.
+//! the weight type ([`act_format`]); threads take 16 output features at a
+//! time. With a few activation rows each output is one [`dot_rows`] result
+//! (the weights stream from memory once); with more, the task packs its 16
+//! weight rows into a [`Panel`] and runs every activation row against it.
+//! Both compute exactly the reference's operations in its order, which
+//! depends only on the output's own row, so a row's outputs are bitwise the
+//! same whatever the batch width, the row's place in it, the kernel chosen,
+//! or the thread count.
+
+use std::cell::RefCell;
 
 use crate::dot::{act_format, dot_f32, dot_tile, quantize_row, supports, BlockQ8, QK8};
+use crate::panel::{self, activation_aux, aux_len, Panel};
 use crate::pool::ThreadPool;
 use crate::quant::{dequantize, GgmlType};
 
@@ -47,6 +53,8 @@ pub fn matmul_supports(ty: GgmlType) -> bool {
 #[derive(Default)]
 pub struct MatmulScratch {
     q8: Vec<BlockQ8>,
+    /// Per activation row, the values panels read beside its blocks.
+    aux: Vec<i32>,
 }
 
 impl MatmulScratch {
@@ -54,16 +62,17 @@ impl MatmulScratch {
     pub fn with_capacity(rows: usize, cols: usize) -> MatmulScratch {
         MatmulScratch {
             q8: crate::vec::committed(BlockQ8::default(), rows * cols.div_ceil(QK8)),
+            aux: crate::vec::committed(0, rows * aux_len(GgmlType::Q6K, cols.div_ceil(QK8))),
         }
     }
 
     pub fn bytes(&self) -> usize {
-        self.q8.capacity() * std::mem::size_of::<BlockQ8>()
+        self.q8.capacity() * std::mem::size_of::<BlockQ8>() + self.aux.capacity() * 4
     }
 }
 
 struct SendPtr(*mut f32);
-struct SendBlocks(*mut BlockQ8);
+struct SendBlocks(*mut BlockQ8, *mut i32);
 unsafe impl Sync for SendBlocks {}
 unsafe impl Sync for SendPtr {}
 unsafe impl Send for SendPtr {}
@@ -76,6 +85,17 @@ const SERIAL_QUANTIZE_ROWS: usize = 4;
 /// Activation rows a task takes per pass over its weight rows (the kernel
 /// tiles them further).
 const ROWS_PER_PASS: usize = 64;
+
+/// From this many activation rows on, tasks pack their weight rows into a
+/// panel (packing costs about as much as a few rows of row-at-a-time
+/// products; measured with the `dotbench` example).
+pub const PANEL_MIN_ROWS: usize = 4;
+
+thread_local! {
+    /// Each thread's panel, reused across calls (it grows to the longest
+    /// weight row it has packed).
+    static PANEL: RefCell<Panel> = RefCell::new(Panel::new());
+}
 
 /// `out` (`n_rows x w.rows`) = `x` (`n_rows x w.cols`) times `w` transposed.
 pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut [f32], scratch: &mut MatmulScratch) {
@@ -103,22 +123,38 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     if scratch.q8.len() < n_rows * nb {
         scratch.q8.resize(n_rows * nb, BlockQ8::default());
     }
+    let use_panel = n_rows >= PANEL_MIN_ROWS && panel::available(w.ty);
+    let al = if use_panel { aux_len(w.ty, nb) } else { 0 };
+    if scratch.aux.len() < n_rows * al {
+        scratch.aux.resize(n_rows * al, 0);
+    }
     let format = act_format(w.ty);
+    let ty = w.ty;
     if n_rows <= SERIAL_QUANTIZE_ROWS {
         // A few rows quantize faster than a hand-off to the pool.
-        for (xr, qr) in x.chunks_exact(k).zip(scratch.q8.chunks_exact_mut(nb)) {
+        for (r, xr) in x.chunks_exact(k).enumerate() {
+            let qr = &mut scratch.q8[r * nb..(r + 1) * nb];
             quantize_row(format, xr, qr);
+            if use_panel {
+                activation_aux(ty, qr, &mut scratch.aux[r * al..(r + 1) * al]);
+            }
         }
     } else {
-        let q8_ptr = SendBlocks(scratch.q8.as_mut_ptr());
+        let q8_ptr = SendBlocks(scratch.q8.as_mut_ptr(), scratch.aux.as_mut_ptr());
         pool.run(n_rows, &|r| {
             let qp = &q8_ptr;
-            // SAFETY: each row's blocks are written by exactly one task.
+            // SAFETY: each row's blocks and aux values are written by
+            // exactly one task.
             let blocks = unsafe { std::slice::from_raw_parts_mut(qp.0.add(r * nb), nb) };
             quantize_row(format, &x[r * k..(r + 1) * k], blocks);
+            if use_panel {
+                let aux = unsafe { std::slice::from_raw_parts_mut(qp.1.add(r * al), al) };
+                activation_aux(ty, blocks, aux);
+            }
         });
     }
     let q8 = &scratch.q8[..n_rows * nb];
+    let aux = &scratch.aux[..n_rows * al];
     pool.run(tasks, &|t| {
         let op = &out_ptr;
         let o0 = t * FEATURES_PER_TASK;
@@ -126,21 +162,38 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
         let wrows: [&[u8]; FEATURES_PER_TASK] = std::array::from_fn(|i| w.row((o0 + i).min(o1 - 1)));
         let wrows = &wrows[..o1 - o0];
         let mut tile = [0f32; FEATURES_PER_TASK * ROWS_PER_PASS];
-        for r0 in (0..n_rows).step_by(ROWS_PER_PASS) {
-            let m = ROWS_PER_PASS.min(n_rows - r0);
-            let acts: [&[BlockQ8]; ROWS_PER_PASS] = std::array::from_fn(|i| {
-                let r = (r0 + i).min(n_rows - 1);
-                &q8[r * nb..(r + 1) * nb]
-            });
-            let out_tile = &mut tile[..wrows.len() * m];
-            dot_tile(w.ty, wrows, &acts[..m], out_tile);
-            for (i, o) in (o0..o1).enumerate() {
-                for r in 0..m {
-                    // SAFETY: each (r, o) is written by exactly one task.
-                    unsafe { *op.0.add((r0 + r) * n + o) = out_tile[i * m + r] };
+        PANEL.with(|p| {
+            let mut panel = p.borrow_mut();
+            if use_panel {
+                panel.pack(ty, wrows);
+            }
+            for r0 in (0..n_rows).step_by(ROWS_PER_PASS) {
+                let m = ROWS_PER_PASS.min(n_rows - r0);
+                let acts: [&[BlockQ8]; ROWS_PER_PASS] = std::array::from_fn(|i| {
+                    let r = (r0 + i).min(n_rows - 1);
+                    &q8[r * nb..(r + 1) * nb]
+                });
+                if use_panel {
+                    let auxs: [&[i32]; ROWS_PER_PASS] = std::array::from_fn(|i| {
+                        let r = (r0 + i).min(n_rows - 1);
+                        &aux[r * al..(r + 1) * al]
+                    });
+                    panel.dot_with(&acts[..m], &auxs[..m], o1 - o0, |r, i, v| {
+                        // SAFETY: each (r, o) is written by exactly one task.
+                        unsafe { *op.0.add((r0 + r) * n + o0 + i) = v };
+                    });
+                    continue;
+                }
+                let out_tile = &mut tile[..wrows.len() * m];
+                dot_tile(ty, wrows, &acts[..m], out_tile);
+                for (i, o) in (o0..o1).enumerate() {
+                    for r in 0..m {
+                        // SAFETY: each (r, o) is written by exactly one task.
+                        unsafe { *op.0.add((r0 + r) * n + o) = out_tile[i * m + r] };
+                    }
                 }
             }
-        }
+        });
     });
 }
 

@@ -134,6 +134,25 @@ fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
 struct SendPtr(*mut f32);
 unsafe impl Sync for SendPtr {}
 
+/// Runs the element-wise `f` over matching chunks of `a` and `b`, on the
+/// pool when they are long enough to pay for the hand-off (prefill). The
+/// chunking cannot change a value: each element is computed alone.
+fn par_zip(pool: &ThreadPool, a: &mut [f32], b: &[f32], f: fn(&mut [f32], &[f32])) {
+    const CHUNK: usize = 16 * 1024;
+    if a.len() <= CHUNK {
+        return f(a, b);
+    }
+    let len = a.len();
+    let ap = SendPtr(a.as_mut_ptr());
+    pool.run(len.div_ceil(CHUNK), &|t| {
+        let ap = &ap;
+        let (s, e) = (t * CHUNK, ((t + 1) * CHUNK).min(len));
+        // SAFETY: tasks take disjoint chunks of `a`, which outlives the run.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(ap.0.add(s), e - s) };
+        f(chunk, &b[s..e]);
+    });
+}
+
 fn mm(pool: &ThreadPool, w: &Weight, x: &[f32], n: usize, out: &mut [f32], s: &mut MatmulScratch) {
     matmul(pool, w, &x[..n * w.cols], n, &mut out[..n * w.rows], s);
 }
@@ -238,8 +257,8 @@ impl Model<'_> {
             trace("ffn_gate", l, nl, &s.gate[..n * c.ff]);
             trace("ffn_up", l, nl, &s.up[..n * c.ff]);
             match c.arch {
-                Arch::Gemma3 => gelu_mul(&mut s.gate[..n * c.ff], &s.up[..n * c.ff]),
-                Arch::Llama | Arch::Qwen2 => silu_mul(&mut s.gate[..n * c.ff], &s.up[..n * c.ff]),
+                Arch::Gemma3 => par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], gelu_mul),
+                Arch::Llama | Arch::Qwen2 => par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], silu_mul),
             }
             trace("ffn_act", l, nl, &s.gate[..n * c.ff]);
             mm(pool, &layer.w_down, &s.gate, n, &mut s.o, &mut s.mm);

@@ -1,0 +1,595 @@
+//! Row-interleaved weight panels: the matrix-product kernel for many
+//! activation rows (prefill chunks, verify batches).
+//!
+//! A panel holds 16 weight rows rearranged so that one 512-bit vector
+//! carries 4 consecutive elements of each of the 16 rows, one row per
+//! 32-bit lane, as unsigned bytes (the type's levels plus a fixed offset).
+//! One `vpdpbusd` against an activation's 4 bytes, broadcast to every lane,
+//! then does 64 multiply-adds for 16 rows at once, where the row-at-a-time
+//! kernels of [`crate::dot`] need a multiply and a widening add per 32
+//! products of one row. Packing costs about one pass over the 16 rows and
+//! is shared by every activation row of the call.
+//!
+//! The arithmetic is exactly the reference's (see [`crate::dot`]): each
+//! lane computes its row's integer `isum` per block (the offset is taken
+//! back out with the activation block's sum, exactly), then performs the
+//! same float operations in the same order, accumulators by block number
+//! modulo 8. So a row's result is bitwise the row-at-a-time kernels' result
+//! (tested), and choosing panels by batch size changes no bits.
+//!
+//! Panels need AVX-512 with VNNI; elsewhere [`available`] is false and the
+//! matrix product uses the row-at-a-time kernels.
+
+use crate::cpu::{simd, Simd};
+use crate::dot::BlockQ8;
+use crate::quant::GgmlType;
+
+/// Weight rows per panel (the lanes of a 512-bit vector of 32-bit sums).
+pub const PANEL_ROWS: usize = 16;
+
+/// Whether panels run on this machine for weight type `ty`.
+pub fn available(ty: GgmlType) -> bool {
+    simd() == Simd::Avx512Vnni && supports(ty)
+}
+
+/// The weight types panels handle.
+pub fn supports(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+    )
+}
+
+/// The offset added to a per-32-block type's levels to make them unsigned.
+fn level_offset(ty: GgmlType) -> i32 {
+    match ty {
+        GgmlType::Q4_0 => 8,
+        GgmlType::Q5_0 => 16,
+        GgmlType::Q8_0 => 128,
+        _ => 0,
+    }
+}
+
+/// 32-bit values per activation row that panels read beside the row's
+/// blocks ([`activation_aux`]), for rows of `n_blocks` 32-element blocks.
+pub fn aux_len(ty: GgmlType, n_blocks: usize) -> usize {
+    match ty {
+        // Per 16 elements: -32 times their activation sum.
+        GgmlType::Q6K => n_blocks * 2,
+        // Per pair of blocks: their two activation sums as 16-bit halves.
+        GgmlType::Q4K | GgmlType::Q5K => n_blocks / 2,
+        // Per block: -offset times its activation sum.
+        _ => n_blocks,
+    }
+}
+
+/// The per-row values that take a panel's level offset back out (or, for
+/// Q4_K / Q5_K, feed its minimums), from one quantized activation row.
+pub fn activation_aux(ty: GgmlType, act: &[BlockQ8], out: &mut [i32]) {
+    assert_eq!(out.len(), aux_len(ty, act.len()), "activation_aux: length");
+    match ty {
+        GgmlType::Q6K => {
+            for (b, o) in act.iter().zip(out.chunks_exact_mut(2)) {
+                for (h, v) in o.iter_mut().enumerate() {
+                    let s: i32 = b.qs[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum();
+                    *v = -32 * s;
+                }
+            }
+        }
+        GgmlType::Q4K | GgmlType::Q5K => {
+            for (p, o) in act.chunks_exact(2).zip(out.iter_mut()) {
+                *o = ((p[0].sum as u16 as u32) | ((p[1].sum as u16 as u32) << 16)) as i32;
+            }
+        }
+        _ => {
+            let off = level_offset(ty);
+            for (b, o) in act.iter().zip(out.iter_mut()) {
+                *o = -off * b.sum;
+            }
+        }
+    }
+}
+
+/// Sixteen weight rows of one type, interleaved (see the module docs).
+/// Buffers grow to the largest row seen and are reused.
+#[derive(Default)]
+pub struct Panel {
+    ty: Option<GgmlType>,
+    /// 32-element blocks per row.
+    n_blocks: usize,
+    /// Per block: 8 vectors of (16 rows x 4 bytes).
+    qs: Vec<u8>,
+    /// Per block (per super-block for K-quants): 16 scales.
+    d: Vec<f32>,
+    /// Per block: 16 minimums (`dmin` per super-block for K-quants).
+    m: Vec<f32>,
+    /// K-quants: per block (Q6_K: per 16 elements), 16 integer scales.
+    sc: Vec<i32>,
+    /// Q4_K / Q5_K: per pair of blocks, 16 pairs of 16-bit minimums.
+    mins: Vec<i32>,
+}
+
+impl Panel {
+    pub fn new() -> Panel {
+        Panel::default()
+    }
+
+    /// Bytes held by the panel's buffers.
+    pub fn bytes(&self) -> usize {
+        self.qs.capacity() + 4 * (self.d.capacity() + self.m.capacity() + self.sc.capacity() + self.mins.capacity())
+    }
+
+    /// Packs `rows` (1 to 16 weight rows of type `ty`, one length). Lanes
+    /// past the last row repeat it.
+    pub fn pack(&mut self, ty: GgmlType, rows: &[&[u8]]) {
+        assert!(available(ty), "panels: unsupported type {ty} or CPU");
+        assert!(!rows.is_empty() && rows.len() <= PANEL_ROWS, "panels: 1 to 16 rows");
+        let row_bytes = rows[0].len();
+        assert!(rows.iter().all(|r| r.len() == row_bytes), "panels: rows of one length");
+        assert_eq!(row_bytes % ty.type_size(), 0, "panels: whole weight blocks");
+        let n_blocks = row_bytes / ty.type_size() * (ty.block_size() / 32);
+        let n_sb = n_blocks / 8;
+        let k = matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K);
+        self.ty = Some(ty);
+        self.n_blocks = n_blocks;
+        let grow = |v: &mut Vec<i32>, n: usize| {
+            if v.len() < n {
+                v.resize(n, 0)
+            }
+        };
+        if self.qs.len() < n_blocks * 512 {
+            self.qs.resize(n_blocks * 512, 0);
+        }
+        let per_scale = if k { n_sb } else { n_blocks };
+        if self.d.len() < per_scale * 16 {
+            self.d.resize(per_scale * 16, 0.0);
+        }
+        if self.m.len() < per_scale * 16 {
+            self.m.resize(per_scale * 16, 0.0);
+        }
+        if ty == GgmlType::Q6K {
+            grow(&mut self.sc, n_sb * 16 * 16);
+        } else if k {
+            grow(&mut self.sc, n_sb * 8 * 16);
+            grow(&mut self.mins, n_sb * 4 * 16);
+        }
+        let lane_rows: [&[u8]; PANEL_ROWS] = std::array::from_fn(|i| rows[i.min(rows.len() - 1)]);
+        // SAFETY: `available` checked the CPU; buffers sized above.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            x86::pack(self, ty, &lane_rows)
+        }
+    }
+
+    /// Dot products of the packed rows with each activation row in `acts`
+    /// (`aux` holds each row's [`activation_aux`]): `out[lane * acts.len() +
+    /// r]` for the first `out.len() / acts.len()` lanes.
+    pub fn dot(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], out: &mut [f32]) {
+        assert!(
+            !acts.is_empty() && out.len().is_multiple_of(acts.len()),
+            "panel: output shape"
+        );
+        let lanes = out.len() / acts.len();
+        let n = acts.len();
+        self.dot_with(acts, aux, lanes, |r, lane, v| out[lane * n + r] = v);
+    }
+
+    /// As [`Panel::dot`], handing each result to `put(r, lane, value)` for
+    /// the first `lanes` lanes.
+    pub fn dot_with(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, mut put: impl FnMut(usize, usize, f32)) {
+        let ty = self.ty.expect("panel: packed");
+        assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
+        assert!(lanes <= PANEL_ROWS, "panel: at most 16 lanes");
+        assert!(
+            acts.iter().all(|a| a.len() == self.n_blocks),
+            "panel: activation length"
+        );
+        let al = aux_len(ty, self.n_blocks);
+        assert!(aux.iter().all(|a| a.len() == al), "panel: aux length");
+        let n = acts.len();
+        let mut r0 = 0;
+        while r0 < n {
+            let rt = (n - r0).min(4);
+            let mut tile = [[0f32; PANEL_ROWS]; 4];
+            // SAFETY: `pack` checked the CPU; shapes checked above.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                x86::dot(self, ty, &acts[r0..r0 + rt], &aux[r0..r0 + rt], &mut tile)
+            };
+            for (r, t) in tile.iter().enumerate().take(rt) {
+                for (lane, &v) in t.iter().enumerate().take(lanes) {
+                    put(r0 + r, lane, v);
+                }
+            }
+            r0 += rt;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // lane- and row-indexed register arrays
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{level_offset, Panel, PANEL_ROWS};
+    use crate::dot::x86::{Unpack, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+    use crate::dot::{k_scales, BlockQ8};
+    use crate::quant::GgmlType;
+
+    /// Writes 32 unsigned levels of lane `i` into block `b`'s 8 vectors.
+    #[inline(always)]
+    unsafe fn put_levels(qs: &mut [u8], b: usize, i: usize, v: __m256i) {
+        let mut tmp = [0u32; 8];
+        _mm256_storeu_si256(tmp.as_mut_ptr() as *mut __m256i, v);
+        let base = qs.as_mut_ptr().add(b * 512 + i * 4) as *mut u32;
+        for (t, &x) in tmp.iter().enumerate() {
+            base.add(t * 16).write_unaligned(x);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            (p as *const u16).read_unaligned() as i32
+        )))
+    }
+
+    #[inline(always)]
+    unsafe fn pack_blocks<U: Unpack>(p: &mut Panel, ty: GgmlType, rows: &[&[u8]; PANEL_ROWS]) {
+        let ts = ty.type_size();
+        let off = _mm256_set1_epi8(level_offset(ty) as u8 as i8);
+        for (i, row) in rows.iter().enumerate() {
+            for b in 0..p.n_blocks {
+                let blk = row.as_ptr().add(b * ts);
+                put_levels(&mut p.qs, b, i, _mm256_add_epi8(U::levels(blk, 0), off));
+                p.d[b * 16 + i] = f16_at(blk.add(U::D_AT));
+                if U::HAS_MIN {
+                    p.m[b * 16 + i] = f16_at(blk.add(U::M_AT));
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn pack_k<U: Unpack>(p: &mut Panel, ty: GgmlType, rows: &[&[u8]; PANEL_ROWS]) {
+        let ts = ty.type_size();
+        let six = ty == GgmlType::Q6K;
+        let off = _mm256_set1_epi8(if six { 32 } else { 0 });
+        for (i, row) in rows.iter().enumerate() {
+            for sb in 0..p.n_blocks / 8 {
+                let blk = row.as_ptr().add(sb * ts);
+                for j in 0..8 {
+                    put_levels(&mut p.qs, sb * 8 + j, i, _mm256_add_epi8(U::levels(blk, j), off));
+                }
+                let ks = k_scales(ty, std::slice::from_raw_parts(blk, ts));
+                p.d[sb * 16 + i] = ks.d;
+                if six {
+                    for g in 0..16 {
+                        p.sc[(sb * 16 + g) * 16 + i] = ks.sc[g];
+                    }
+                } else {
+                    p.m[sb * 16 + i] = ks.dmin;
+                    for j in 0..8 {
+                        p.sc[(sb * 8 + j) * 16 + i] = ks.sc[2 * j];
+                    }
+                    for q in 0..4 {
+                        let pair = (ks.min[2 * q] as u32) | ((ks.min[2 * q + 1] as u32) << 16);
+                        p.mins[(sb * 4 + q) * 16 + i] = pair as i32;
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn pack(p: &mut Panel, ty: GgmlType, rows: &[&[u8]; PANEL_ROWS]) {
+        match ty {
+            GgmlType::Q4_0 => pack_blocks::<Q4_0>(p, ty, rows),
+            GgmlType::Q4_1 => pack_blocks::<Q4_1>(p, ty, rows),
+            GgmlType::Q5_0 => pack_blocks::<Q5_0>(p, ty, rows),
+            GgmlType::Q5_1 => pack_blocks::<Q5_1>(p, ty, rows),
+            GgmlType::Q8_0 => pack_blocks::<Q8_0>(p, ty, rows),
+            GgmlType::Q4K => pack_k::<Q4K>(p, ty, rows),
+            GgmlType::Q5K => pack_k::<Q5K>(p, ty, rows),
+            GgmlType::Q6K => pack_k::<Q6K>(p, ty, rows),
+            _ => unreachable!(),
+        }
+    }
+
+    /// The activation's 4 bytes at element `4t` of block `a`, in every lane.
+    #[inline(always)]
+    unsafe fn act4(a: &BlockQ8, t: usize) -> __m512i {
+        _mm512_set1_epi32((a.qs.as_ptr().add(4 * t) as *const i32).read_unaligned())
+    }
+
+    /// The canonical sum of a lane's eight accumulators, for 16 lanes.
+    #[inline(always)]
+    unsafe fn finish(acc: &[__m512; 8]) -> __m512 {
+        let a01 = _mm512_add_ps(acc[0], acc[1]);
+        let a23 = _mm512_add_ps(acc[2], acc[3]);
+        let a45 = _mm512_add_ps(acc[4], acc[5]);
+        let a67 = _mm512_add_ps(acc[6], acc[7]);
+        _mm512_add_ps(_mm512_add_ps(a01, a23), _mm512_add_ps(a45, a67))
+    }
+
+    /// Per-32-block types: accumulator class `c` takes blocks c, c+8, ...
+    #[inline(always)]
+    unsafe fn dot_blocks<const MIN: bool, const OFF: bool, const R: usize>(
+        p: &Panel,
+        acts: &[&[BlockQ8]],
+        aux: &[&[i32]],
+        out: &mut [[f32; PANEL_ROWS]; 4],
+    ) {
+        let mut accs = [[_mm512_setzero_ps(); 8]; R];
+        for c in 0..8 {
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut b = c;
+            while b < p.n_blocks {
+                let q = p.qs.as_ptr().add(b * 512);
+                let w: [__m512i; 8] = std::array::from_fn(|t| _mm512_loadu_si512(q.add(t * 64) as *const __m512i));
+                let dw = _mm512_loadu_ps(p.d.as_ptr().add(b * 16));
+                let mw = if MIN {
+                    _mm512_loadu_ps(p.m.as_ptr().add(b * 16))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                for r in 0..R {
+                    let a = acts.get_unchecked(r).get_unchecked(b);
+                    let mut i = if OFF {
+                        _mm512_set1_epi32(*aux.get_unchecked(r).get_unchecked(b))
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    for t in 0..8 {
+                        i = _mm512_dpbusd_epi32(i, w[t], act4(a, t));
+                    }
+                    let s = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), s, acc[r]);
+                    if MIN {
+                        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[r]);
+                    }
+                }
+                b += 8;
+            }
+            for r in 0..R {
+                accs[r][c] = acc[r];
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), finish(&accs[r]));
+        }
+    }
+
+    /// K-quant types: accumulator class `c` takes super-blocks c, c+8, ...
+    /// `SIX`: Q6_K (signed 8-bit scales per 16 elements, levels offset by
+    /// 32, no minimum); otherwise Q4_K / Q5_K (6-bit scales per 32
+    /// elements, minimums).
+    #[inline(always)]
+    unsafe fn dot_k<const SIX: bool, const R: usize>(
+        p: &Panel,
+        acts: &[&[BlockQ8]],
+        aux: &[&[i32]],
+        out: &mut [[f32; PANEL_ROWS]; 4],
+    ) {
+        let n_sb = p.n_blocks / 8;
+        let neg = _mm512_set1_epi32(i32::MIN);
+        let mut accs = [[_mm512_setzero_ps(); 8]; R];
+        for c in 0..8 {
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut sb = c;
+            while sb < n_sb {
+                let mut isum = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    let blk = sb * 8 + j;
+                    let q = p.qs.as_ptr().add(blk * 512);
+                    let w: [__m512i; 8] = std::array::from_fn(|t| _mm512_loadu_si512(q.add(t * 64) as *const __m512i));
+                    if SIX {
+                        let s0 = _mm512_loadu_si512(p.sc.as_ptr().add((2 * blk) * 16) as *const __m512i);
+                        let s1 = _mm512_loadu_si512(p.sc.as_ptr().add((2 * blk + 1) * 16) as *const __m512i);
+                        for r in 0..R {
+                            let a = acts.get_unchecked(r).get_unchecked(blk);
+                            let x = aux.get_unchecked(r);
+                            let mut i0 = _mm512_set1_epi32(*x.get_unchecked(2 * blk));
+                            let mut i1 = _mm512_set1_epi32(*x.get_unchecked(2 * blk + 1));
+                            for t in 0..4 {
+                                i0 = _mm512_dpbusd_epi32(i0, w[t], act4(a, t));
+                                i1 = _mm512_dpbusd_epi32(i1, w[t + 4], act4(a, t + 4));
+                            }
+                            isum[r] = _mm512_add_epi32(
+                                isum[r],
+                                _mm512_add_epi32(_mm512_mullo_epi32(i0, s0), _mm512_mullo_epi32(i1, s1)),
+                            );
+                        }
+                    } else {
+                        let s = _mm512_loadu_si512(p.sc.as_ptr().add(blk * 16) as *const __m512i);
+                        for r in 0..R {
+                            let a = acts.get_unchecked(r).get_unchecked(blk);
+                            let mut i0 = _mm512_setzero_si512();
+                            let mut i1 = _mm512_setzero_si512();
+                            for t in 0..4 {
+                                i0 = _mm512_dpbusd_epi32(i0, w[t], act4(a, t));
+                                i1 = _mm512_dpbusd_epi32(i1, w[t + 4], act4(a, t + 4));
+                            }
+                            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(i0, i1), s));
+                        }
+                    }
+                }
+                let d = _mm512_loadu_ps(p.d.as_ptr().add(sb * 16));
+                for r in 0..R {
+                    let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
+                }
+                if !SIX {
+                    let dmin = _mm512_loadu_ps(p.m.as_ptr().add(sb * 16));
+                    let mv: [__m512i; 4] = std::array::from_fn(|q| {
+                        _mm512_loadu_si512(p.mins.as_ptr().add((sb * 4 + q) * 16) as *const __m512i)
+                    });
+                    for r in 0..R {
+                        let x = aux.get_unchecked(r);
+                        let mut msum = _mm512_setzero_si512();
+                        for q in 0..4 {
+                            msum = _mm512_dpwssd_epi32(msum, mv[q], _mm512_set1_epi32(*x.get_unchecked(sb * 4 + q)));
+                        }
+                        let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                        let cm =
+                            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), neg));
+                        acc[r] = _mm512_fmadd_ps(cm, _mm512_cvtepi32_ps(msum), acc[r]);
+                    }
+                }
+                sb += 8;
+            }
+            for r in 0..R {
+                accs[r][c] = acc[r];
+            }
+        }
+        for r in 0..R {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), finish(&accs[r]));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dot_r<const R: usize>(
+        p: &Panel,
+        ty: GgmlType,
+        acts: &[&[BlockQ8]],
+        aux: &[&[i32]],
+        out: &mut [[f32; PANEL_ROWS]; 4],
+    ) {
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => dot_blocks::<false, true, R>(p, acts, aux, out),
+            GgmlType::Q4_1 | GgmlType::Q5_1 => dot_blocks::<true, false, R>(p, acts, aux, out),
+            GgmlType::Q4K | GgmlType::Q5K => dot_k::<false, R>(p, acts, aux, out),
+            GgmlType::Q6K => dot_k::<true, R>(p, acts, aux, out),
+            _ => unreachable!(),
+        }
+    }
+
+    /// Up to four activation rows against a packed panel.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dot(
+        p: &Panel,
+        ty: GgmlType,
+        acts: &[&[BlockQ8]],
+        aux: &[&[i32]],
+        out: &mut [[f32; PANEL_ROWS]; 4],
+    ) {
+        match acts.len() {
+            1 => dot_r::<1>(p, ty, acts, aux, out),
+            2 => dot_r::<2>(p, ty, acts, aux, out),
+            3 => dot_r::<3>(p, ty, acts, aux, out),
+            _ => dot_r::<4>(p, ty, acts, aux, out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dot::{act_format, dot_rows_with, quantize_row, QK8};
+    use half::f16;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn f32(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    const TYPES: [GgmlType; 8] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+
+    fn weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..ty.bytes_for(n as u64).unwrap()).map(|_| rng.next() as u8).collect();
+        let at: &[usize] = match ty {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q6K => &[208],
+            _ => &[0, 2],
+        };
+        for blk in w.chunks_exact_mut(ty.type_size()) {
+            for &a in at {
+                let v = f16::from_f32(rng.f32() * 0.05);
+                blk[a..a + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+        }
+        w
+    }
+
+    #[test]
+    fn panels_equal_the_scalar_reference_bitwise() {
+        if !available(GgmlType::Q8_0) {
+            eprintln!("no AVX-512 VNNI here: panels are not used");
+            return;
+        }
+        let mut rng = Rng(42);
+        for ty in TYPES {
+            // Fewer than 8, exactly 8, and more than 8 blocks or super-blocks
+            // (accumulator classes with no, one and two blocks).
+            for n in [768, 2048, 2304, 4608] {
+                let nb = n / QK8;
+                for n_w in [16, 5, 1] {
+                    let ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
+                    let wrefs: Vec<&[u8]> = ws.iter().map(|v| v.as_slice()).collect();
+                    let n_r = 7;
+                    let acts: Vec<Vec<BlockQ8>> = (0..n_r)
+                        .map(|r| {
+                            let x: Vec<f32> = (0..n).map(|_| rng.f32() * (0.5 + r as f32)).collect();
+                            let mut q = vec![BlockQ8::default(); nb];
+                            quantize_row(act_format(ty), &x, &mut q);
+                            q
+                        })
+                        .collect();
+                    let aux: Vec<Vec<i32>> = acts
+                        .iter()
+                        .map(|a| {
+                            let mut v = vec![0; aux_len(ty, nb)];
+                            activation_aux(ty, a, &mut v);
+                            v
+                        })
+                        .collect();
+                    let arefs: Vec<&[BlockQ8]> = acts.iter().map(|v| v.as_slice()).collect();
+                    let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
+                    let mut panel = Panel::new();
+                    panel.pack(ty, &wrefs);
+                    for rows in [n_r, 4, 3, 1] {
+                        let mut got = vec![0f32; n_w * rows];
+                        panel.dot(&arefs[..rows], &xrefs[..rows], &mut got);
+                        for w in 0..n_w {
+                            let mut want = vec![0f32; rows];
+                            dot_rows_with(Simd::Scalar, ty, &ws[w], &arefs[..rows], &mut want);
+                            for r in 0..rows {
+                                assert_eq!(
+                                    got[w * rows + r].to_bits(),
+                                    want[r].to_bits(),
+                                    "{ty} n {n} rows {n_w}x{rows} at ({w}, {r}): {} vs {}",
+                                    got[w * rows + r],
+                                    want[r]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
