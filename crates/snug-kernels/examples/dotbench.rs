@@ -38,7 +38,7 @@ fn main() {
             let row_bytes = ty.bytes_for(k as u64).unwrap() as usize;
             let w: Vec<u8> = (0..row_bytes * rows).map(|i| (i * 31 % 251) as u8 & 0x3f).collect();
             let wrows: Vec<&[u8]> = w.chunks(row_bytes).collect();
-            for n in [1usize, 64] {
+            for n in [1usize, 2, 4, 8, 64] {
                 let mut out = vec![0f32; 16 * n];
                 let reps = if n == 1 {
                     (51200 / rows).max(2)
@@ -80,9 +80,9 @@ fn main() {
         let w: Vec<u8> = (0..row_bytes * rows).map(|i| (i * 31 % 251) as u8 & 0x3f).collect();
         let wrows: Vec<&[u8]> = w.chunks(row_bytes).collect();
         let mut panel = Panel::new();
-        for n in [64usize, 512] {
+        for n in [2usize, 4, 8, 64, 512] {
             let mut out = vec![0f32; 16 * n];
-            let reps = (4096 / rows).max(1) * 64 / n;
+            let reps = (4096 / rows).max(1) * 64 / n.min(64) * 64 / n.max(64);
             let t = Instant::now();
             for _ in 0..reps.max(1) {
                 for task in wrows.chunks(16) {

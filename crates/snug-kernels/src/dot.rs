@@ -741,18 +741,6 @@ pub(crate) mod x86 {
         out
     }
 
-    /// Writes the canonical sums of a tile's accumulators, `out[w * R + r]`.
-    #[inline(always)]
-    unsafe fn finish_tile<const W: usize, const R: usize>(acc: &[[__m256; R]; W], out: &mut [f32]) {
-        for w in 0..W {
-            for r in 0..R {
-                let mut a = Acc8::new();
-                _mm256_storeu_ps(a.0.as_mut_ptr(), acc[w][r]);
-                *out.get_unchecked_mut(w * R + r) = a.finish();
-            }
-        }
-    }
-
     /// `W` weight rows of a 32-element block type against `R` activation
     /// rows, eight blocks at a time: their lane vectors are reduced to one
     /// vector of eight exact block sums, whose lane j is block `8g + j`,
@@ -769,8 +757,8 @@ pub(crate) mod x86 {
         let nb = row_bytes / ts;
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         let mut g = 0;
-        while g < nb {
-            let n = (nb - g).min(8);
+        while g + 8 <= nb {
+            let n = 8;
             let mut q = [[[_mm256_setzero_si256(); 2]; R]; W];
             for half in 0..2 {
                 let mut h = [[[_mm256_setzero_si256(); 2]; R]; W];
@@ -817,7 +805,39 @@ pub(crate) mod x86 {
             }
             g += 8;
         }
-        finish_tile(&acc, out);
+        // The last blocks (fewer than eight) one by one, into their lanes.
+        let mut sums = [[Acc8::new(); R]; W];
+        for w in 0..W {
+            for r in 0..R {
+                _mm256_storeu_ps(sums[w][r].0.as_mut_ptr(), acc[w][r]);
+            }
+        }
+        for b in g..nb {
+            let lanes = block_lanes::<U, VNNI, W, R>(rows, ts, nb, b, acts);
+            for w in 0..W {
+                let blk = rows[w].add(b * ts);
+                let dw = h2f(blk.add(U::D_AT));
+                for r in 0..R {
+                    let a = acts[r].get_unchecked(b);
+                    let lane = sums[w][r].0.get_unchecked_mut(b % 8);
+                    *lane = fma1(hsum_i32(lanes[w][r]) as f32, dw * a.d, *lane);
+                    if U::HAS_MIN {
+                        *lane = fma1(h2f(blk.add(U::M_AT)), a.s, *lane);
+                    }
+                }
+            }
+        }
+        for w in 0..W {
+            for r in 0..R {
+                *out.get_unchecked_mut(w * R + r) = sums[w][r].finish();
+            }
+        }
+    }
+
+    /// An f16 in memory as f32.
+    #[inline(always)]
+    unsafe fn h2f(p: *const u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h16(p) as u16 as i32)))
     }
 
     /// The eight 6-bit scales and minimums of a Q4_K / Q5_K super-block
@@ -958,8 +978,8 @@ pub(crate) mod x86 {
             let (lanes, mins) = k_lanes::<U, VNNI, W, R>(rows, ts, nsb, sb, acts);
             for w in 0..W {
                 let blk = rows[w].add(sb * ts);
-                let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h16(blk.add(U::D_AT)) as i32)));
-                let dmin = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h16(blk.add(U::M_AT)) as i32)));
+                let d = h2f(blk.add(U::D_AT));
+                let dmin = h2f(blk.add(U::M_AT));
                 for r in 0..R {
                     let da = acts[r].get_unchecked(sb * 8).d;
                     let lane = acc[w][r].0.get_unchecked_mut(sb % 8);
@@ -975,6 +995,68 @@ pub(crate) mod x86 {
                 *out.get_unchecked_mut(w * R + r) = acc[w][r].finish();
             }
         }
+    }
+
+    /// Two activation blocks (64 bytes, not adjacent in memory) as one
+    /// 512-bit vector.
+    #[inline(always)]
+    unsafe fn act64(a: &[BlockQ8], b: usize) -> __m512i {
+        let lo = _mm256_loadu_si256(a.get_unchecked(b).qs.as_ptr() as *const __m256i);
+        let hi = _mm256_loadu_si256(a.get_unchecked(b + 1).qs.as_ptr() as *const __m256i);
+        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+    }
+
+    /// Q6_K against one activation row with 512-bit vectors: 64 elements
+    /// (two blocks) per step, signs moved to the activations with a mask.
+    /// Same integers and float operations as [`k_tile`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_row(row: *const u8, nsb: usize, act: &[BlockQ8]) -> f32 {
+        const TS: usize = 210;
+        let m4 = _mm512_set1_epi8(15);
+        let m2 = _mm512_set1_epi8(3);
+        let c32 = _mm512_set1_epi8(32);
+        // Per pair p (blocks 2p, 2p + 1; k = 2 * (p % 2)): the high bits sit
+        // at shift 2k for the even block and 2k + 2 for the odd one.
+        // (Loops, not closures: a closure does not inherit the target
+        // features, and its intrinsics would become calls.)
+        let mut hshift = [_mm512_setzero_si512(); 2];
+        for odd in 0..2 {
+            let k = 2 * odd as i16;
+            hshift[odd] = _mm512_inserti64x4(_mm512_set1_epi16(2 * k), _mm256_set1_epi16(2 * k + 2), 1);
+        }
+        // Per pair p, the 16-bit lane indices of scales 4p..4p + 4, eight
+        // lanes each (a 16-bit lane of `maddubs` covers two elements).
+        let mut idx = [_mm512_setzero_si512(); 4];
+        for p in 0..4 {
+            let g = 4 * p as i16;
+            let lo = _mm256_blend_epi32(_mm256_set1_epi16(g), _mm256_set1_epi16(g + 1), 0xf0);
+            let hi = _mm256_blend_epi32(_mm256_set1_epi16(g + 2), _mm256_set1_epi16(g + 3), 0xf0);
+            idx[p] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+        let mut acc = Acc8::new();
+        for sb in 0..nsb {
+            let blk = row.add(sb * TS);
+            let sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i)));
+            let mut isum = _mm512_setzero_si512();
+            for p in 0..4 {
+                let h = p / 2;
+                let ql = _mm512_loadu_si512(blk.add(h * 64) as *const __m512i);
+                let ql = if p % 2 == 1 { _mm512_srli_epi16(ql, 4) } else { ql };
+                let lo = _mm512_and_si512(ql, m4);
+                let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(128 + h * 32) as *const __m256i));
+                let hi = _mm512_and_si512(_mm512_srlv_epi16(qh, hshift[p % 2]), m2);
+                let w = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), c32);
+                let a = act64(act, sb * 8 + 2 * p);
+                let neg = _mm512_movepi8_mask(w);
+                let sy = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
+                let p16 = _mm512_maddubs_epi16(_mm512_abs_epi8(w), sy);
+                isum = _mm512_dpwssd_epi32(isum, p16, _mm512_permutexvar_epi16(idx[p], sc));
+            }
+            let da = act.get_unchecked(sb * 8).d;
+            let lane = acc.0.get_unchecked_mut(sb % 8);
+            *lane = fma1(_mm512_reduce_add_epi32(isum) as f32, h2f(blk.add(208)) * da, *lane);
+        }
+        acc.finish()
     }
 
     /// One tile of a given type.
@@ -1044,6 +1126,10 @@ pub(crate) mod x86 {
                     2 => {
                         let a: &[&[BlockQ8]; 2] = &std::array::from_fn(|i| acts[r0 + i]);
                         tile::<VNNI, 1, 2>(ty, &[wrows[w0].as_ptr()], row_bytes, a, &mut tmp);
+                        wt = 1;
+                    }
+                    _ if VNNI && ty == GgmlType::Q6K => {
+                        tmp[0] = q6k_row(wrows[w0].as_ptr(), row_bytes / ty.type_size(), acts[r0]);
                         wt = 1;
                     }
                     _ => {

@@ -223,14 +223,39 @@ mod x86 {
     use crate::dot::{k_scales, BlockQ8};
     use crate::quant::GgmlType;
 
-    /// Writes 32 unsigned levels of lane `i` into block `b`'s 8 vectors.
+    /// Stores the 32 levels of each of 16 rows (`v[i]`, row i) as one
+    /// block's 8 vectors at `dst`: vector t holds bytes 4t..4t+4 of every
+    /// row, row i in lane i. Rows i and i + 8 share a vector, then each
+    /// 256-bit half goes through an 8x8 transpose of 32-bit elements.
     #[inline(always)]
-    unsafe fn put_levels(qs: &mut [u8], b: usize, i: usize, v: __m256i) {
-        let mut tmp = [0u32; 8];
-        _mm256_storeu_si256(tmp.as_mut_ptr() as *mut __m256i, v);
-        let base = qs.as_mut_ptr().add(b * 512 + i * 4) as *mut u32;
-        for (t, &x) in tmp.iter().enumerate() {
-            base.add(t * 16).write_unaligned(x);
+    unsafe fn transpose_store(v: &[__m256i; PANEL_ROWS], dst: *mut u8) {
+        // (Loops, not closures: a closure does not inherit the target
+        // features, and its intrinsics would become calls.)
+        let mut a = [_mm512_setzero_si512(); 8];
+        for i in 0..8 {
+            a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(v[i]), v[i + 8], 1);
+        }
+        let mut t = [_mm512_setzero_si512(); 8];
+        for i in 0..4 {
+            t[2 * i] = _mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
+        }
+        // u[q] for rows 0..4 (q < 4) and rows 4..8 (q >= 4): element
+        // (q % 4) and (q % 4) + 4 of each row.
+        let mut u = [_mm512_setzero_si512(); 8];
+        for g in [0, 4] {
+            u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+            u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+            u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+            u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+        }
+        let lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+        let hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+        for q in 0..4 {
+            let e0 = _mm512_permutex2var_epi64(u[q], lo, u[q + 4]);
+            let e1 = _mm512_permutex2var_epi64(u[q], hi, u[q + 4]);
+            _mm512_storeu_si512(dst.add(q * 64) as *mut __m512i, e0);
+            _mm512_storeu_si512(dst.add((q + 4) * 64) as *mut __m512i, e1);
         }
     }
 
@@ -245,13 +270,17 @@ mod x86 {
     unsafe fn pack_blocks<U: Unpack>(p: &mut Panel, ty: GgmlType, rows: &[&[u8]; PANEL_ROWS]) {
         let ts = ty.type_size();
         let off = _mm256_set1_epi8(level_offset(ty) as u8 as i8);
-        for (i, row) in rows.iter().enumerate() {
-            for b in 0..p.n_blocks {
-                let blk = row.as_ptr().add(b * ts);
-                put_levels(&mut p.qs, b, i, _mm256_add_epi8(U::levels(blk, 0), off));
-                p.d[b * 16 + i] = f16_at(blk.add(U::D_AT));
+        for b in 0..p.n_blocks {
+            let blk: [*const u8; PANEL_ROWS] = std::array::from_fn(|i| rows[i].as_ptr().add(b * ts));
+            let mut v = [_mm256_setzero_si256(); PANEL_ROWS];
+            for i in 0..PANEL_ROWS {
+                v[i] = _mm256_add_epi8(U::levels(blk[i], 0), off);
+            }
+            transpose_store(&v, p.qs.as_mut_ptr().add(b * 512));
+            for i in 0..PANEL_ROWS {
+                p.d[b * 16 + i] = f16_at(blk[i].add(U::D_AT));
                 if U::HAS_MIN {
-                    p.m[b * 16 + i] = f16_at(blk.add(U::M_AT));
+                    p.m[b * 16 + i] = f16_at(blk[i].add(U::M_AT));
                 }
             }
         }
@@ -262,13 +291,17 @@ mod x86 {
         let ts = ty.type_size();
         let six = ty == GgmlType::Q6K;
         let off = _mm256_set1_epi8(if six { 32 } else { 0 });
-        for (i, row) in rows.iter().enumerate() {
-            for sb in 0..p.n_blocks / 8 {
-                let blk = row.as_ptr().add(sb * ts);
-                for j in 0..8 {
-                    put_levels(&mut p.qs, sb * 8 + j, i, _mm256_add_epi8(U::levels(blk, j), off));
+        for sb in 0..p.n_blocks / 8 {
+            let blk: [*const u8; PANEL_ROWS] = std::array::from_fn(|i| rows[i].as_ptr().add(sb * ts));
+            for j in 0..8 {
+                let mut v = [_mm256_setzero_si256(); PANEL_ROWS];
+                for i in 0..PANEL_ROWS {
+                    v[i] = _mm256_add_epi8(U::levels(blk[i], j), off);
                 }
-                let ks = k_scales(ty, std::slice::from_raw_parts(blk, ts));
+                transpose_store(&v, p.qs.as_mut_ptr().add((sb * 8 + j) * 512));
+            }
+            for (i, &b) in blk.iter().enumerate() {
+                let ks = k_scales(ty, std::slice::from_raw_parts(b, ts));
                 p.d[sb * 16 + i] = ks.d;
                 if six {
                     for g in 0..16 {
@@ -333,7 +366,10 @@ mod x86 {
             let mut b = c;
             while b < p.n_blocks {
                 let q = p.qs.as_ptr().add(b * 512);
-                let w: [__m512i; 8] = std::array::from_fn(|t| _mm512_loadu_si512(q.add(t * 64) as *const __m512i));
+                let mut w = [_mm512_setzero_si512(); 8];
+                for t in 0..8 {
+                    w[t] = _mm512_loadu_si512(q.add(t * 64) as *const __m512i);
+                }
                 let dw = _mm512_loadu_ps(p.d.as_ptr().add(b * 16));
                 let mw = if MIN {
                     _mm512_loadu_ps(p.m.as_ptr().add(b * 16))
@@ -389,7 +425,10 @@ mod x86 {
                 for j in 0..8 {
                     let blk = sb * 8 + j;
                     let q = p.qs.as_ptr().add(blk * 512);
-                    let w: [__m512i; 8] = std::array::from_fn(|t| _mm512_loadu_si512(q.add(t * 64) as *const __m512i));
+                    let mut w = [_mm512_setzero_si512(); 8];
+                    for t in 0..8 {
+                        w[t] = _mm512_loadu_si512(q.add(t * 64) as *const __m512i);
+                    }
                     if SIX {
                         let s0 = _mm512_loadu_si512(p.sc.as_ptr().add((2 * blk) * 16) as *const __m512i);
                         let s1 = _mm512_loadu_si512(p.sc.as_ptr().add((2 * blk + 1) * 16) as *const __m512i);
@@ -428,9 +467,10 @@ mod x86 {
                 }
                 if !SIX {
                     let dmin = _mm512_loadu_ps(p.m.as_ptr().add(sb * 16));
-                    let mv: [__m512i; 4] = std::array::from_fn(|q| {
-                        _mm512_loadu_si512(p.mins.as_ptr().add((sb * 4 + q) * 16) as *const __m512i)
-                    });
+                    let mut mv = [_mm512_setzero_si512(); 4];
+                    for q in 0..4 {
+                        mv[q] = _mm512_loadu_si512(p.mins.as_ptr().add((sb * 4 + q) * 16) as *const __m512i);
+                    }
                     for r in 0..R {
                         let x = aux.get_unchecked(r);
                         let mut msum = _mm512_setzero_si512();
