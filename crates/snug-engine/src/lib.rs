@@ -254,17 +254,20 @@ impl<'m> Engine<'m> {
         Ok(&self.logits)
     }
 
-    /// Seconds per forward of 1 and 5 rows (a decode step and a verify of 4
-    /// draft tokens) on this machine, measured once per engine by appending
-    /// rows of `token` to `seq` and rolling them back. Empty when the
-    /// sequence has no room for the measurement. (The policy fits a line
-    /// through these and every later step's time.)
+    /// Seconds per forward of 1 and 9 rows (a decode step and a verify of
+    /// the longest draft) on this machine, measured once per engine by
+    /// appending rows of `token` to `seq` and rolling them back. Empty when
+    /// the sequence has no room for the measurement. (The policy fits a
+    /// line through these and every later step's time. The longest verify
+    /// is measured, not a shorter one, because the matrix product changes
+    /// kernels at six rows: a line through two short forwards would
+    /// overestimate long verifies.)
     pub fn speculation_costs(&mut self, seq: SeqId, token: u32) -> Result<Vec<(usize, f64)>, EngineError> {
         if let Some(c) = &self.spec_costs {
             return Ok(c.clone());
         }
         let held = self.tokens(seq)?.len();
-        let most = 5;
+        let most = snug_core::speculate::MAX_DRAFT + 1;
         if held + most > self.options.ctx {
             return Ok(Vec::new());
         }

@@ -12,7 +12,7 @@ use snug_kernels::panel::{activation_aux, aux_len, Panel};
 use snug_kernels::GgmlType;
 
 fn main() {
-    let k = 2048;
+    let k: usize = std::env::var("K").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
     let rows: usize = std::env::var("ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
     let all = [
         GgmlType::Q4_0,

@@ -219,11 +219,6 @@ impl Acc8 {
     }
 }
 
-/// The canonical final sum of the two 8-lane accumulator sets.
-pub(crate) fn reduce_sets(a0: [f32; 8], a1: [f32; 8]) -> f32 {
-    Acc([a0, a1]).finish()
-}
-
 /// One unpacked weight block: true integer levels, the scale (to be
 /// multiplied by the activation scale), and an optional minimum. K-quant
 /// blocks carry only their levels (their scales are integers, see

@@ -202,7 +202,10 @@ pub fn attend_group(
     scratch: &mut AttnScratch,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if let (Data::F16(d), true) = (&kv.data, crate::cpu::simd() >= crate::cpu::Simd::Avx2) {
+    if let (Data::F16(d), true) = (
+        &kv.data,
+        crate::cpu::simd() >= crate::cpu::Simd::Avx2 && q.len() / kv.shape.head_dim <= 8,
+    ) {
         let n = query.end - query.start;
         let scores = &mut scratch.scores[..q.len() / kv.shape.head_dim * n];
         // SAFETY: AVX2, FMA and F16C are present (checked by `simd`).
@@ -254,42 +257,48 @@ mod tests {
 
     #[test]
     fn fused_f16_attention_matches_the_generic_path_bitwise() {
-        let shape = KvShape {
-            layers: 2,
-            kv_heads: 2,
-            head_dim: 64,
-            page_tokens: 16,
-        };
-        let mut kv = KvStorage::new(shape, KvFormat::F16, 6);
-        let mut x = 0x1234_5678u32;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x % 2000) as f32 / 1000.0 - 1.0
-        };
-        let pages = [3u32, 0, 5, 1];
-        for p in 0..60 {
-            let k: Vec<f32> = (0..128).map(|_| rnd()).collect();
-            let v: Vec<f32> = (0..128).map(|_| rnd()).collect();
-            kv.write(1, pages[p / 16], p % 16, &k, &v);
-        }
-        let q: Vec<f32> = (0..3 * 64).map(|_| rnd() * 3.0).collect();
-        for (start, end) in [(0, 1), (0, 60), (13, 47)] {
-            let query = AttnQuery {
-                pages: &pages,
-                start,
-                end,
-            };
-            let mut s1 = AttnScratch::new(64, 64, 3);
-            let mut s2 = AttnScratch::new(64, 64, 3);
-            let (mut a, mut b) = (vec![0f32; 192], vec![0f32; 192]);
-            attend_group(&kv, 1, 1, &query, &q, 0.125, &mut a, &mut s1);
-            attend_group_generic(&kv, 1, 1, &query, &q, 0.125, &mut b, &mut s2);
-            assert!(
-                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{start}..{end}"
-            );
+        // Every group size the fused path specializes (1..=8 query heads per
+        // KV head, 9 goes generic), at the head sizes of the four models.
+        for hd in [64, 256] {
+            for group in 1..=9 {
+                let shape = KvShape {
+                    layers: 2,
+                    kv_heads: 2,
+                    head_dim: hd,
+                    page_tokens: 16,
+                };
+                let mut kv = KvStorage::new(shape, KvFormat::F16, 6);
+                let mut x = 0x1234_5678u32 ^ (hd * 31 + group) as u32;
+                let mut rnd = move || {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    (x % 2000) as f32 / 1000.0 - 1.0
+                };
+                let pages = [3u32, 0, 5, 1];
+                for p in 0..60 {
+                    let k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+                    let v: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+                    kv.write(1, pages[p / 16], p % 16, &k, &v);
+                }
+                let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 3.0).collect();
+                for (start, end) in [(0, 1), (0, 60), (13, 47)] {
+                    let query = AttnQuery {
+                        pages: &pages,
+                        start,
+                        end,
+                    };
+                    let mut s1 = AttnScratch::new(64, hd, group);
+                    let mut s2 = AttnScratch::new(64, hd, group);
+                    let (mut a, mut b) = (vec![0f32; group * hd], vec![0f32; group * hd]);
+                    attend_group(&kv, 1, 1, &query, &q, 0.125, &mut a, &mut s1);
+                    attend_group_generic(&kv, 1, 1, &query, &q, 0.125, &mut b, &mut s2);
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "head dim {hd}, group {group}, {start}..{end}"
+                    );
+                }
+            }
         }
     }
 }
@@ -305,6 +314,80 @@ mod x86 {
 
     use super::{softmax_row, AttnQuery, KvStorage};
 
+    /// The canonical sum of a dot product's two 8-lane sets (`reduce_sets`):
+    /// lanes added pairwise, then `((0+1)+(2+3))+((4+5)+(6+7))`, as vector
+    /// operations in that association.
+    #[inline(always)]
+    unsafe fn reduce(a0: __m256, a1: __m256) -> f32 {
+        let s = _mm256_add_ps(a0, a1);
+        let h = _mm256_hadd_ps(s, s);
+        let h = _mm256_hadd_ps(h, h);
+        _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)))
+    }
+
+    /// Scores and value sums of `G` query heads sharing a KV head: each key
+    /// and value element is converted once for the whole group, and a
+    /// head's accumulators stay in registers.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn group_f16<const G: usize>(
+        d: &[u16],
+        kv: &KvStorage,
+        layer: usize,
+        kv_head: usize,
+        query: &AttnQuery,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        scores: &mut [f32],
+    ) {
+        let pt = kv.shape.page_tokens;
+        let hd = kv.shape.head_dim;
+        let n = query.end - query.start;
+        for (i, p) in (query.start..query.end).enumerate() {
+            let o = kv.offset(query.pages[p / pt], layer, false, kv_head, p % pt);
+            let k = d[o..o + hd].as_ptr();
+            let mut a0 = [_mm256_setzero_ps(); G];
+            let mut a1 = [_mm256_setzero_ps(); G];
+            for c in (0..hd).step_by(16) {
+                let k0 = _mm256_cvtph_ps(_mm_loadu_si128(k.add(c) as *const __m128i));
+                let k1 = _mm256_cvtph_ps(_mm_loadu_si128(k.add(c + 8) as *const __m128i));
+                for g in 0..G {
+                    let qg = q.as_ptr().add(g * hd + c);
+                    a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), k0, a0[g]);
+                    a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(8)), k1, a1[g]);
+                }
+            }
+            for g in 0..G {
+                *scores.get_unchecked_mut(g * n + i) = reduce(a0[g], a1[g]) * scale;
+            }
+        }
+        for g in 0..G {
+            softmax_row(&mut scores[g * n..(g + 1) * n]);
+        }
+        // Values: 16 dimensions at a time, every position, into registers;
+        // each head's lanes still take the positions in order.
+        for c in (0..hd).step_by(16) {
+            let mut o0 = [_mm256_setzero_ps(); G];
+            let mut o1 = [_mm256_setzero_ps(); G];
+            for (i, p) in (query.start..query.end).enumerate() {
+                let o = kv.offset(query.pages[p / pt], layer, true, kv_head, p % pt);
+                let v = d.as_ptr().add(o + c);
+                let v0 = _mm256_cvtph_ps(_mm_loadu_si128(v as *const __m128i));
+                let v1 = _mm256_cvtph_ps(_mm_loadu_si128(v.add(8) as *const __m128i));
+                for g in 0..G {
+                    let w = _mm256_set1_ps(*scores.get_unchecked(g * n + i));
+                    o0[g] = _mm256_fmadd_ps(w, v0, o0[g]);
+                    o1[g] = _mm256_fmadd_ps(w, v1, o1[g]);
+                }
+            }
+            for g in 0..G {
+                _mm256_storeu_ps(out.as_mut_ptr().add(g * hd + c), o0[g]);
+                _mm256_storeu_ps(out.as_mut_ptr().add(g * hd + c + 8), o1[g]);
+            }
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn attend_group_f16(
@@ -318,44 +401,18 @@ mod x86 {
         out: &mut [f32],
         scores: &mut [f32],
     ) {
-        let pt = kv.shape.page_tokens;
         let hd = kv.shape.head_dim;
-        let group = q.len() / hd;
-        let n = query.end - query.start;
-        for (i, p) in (query.start..query.end).enumerate() {
-            let o = kv.offset(query.pages[p / pt], layer, false, kv_head, p % pt);
-            let k = d[o..o + hd].as_ptr();
-            for g in 0..group {
-                let qg = q.as_ptr().add(g * hd);
-                let mut a0 = _mm256_setzero_ps();
-                let mut a1 = _mm256_setzero_ps();
-                for c in (0..hd).step_by(16) {
-                    let k0 = _mm256_cvtph_ps(_mm_loadu_si128(k.add(c) as *const __m128i));
-                    let k1 = _mm256_cvtph_ps(_mm_loadu_si128(k.add(c + 8) as *const __m128i));
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c)), k0, a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c + 8)), k1, a1);
-                }
-                let (mut l0, mut l1) = ([0f32; 8], [0f32; 8]);
-                _mm256_storeu_ps(l0.as_mut_ptr(), a0);
-                _mm256_storeu_ps(l1.as_mut_ptr(), a1);
-                scores[g * n + i] = crate::dot::reduce_sets(l0, l1) * scale;
-            }
-        }
-        for g in 0..group {
-            softmax_row(&mut scores[g * n..(g + 1) * n]);
-        }
-        out.fill(0.0);
-        for (i, p) in (query.start..query.end).enumerate() {
-            let o = kv.offset(query.pages[p / pt], layer, true, kv_head, p % pt);
-            let v = d[o..o + hd].as_ptr();
-            for c in (0..hd).step_by(8) {
-                let v8 = _mm256_cvtph_ps(_mm_loadu_si128(v.add(c) as *const __m128i));
-                for g in 0..group {
-                    let op = out.as_mut_ptr().add(g * hd + c);
-                    let w = _mm256_set1_ps(scores[g * n + i]);
-                    _mm256_storeu_ps(op, _mm256_fmadd_ps(w, v8, _mm256_loadu_ps(op)));
-                }
-            }
+        debug_assert_eq!(hd % 16, 0);
+        match q.len() / hd {
+            1 => group_f16::<1>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            2 => group_f16::<2>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            3 => group_f16::<3>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            4 => group_f16::<4>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            5 => group_f16::<5>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            6 => group_f16::<6>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            7 => group_f16::<7>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            8 => group_f16::<8>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            g => unreachable!("attention: {g} query heads per KV head take the generic path"),
         }
     }
 }

@@ -162,7 +162,14 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
         let o1 = (o0 + FEATURES_PER_TASK).min(n);
         let wrows: [&[u8]; FEATURES_PER_TASK] = std::array::from_fn(|i| w.row((o0 + i).min(o1 - 1)));
         let wrows = &wrows[..o1 - o0];
-        let mut tile = [0f32; FEATURES_PER_TASK * ROWS_PER_PASS];
+        // Results of the row kernel before they are scattered; a full pass's
+        // worth only where one is needed (zeroing it costs, in decode).
+        let mut small = [0f32; FEATURES_PER_TASK * 4];
+        let mut big = if !use_panel && n_rows > 4 {
+            Some([0f32; FEATURES_PER_TASK * ROWS_PER_PASS])
+        } else {
+            None
+        };
         PANEL.with(|p| {
             let mut panel = p.borrow_mut();
             if use_panel {
@@ -179,12 +186,17 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
                         let r = (r0 + i).min(n_rows - 1);
                         &aux[r * al..(r + 1) * al]
                     });
-                    panel.dot_with(&acts[..m], &auxs[..m], o1 - o0, |r, i, v| {
+                    panel.dot_with(&acts[..m], &auxs[..m], o1 - o0, |r, vals| {
                         // SAFETY: each (r, o) is written by exactly one task.
-                        unsafe { *op.0.add((r0 + r) * n + o0 + i) = v };
+                        let dst = unsafe { std::slice::from_raw_parts_mut(op.0.add((r0 + r) * n + o0), vals.len()) };
+                        dst.copy_from_slice(vals);
                     });
                     continue;
                 }
+                let tile: &mut [f32] = match &mut big {
+                    Some(b) => b,
+                    None => &mut small,
+                };
                 let out_tile = &mut tile[..wrows.len() * m];
                 dot_tile(ty, wrows, &acts[..m], out_tile);
                 for (i, o) in (o0..o1).enumerate() {

@@ -64,20 +64,149 @@ impl Rope {
     }
 }
 
+/// `e^x` by a fixed sequence of operations (range reduction by `ln 2` in
+/// two parts, a degree-7 Taylor polynomial on `|r| <= ln 2 / 2`, scaling by
+/// `2^n` through the exponent bits), so that the scalar code here and the
+/// vector code in [`x86`] give the same bits. Inputs are clamped to
+/// `[-87, 88]` (results stay normal and finite). Relative error below
+/// 2e-7, like the C library's `expf` to within a few units in the last
+/// place.
+#[inline(always)]
+#[allow(clippy::manual_clamp)] // `clamp` keeps NaN; `max`/`min` map it to a bound, as the vector code does
+pub fn exp_fixed(x: f32) -> f32 {
+    let x = x.max(EXP_LO).min(EXP_HI);
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_C[7];
+    for c in EXP_C[..7].iter().rev() {
+        p = p.mul_add(r, *c);
+    }
+    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
+const EXP_LO: f32 = -87.0;
+const EXP_HI: f32 = 88.0;
+/// `ln 2` split so that `n * LN2_HI` is exact for the `n` that occur.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// `1 / k!` for k = 0..=7.
+const EXP_C: [f32; 8] = [
+    1.0,
+    1.0,
+    0.5,
+    1.0 / 6.0,
+    1.0 / 24.0,
+    1.0 / 120.0,
+    1.0 / 720.0,
+    1.0 / 5040.0,
+];
+
+/// `sqrt(2 / pi)`, of GELU's tanh approximation.
+const GELU_S: f32 = 0.797_884_6;
+const GELU_A: f32 = 0.044715;
+
+/// SiLU: `x / (1 + e^-x)`.
+#[inline(always)]
+fn silu1(x: f32) -> f32 {
+    x / (1.0 + exp_fixed(-x))
+}
+
+/// GELU, tanh approximation: `0.5 x (1 + tanh(y))` with
+/// `y = sqrt(2/pi) (x + 0.044715 x^3)`, computed as `x / (1 + e^(-2y))`
+/// (the same function: `(1 + tanh y) / 2` is the logistic function of
+/// `2y`), which needs one exponential and no cancellation near zero.
+#[inline(always)]
+fn gelu1(x: f32) -> f32 {
+    let y = GELU_S * x * (1.0 + GELU_A * x * x);
+    x / (1.0 + exp_fixed(-2.0 * y))
+}
+
 /// SiLU-gated product in place: `gate[i] = silu(gate[i]) * up[i]`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+    assert_eq!(gate.len(), up.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd() >= crate::cpu::Simd::Avx2 {
+        // SAFETY: AVX2 and FMA detected.
+        return unsafe { x86::gated::<false>(gate, up) };
     }
+    silu_mul_scalar(gate, up)
 }
 
 /// GELU (tanh approximation) gated product in place.
 pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    assert_eq!(gate.len(), up.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd() >= crate::cpu::Simd::Avx2 {
+        // SAFETY: AVX2 and FMA detected.
+        return unsafe { x86::gated::<true>(gate, up) };
+    }
+    gelu_mul_scalar(gate, up)
+}
+
+/// The scalar reference of [`silu_mul`].
+pub fn silu_mul_scalar(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        let t = (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh();
-        *g = 0.5 * x * (1.0 + t) * u;
+        *g = silu1(*g) * u;
+    }
+}
+
+/// The scalar reference of [`gelu_mul`].
+pub fn gelu_mul_scalar(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = gelu1(*g) * u;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! Eight lanes of the scalar code's exact operations.
+    use std::arch::x86_64::*;
+
+    use super::{EXP_C, EXP_HI, EXP_LO, GELU_A, GELU_S, LN2_HI, LN2_LO};
+
+    #[inline(always)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        // `max(x, lo)` returns `lo` for NaN, as `f32::max` does.
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_C[7]);
+        for k in (0..7).rev() {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C[k]));
+        }
+        let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gated<const GELU: bool>(gate: &mut [f32], up: &[f32]) {
+        let one = _mm256_set1_ps(1.0);
+        let n8 = gate.len() / 8 * 8;
+        for i in (0..n8).step_by(8) {
+            let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let z = if GELU {
+                let xx = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_A), x), x);
+                let y = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_S), x), _mm256_add_ps(one, xx));
+                _mm256_mul_ps(_mm256_set1_ps(-2.0), y)
+            } else {
+                _mm256_sub_ps(_mm256_setzero_ps(), x)
+            };
+            let g = _mm256_div_ps(x, _mm256_add_ps(one, exp8(z)));
+            _mm256_storeu_ps(
+                gate.as_mut_ptr().add(i),
+                _mm256_mul_ps(g, _mm256_loadu_ps(up.as_ptr().add(i))),
+            );
+        }
+        if GELU {
+            super::gelu_mul_scalar(&mut gate[n8..], &up[n8..]);
+        } else {
+            super::silu_mul_scalar(&mut gate[n8..], &up[n8..]);
+        }
     }
 }
 
@@ -126,6 +255,44 @@ mod tests {
             let n0: f32 = v.iter().map(|x| x * x).sum();
             let n1: f32 = a.iter().map(|x| x * x).sum();
             assert!((n0 - n1).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    fn activations_match_float64_and_vector_paths_match_scalar() {
+        let mut worst_exp = 0f64;
+        for i in 0..175_000 {
+            let x = (i as f32 - 87_000.0) / 1000.0;
+            let e = exp_fixed(x) as f64;
+            let want = (x as f64).exp();
+            worst_exp = worst_exp.max(((e - want) / want).abs());
+        }
+        assert!(worst_exp < 2e-7, "exp relative error {worst_exp}");
+        let xs: Vec<f32> = (0..4099).map(|i| (i as f32 - 2049.0) / 97.0).collect();
+        let up: Vec<f32> = (0..4099).map(|i| 1.0 + (i % 7) as f32 / 8.0).collect();
+        for gelu in [false, true] {
+            let (mut fast, mut slow) = (xs.clone(), xs.clone());
+            if gelu {
+                gelu_mul(&mut fast, &up);
+                gelu_mul_scalar(&mut slow, &up);
+            } else {
+                silu_mul(&mut fast, &up);
+                silu_mul_scalar(&mut slow, &up);
+            }
+            for i in 0..xs.len() {
+                assert_eq!(fast[i].to_bits(), slow[i].to_bits(), "gelu {gelu} at {}", xs[i]);
+                let x = xs[i] as f64;
+                let want = if gelu {
+                    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+                } else {
+                    x / (1.0 + (-x).exp())
+                } * up[i] as f64;
+                assert!(
+                    (slow[i] as f64 - want).abs() <= 1e-6 * want.abs() + 1e-6,
+                    "gelu {gelu} at {x}: {} vs {want}",
+                    slow[i]
+                );
+            }
         }
     }
 

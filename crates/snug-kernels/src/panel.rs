@@ -178,12 +178,16 @@ impl Panel {
         );
         let lanes = out.len() / acts.len();
         let n = acts.len();
-        self.dot_with(acts, aux, lanes, |r, lane, v| out[lane * n + r] = v);
+        self.dot_with(acts, aux, lanes, |r, vals| {
+            for (lane, &v) in vals.iter().enumerate() {
+                out[lane * n + r] = v;
+            }
+        });
     }
 
-    /// As [`Panel::dot`], handing each result to `put(r, lane, value)` for
-    /// the first `lanes` lanes.
-    pub fn dot_with(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, mut put: impl FnMut(usize, usize, f32)) {
+    /// As [`Panel::dot`], handing each activation row's results (its first
+    /// `lanes` lanes) to `put(r, values)`.
+    pub fn dot_with(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, mut put: impl FnMut(usize, &[f32])) {
         let ty = self.ty.expect("panel: packed");
         assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
         assert!(lanes <= PANEL_ROWS, "panel: at most 16 lanes");
@@ -197,16 +201,18 @@ impl Panel {
         let mut r0 = 0;
         while r0 < n {
             let rt = (n - r0).min(4);
-            let mut tile = [[0f32; PANEL_ROWS]; 4];
-            // SAFETY: `pack` checked the CPU; shapes checked above.
+            let mut tile = std::mem::MaybeUninit::<[[f32; PANEL_ROWS]; 4]>::uninit();
+            // SAFETY: `pack` checked the CPU; shapes checked above. The
+            // kernel writes rows 0..rt of the tile, and only those are read.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                x86::dot(self, ty, &acts[r0..r0 + rt], &aux[r0..r0 + rt], &mut tile)
+                x86::dot(self, ty, &acts[r0..r0 + rt], &aux[r0..r0 + rt], tile.as_mut_ptr())
             };
-            for (r, t) in tile.iter().enumerate().take(rt) {
-                for (lane, &v) in t.iter().enumerate().take(lanes) {
-                    put(r0 + r, lane, v);
-                }
+            let tile = tile.as_ptr() as *const [f32; PANEL_ROWS];
+            for r in 0..rt {
+                // SAFETY: written by the kernel above.
+                let vals = unsafe { &*tile.add(r) };
+                put(r0 + r, &vals[..lanes]);
             }
             r0 += rt;
         }
@@ -358,7 +364,7 @@ mod x86 {
         p: &Panel,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: &mut [[f32; PANEL_ROWS]; 4],
+        out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
         let mut accs = [[_mm512_setzero_ps(); 8]; R];
         for c in 0..8 {
@@ -399,7 +405,7 @@ mod x86 {
             }
         }
         for r in 0..R {
-            _mm512_storeu_ps(out[r].as_mut_ptr(), finish(&accs[r]));
+            _mm512_storeu_ps((*out)[r].as_mut_ptr(), finish(&accs[r]));
         }
     }
 
@@ -412,7 +418,7 @@ mod x86 {
         p: &Panel,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: &mut [[f32; PANEL_ROWS]; 4],
+        out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
         let n_sb = p.n_blocks / 8;
         let neg = _mm512_set1_epi32(i32::MIN);
@@ -490,7 +496,7 @@ mod x86 {
             }
         }
         for r in 0..R {
-            _mm512_storeu_ps(out[r].as_mut_ptr(), finish(&accs[r]));
+            _mm512_storeu_ps((*out)[r].as_mut_ptr(), finish(&accs[r]));
         }
     }
 
@@ -500,7 +506,7 @@ mod x86 {
         ty: GgmlType,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: &mut [[f32; PANEL_ROWS]; 4],
+        out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
         match ty {
             GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => dot_blocks::<false, true, R>(p, acts, aux, out),
@@ -518,7 +524,7 @@ mod x86 {
         ty: GgmlType,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: &mut [[f32; PANEL_ROWS]; 4],
+        out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
         match acts.len() {
             1 => dot_r::<1>(p, ty, acts, aux, out),
