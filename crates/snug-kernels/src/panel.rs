@@ -348,14 +348,50 @@ mod x86 {
         _mm512_set1_epi32((a.qs.as_ptr().add(4 * t) as *const i32).read_unaligned())
     }
 
-    /// The canonical sum of a lane's eight accumulators, for 16 lanes.
-    #[inline(always)]
-    unsafe fn finish(acc: &[__m512; 8]) -> __m512 {
-        let a01 = _mm512_add_ps(acc[0], acc[1]);
-        let a23 = _mm512_add_ps(acc[2], acc[3]);
-        let a45 = _mm512_add_ps(acc[4], acc[5]);
-        let a67 = _mm512_add_ps(acc[6], acc[7]);
-        _mm512_add_ps(_mm512_add_ps(a01, a23), _mm512_add_ps(a45, a67))
+    /// The canonical sum of a lane's eight accumulators,
+    /// `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))`, for 16 lanes and
+    /// `R` activation rows, built as the classes finish (a few registers
+    /// instead of an array of all eight).
+    struct Tree<const R: usize> {
+        pending: [__m512; R],
+        low: [__m512; R],
+        high: [__m512; R],
+    }
+
+    impl<const R: usize> Tree<R> {
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            Tree {
+                pending: [_mm512_setzero_ps(); R],
+                low: [_mm512_setzero_ps(); R],
+                high: [_mm512_setzero_ps(); R],
+            }
+        }
+
+        /// Takes class `c`'s accumulators (classes in order 0..8).
+        #[inline(always)]
+        unsafe fn push(&mut self, c: usize, acc: &[__m512; R]) {
+            for r in 0..R {
+                match c {
+                    0 | 2 | 4 | 6 => self.pending[r] = acc[r],
+                    1 => self.low[r] = _mm512_add_ps(self.pending[r], acc[r]),
+                    3 => self.low[r] = _mm512_add_ps(self.low[r], _mm512_add_ps(self.pending[r], acc[r])),
+                    5 => self.high[r] = _mm512_add_ps(self.pending[r], acc[r]),
+                    _ => {
+                        let h = _mm512_add_ps(self.high[r], _mm512_add_ps(self.pending[r], acc[r]));
+                        self.low[r] = _mm512_add_ps(self.low[r], h);
+                    }
+                }
+            }
+        }
+
+        /// Stores the sums (after class 7).
+        #[inline(always)]
+        unsafe fn store(&self, out: *mut [[f32; PANEL_ROWS]; 4]) {
+            for r in 0..R {
+                _mm512_storeu_ps((*out)[r].as_mut_ptr(), self.low[r]);
+            }
+        }
     }
 
     /// Per-32-block types: accumulator class `c` takes blocks c, c+8, ...
@@ -366,7 +402,7 @@ mod x86 {
         aux: &[&[i32]],
         out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
-        let mut accs = [[_mm512_setzero_ps(); 8]; R];
+        let mut tree = Tree::<R>::new();
         for c in 0..8 {
             let mut acc = [_mm512_setzero_ps(); R];
             let mut b = c;
@@ -400,13 +436,9 @@ mod x86 {
                 }
                 b += 8;
             }
-            for r in 0..R {
-                accs[r][c] = acc[r];
-            }
+            tree.push(c, &acc);
         }
-        for r in 0..R {
-            _mm512_storeu_ps((*out)[r].as_mut_ptr(), finish(&accs[r]));
-        }
+        tree.store(out);
     }
 
     /// K-quant types: accumulator class `c` takes super-blocks c, c+8, ...
@@ -422,7 +454,7 @@ mod x86 {
     ) {
         let n_sb = p.n_blocks / 8;
         let neg = _mm512_set1_epi32(i32::MIN);
-        let mut accs = [[_mm512_setzero_ps(); 8]; R];
+        let mut tree = Tree::<R>::new();
         for c in 0..8 {
             let mut acc = [_mm512_setzero_ps(); R];
             let mut sb = c;
@@ -491,13 +523,9 @@ mod x86 {
                 }
                 sb += 8;
             }
-            for r in 0..R {
-                accs[r][c] = acc[r];
-            }
+            tree.push(c, &acc);
         }
-        for r in 0..R {
-            _mm512_storeu_ps((*out)[r].as_mut_ptr(), finish(&accs[r]));
-        }
+        tree.store(out);
     }
 
     #[inline(always)]
