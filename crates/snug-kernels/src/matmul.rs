@@ -87,10 +87,11 @@ const SERIAL_QUANTIZE_ROWS: usize = 4;
 const ROWS_PER_PASS: usize = 64;
 
 /// From this many activation rows on, tasks pack their weight rows into a
-/// panel. Packing costs about as much as four rows of row-at-a-time
-/// products (the `dotbench` example: at 4 rows the two run at about the
-/// same speed, at 8 rows panels are 1.3-2x faster, at 64 rows 3x).
-pub const PANEL_MIN_ROWS: usize = 6;
+/// panel. Packing costs about as much as two rows of row-at-a-time
+/// products (the `dotbench` example: at 2 rows the two run at about the
+/// same speed, at 4 rows panels are 1.3-1.7x faster, at 64 rows 3-4x; on
+/// the real models 4- and 8-row forwards were faster with panels).
+pub const PANEL_MIN_ROWS: usize = 3;
 
 thread_local! {
     /// Each thread's panel, reused across calls (it grows to the longest

@@ -225,16 +225,16 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{level_offset, Panel, PANEL_ROWS};
-    use crate::dot::x86::{Unpack, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
-    use crate::dot::{k_scales, BlockQ8};
+    use crate::dot::x86::{scales_mins_k4, Unpack, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+    use crate::dot::BlockQ8;
     use crate::quant::GgmlType;
 
-    /// Stores the 32 levels of each of 16 rows (`v[i]`, row i) as one
-    /// block's 8 vectors at `dst`: vector t holds bytes 4t..4t+4 of every
-    /// row, row i in lane i. Rows i and i + 8 share a vector, then each
-    /// 256-bit half goes through an 8x8 transpose of 32-bit elements.
+    /// Eight 32-bit elements of each of 16 rows (`v[i]`, row i) as 8
+    /// vectors: vector t holds element t of every row, row i in lane i.
+    /// Rows i and i + 8 share a vector, then each 256-bit half goes through
+    /// an 8x8 transpose.
     #[inline(always)]
-    unsafe fn transpose_store(v: &[__m256i; PANEL_ROWS], dst: *mut u8) {
+    unsafe fn transpose(v: &[__m256i; PANEL_ROWS]) -> [__m512i; 8] {
         // (Loops, not closures: a closure does not inherit the target
         // features, and its intrinsics would become calls.)
         let mut a = [_mm512_setzero_si512(); 8];
@@ -257,12 +257,32 @@ mod x86 {
         }
         let lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
         let hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+        let mut out = [_mm512_setzero_si512(); 8];
         for q in 0..4 {
-            let e0 = _mm512_permutex2var_epi64(u[q], lo, u[q + 4]);
-            let e1 = _mm512_permutex2var_epi64(u[q], hi, u[q + 4]);
-            _mm512_storeu_si512(dst.add(q * 64) as *mut __m512i, e0);
-            _mm512_storeu_si512(dst.add((q + 4) * 64) as *mut __m512i, e1);
+            out[q] = _mm512_permutex2var_epi64(u[q], lo, u[q + 4]);
+            out[q + 4] = _mm512_permutex2var_epi64(u[q], hi, u[q + 4]);
         }
+        out
+    }
+
+    /// [`transpose`], stored as one block's 8 vectors at `dst`.
+    #[inline(always)]
+    unsafe fn transpose_store(v: &[__m256i; PANEL_ROWS], dst: *mut u8) {
+        let t = transpose(v);
+        for (q, x) in t.iter().enumerate() {
+            _mm512_storeu_si512(dst.add(q * 64) as *mut __m512i, *x);
+        }
+    }
+
+    /// Sixteen f16 values as f32, stored at `dst`.
+    #[inline(always)]
+    unsafe fn f16x16_store(h: &[*const u8; PANEL_ROWS], dst: *mut f32) {
+        let mut v = [0u16; PANEL_ROWS];
+        for i in 0..PANEL_ROWS {
+            v[i] = (h[i] as *const u16).read_unaligned();
+        }
+        let x = _mm256_loadu_si256(v.as_ptr() as *const __m256i);
+        _mm512_storeu_ps(dst, _mm512_cvtph_ps(x));
     }
 
     #[inline(always)]
@@ -306,22 +326,45 @@ mod x86 {
                 }
                 transpose_store(&v, p.qs.as_mut_ptr().add((sb * 8 + j) * 512));
             }
-            for (i, &b) in blk.iter().enumerate() {
-                let ks = k_scales(ty, std::slice::from_raw_parts(b, ts));
-                p.d[sb * 16 + i] = ks.d;
-                if six {
-                    for g in 0..16 {
-                        p.sc[(sb * 16 + g) * 16 + i] = ks.sc[g];
-                    }
+            // Scales (and minimums) of the 16 rows: per row a vector of
+            // 16-bit values, transposed so that lane i is row i.
+            let mut sv = [_mm256_setzero_si256(); PANEL_ROWS];
+            for i in 0..PANEL_ROWS {
+                sv[i] = if six {
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(blk[i].add(192) as *const __m128i))
                 } else {
-                    p.m[sb * 16 + i] = ks.dmin;
-                    for j in 0..8 {
-                        p.sc[(sb * 8 + j) * 16 + i] = ks.sc[2 * j];
-                    }
-                    for q in 0..4 {
-                        let pair = (ks.min[2 * q] as u32) | ((ks.min[2 * q + 1] as u32) << 16);
-                        p.mins[(sb * 4 + q) * 16 + i] = pair as i32;
-                    }
+                    scales_mins_k4(blk[i])
+                };
+            }
+            let t = transpose(&sv);
+            let mut at = [std::ptr::null::<u8>(); PANEL_ROWS];
+            for i in 0..PANEL_ROWS {
+                at[i] = blk[i].add(U::D_AT);
+            }
+            f16x16_store(&at, p.d.as_mut_ptr().add(sb * 16));
+            let sc = p.sc.as_mut_ptr();
+            if six {
+                // Vector q: the signed scales of groups 2q and 2q + 1.
+                for q in 0..8 {
+                    let even = _mm512_srai_epi32(_mm512_slli_epi32(t[q], 16), 16);
+                    let odd = _mm512_srai_epi32(t[q], 16);
+                    _mm512_storeu_si512(sc.add((sb * 16 + 2 * q) * 16) as *mut __m512i, even);
+                    _mm512_storeu_si512(sc.add((sb * 16 + 2 * q + 1) * 16) as *mut __m512i, odd);
+                }
+            } else {
+                for i in 0..PANEL_ROWS {
+                    at[i] = blk[i].add(U::M_AT);
+                }
+                f16x16_store(&at, p.m.as_mut_ptr().add(sb * 16));
+                // Vectors 0..4: scales of blocks 2q and 2q + 1; 4..8: the
+                // minimum pairs, already in the panel's form.
+                let low = _mm512_set1_epi32(0xffff);
+                for q in 0..4 {
+                    let even = _mm512_and_si512(t[q], low);
+                    let odd = _mm512_srli_epi32(t[q], 16);
+                    _mm512_storeu_si512(sc.add((sb * 8 + 2 * q) * 16) as *mut __m512i, even);
+                    _mm512_storeu_si512(sc.add((sb * 8 + 2 * q + 1) * 16) as *mut __m512i, odd);
+                    _mm512_storeu_si512(p.mins.as_mut_ptr().add((sb * 4 + q) * 16) as *mut __m512i, t[q + 4]);
                 }
             }
         }
