@@ -287,6 +287,26 @@ impl<'m> Engine<'m> {
         Ok(costs)
     }
 
+    /// Forward costs measured earlier on this machine for this model and
+    /// thread count (as [`Engine::speculation_costs`] returns them), to use
+    /// instead of measuring. Entries outside 1..=9 rows or not positive are
+    /// dropped; fewer than two leave the engine to measure.
+    pub fn set_speculation_costs(&mut self, costs: &[(usize, f64)]) {
+        let ok: Vec<(usize, f64)> = costs
+            .iter()
+            .copied()
+            .filter(|&(r, s)| (1..=snug_core::speculate::MAX_DRAFT + 1).contains(&r) && s.is_finite() && s > 0.0)
+            .collect();
+        if ok.len() >= 2 {
+            self.spec_costs = Some(ok);
+        }
+    }
+
+    /// The forward costs this engine measured or was given, if any.
+    pub fn known_speculation_costs(&self) -> Option<&[(usize, f64)]> {
+        self.spec_costs.as_deref()
+    }
+
     /// Appends `tokens` to a sequence in prefill chunks; returns the logits
     /// after the last one.
     pub fn feed(&mut self, id: SeqId, tokens: &[u32]) -> Result<&[f32], EngineError> {

@@ -13,12 +13,12 @@ use snug_model::template::{ChatTemplate, Message};
 use snug_model::{EncodeOptions, Tokenizer};
 
 use crate::run::{engine_options, sampling};
-use crate::{open_model, ChatArgs};
+use crate::{open_model_at, ChatArgs};
 
 const HELP: &str = "commands: /reset (forget the conversation), /stats (cache and speed), /quit";
 
 pub fn cmd_chat(a: ChatArgs) -> Result<()> {
-    let file = open_model(&a.model)?;
+    let (path, file) = open_model_at(&a.model)?;
     let model = Model::load(&file)?;
     let tok = Tokenizer::from_gguf(&file)?;
     let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
@@ -29,6 +29,8 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("").to_string();
     let mut engine = Engine::new(&model, engine_options(&a.gen, &model)?);
     let speculate = crate::run::speculate_mode(&a.gen)?;
+    let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
+        .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
     let mut seq = engine.create_sequence();
     let mut messages: Vec<Message> = Vec::new();
     if let Some(sys) = &a.system {
@@ -112,6 +114,9 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             }
         };
         println!();
+        if let Some(c) = &mut calibration {
+            crate::calibration::save(c, &engine);
+        }
         eprintln!(
             "[{} prompt tokens, {} reused from the cache, {} prefilled; {} generated at {:.1} tok/s{}]",
             g.prompt_tokens,

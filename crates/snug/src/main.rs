@@ -3,6 +3,7 @@
 //! a non-zero exit code.
 
 mod bench;
+mod calibration;
 mod chat;
 mod progress;
 mod run;
@@ -241,8 +242,14 @@ fn resolve_model(name: &str) -> Result<PathBuf> {
 }
 
 fn open_model(name: &str) -> Result<GgufFile> {
+    Ok(open_model_at(name)?.1)
+}
+
+/// [`open_model`], also returning the file's path.
+fn open_model_at(name: &str) -> Result<(PathBuf, GgufFile)> {
     let path = resolve_model(name)?;
-    GgufFile::open(&path).with_context(|| format!("{}", path.display()))
+    let file = GgufFile::open(&path).with_context(|| format!("{}", path.display()))?;
+    Ok((path, file))
 }
 
 fn cmd_pull(a: PullArgs) -> Result<()> {

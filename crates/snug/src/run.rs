@@ -13,7 +13,7 @@ use snug_model::arch::Model;
 use snug_model::template::{ChatTemplate, Message};
 use snug_model::{EncodeOptions, Tokenizer};
 
-use crate::{open_model, read_stdin, GenArgs, RunArgs};
+use crate::{open_model_at, read_stdin, GenArgs, RunArgs};
 
 pub fn sampling(g: &GenArgs) -> SamplingParams {
     SamplingParams {
@@ -133,7 +133,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let file = open_model(&a.model)?;
+    let (path, file) = open_model_at(&a.model)?;
     let model = Model::load(&file)?;
     let tok = Tokenizer::from_gguf(&file)?;
     let opts = engine_options(&a.gen, &model)?;
@@ -143,12 +143,15 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     }
     let mut engine = Engine::new(&model, opts);
     let seq = engine.create_sequence();
+    let speculate = speculate_mode(&a.gen)?;
+    let mut calibration =
+        (speculate == Mode::Auto).then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
     let req = GenerateRequest {
         prompt: ids,
         max_tokens: a.gen.max_tokens,
         params: sampling(&a.gen),
         stop: a.gen.stop.clone(),
-        speculate: speculate_mode(&a.gen)?,
+        speculate,
     };
     let stream = !a.json;
     let mut stdout = std::io::stdout().lock();
@@ -162,6 +165,9 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
         .context("generation failed")?;
     if stream {
         let _ = writeln!(stdout);
+    }
+    if let Some(c) = &mut calibration {
+        crate::calibration::save(c, &engine);
     }
     if g.context_full {
         eprintln!("note: stopped at the context limit of {} tokens", engine.options.ctx);

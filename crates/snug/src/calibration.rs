@@ -1,0 +1,104 @@
+//! A per-machine cache of the forward costs that `--speculate auto`
+//! measures before its first draft (a 1-row and a 9-row forward), so that
+//! later runs of the same model file with the same thread count skip the
+//! measurement. One small JSON file per (model file, size, threads, SIMD
+//! path) under `~/.cache/snug/calibration/`; delete it to measure again.
+//! A missing, unreadable or malformed file is ignored (the run measures).
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use snug_engine::Engine;
+
+const VERSION: u64 = 1;
+
+/// Where one model's costs are cached, and whether they were loaded.
+pub struct Calibration {
+    path: Option<PathBuf>,
+    loaded: bool,
+}
+
+/// The cache file for `model` run with `threads` threads.
+fn cache_path(model: &Path, threads: usize) -> Option<PathBuf> {
+    let len = fs::metadata(model).ok()?.len();
+    let name = model
+        .file_name()?
+        .to_string_lossy()
+        .replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_");
+    let simd = snug_kernels::cpu::simd().name();
+    Some(
+        snug_model::catalog::cache_dir()
+            .join("calibration")
+            .join(format!("{name}-{len}-t{threads}-{simd}.json")),
+    )
+}
+
+fn parse(text: &str) -> Option<Vec<(usize, f64)>> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    if v.get("version")?.as_u64()? != VERSION {
+        return None;
+    }
+    v.get("costs")?
+        .as_array()?
+        .iter()
+        .map(|e| Some((e.get(0)?.as_u64()? as usize, e.get(1)?.as_f64()?)))
+        .collect()
+}
+
+/// Seeds `engine` with cached costs for `model`, if there are any.
+pub fn load(model: &Path, threads: usize, engine: &mut Engine) -> Calibration {
+    let path = cache_path(model, threads);
+    let costs = path
+        .as_ref()
+        .and_then(|p| fs::read_to_string(p).ok())
+        .and_then(|t| parse(&t));
+    if let Some(c) = &costs {
+        engine.set_speculation_costs(c);
+    }
+    let loaded = engine.known_speculation_costs().is_some();
+    Calibration { path, loaded }
+}
+
+/// Writes the costs `engine` measured, when none were loaded (temp file,
+/// fsync, rename: a reader never sees half a file). Failures are ignored:
+/// the cache only saves time.
+pub fn save(c: &mut Calibration, engine: &Engine) {
+    let (Some(path), false, Some(costs)) = (&c.path, c.loaded, engine.known_speculation_costs()) else {
+        return;
+    };
+    let _ = write(path, costs);
+    c.loaded = true;
+}
+
+fn write(path: &Path, costs: &[(usize, f64)]) -> std::io::Result<()> {
+    let dir = path.parent().expect("cache paths have a parent");
+    fs::create_dir_all(dir)?;
+    let body = serde_json::json!({
+        "version": VERSION,
+        "costs": costs.iter().map(|&(r, s)| serde_json::json!([r, s])).collect::<Vec<_>>(),
+    });
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(body.to_string().as_bytes())?;
+    f.sync_all()?;
+    fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_what_it_writes_and_rejects_the_rest() {
+        let dir = std::env::temp_dir().join(format!("snug-calibration-{}", std::process::id()));
+        let path = dir.join("m.json");
+        write(&path, &[(1, 0.01), (9, 0.03)]).unwrap();
+        let got = parse(&fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(got, vec![(1, 0.01), (9, 0.03)]);
+        assert!(parse("{").is_none());
+        assert!(parse(r#"{"version": 2, "costs": [[1, 0.01]]}"#).is_none());
+        assert!(parse(r#"{"version": 1, "costs": [[1, "x"]]}"#).is_none());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
