@@ -1188,25 +1188,29 @@ pub(crate) mod x86 {
     }
 }
 
+/// Test data shared by the kernels' tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod test_support {
+    use half::f16;
+
+    use crate::quant::GgmlType;
 
     /// A deterministic generator for test data.
-    struct Rng(u64);
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
-        fn next(&mut self) -> u64 {
+        pub(crate) fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
             self.0
         }
-        fn f32(&mut self) -> f32 {
+        pub(crate) fn f32(&mut self) -> f32 {
             (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         }
     }
 
-    const TYPES: [GgmlType; 8] = [
+    /// Every quantized weight type the kernels take.
+    pub(crate) const TYPES: [GgmlType; 8] = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q5_0,
@@ -1217,17 +1221,8 @@ mod tests {
         GgmlType::Q6K,
     ];
 
-    /// The scalar reference for `ty`.
-    fn reference(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
-        if is_k(ty) {
-            dot_rows_scalar_k(ty, w, acts, out)
-        } else {
-            dot_rows_scalar(ty, w, acts, out)
-        }
-    }
-
     /// Random weight blocks with sane f16 scales.
-    fn weights(ty: GgmlType, n_elems: usize, rng: &mut Rng) -> Vec<u8> {
+    pub(crate) fn weights(ty: GgmlType, n_elems: usize, rng: &mut Rng) -> Vec<u8> {
         let mut w: Vec<u8> = (0..ty.bytes_for(n_elems as u64).unwrap())
             .map(|_| rng.next() as u8)
             .collect();
@@ -1245,6 +1240,21 @@ mod tests {
             }
         }
         w
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{weights, Rng, TYPES};
+    use super::*;
+
+    /// The scalar reference for `ty`.
+    fn reference(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
+        if is_k(ty) {
+            dot_rows_scalar_k(ty, w, acts, out)
+        } else {
+            dot_rows_scalar(ty, w, acts, out)
+        }
     }
 
     fn acts(ty: GgmlType, n_elems: usize, rng: &mut Rng, scale: f32) -> Vec<BlockQ8> {

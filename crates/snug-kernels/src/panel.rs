@@ -32,19 +32,9 @@ pub fn available(ty: GgmlType) -> bool {
     simd() == Simd::Avx512Vnni && supports(ty)
 }
 
-/// The weight types panels handle.
+/// The weight types panels handle: every type the row kernels handle.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(
-        ty,
-        GgmlType::Q4_0
-            | GgmlType::Q4_1
-            | GgmlType::Q5_0
-            | GgmlType::Q5_1
-            | GgmlType::Q8_0
-            | GgmlType::Q4K
-            | GgmlType::Q5K
-            | GgmlType::Q6K
-    )
+    crate::dot::supports(ty)
 }
 
 /// The offset added to a per-32-block type's levels to make them unsigned.
@@ -609,48 +599,8 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dot::test_support::{weights, Rng, TYPES};
     use crate::dot::{act_format, dot_rows_with, quantize_row, QK8};
-    use half::f16;
-
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn f32(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        }
-    }
-
-    const TYPES: [GgmlType; 8] = [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ];
-
-    fn weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
-        let mut w: Vec<u8> = (0..ty.bytes_for(n as u64).unwrap()).map(|_| rng.next() as u8).collect();
-        let at: &[usize] = match ty {
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-            GgmlType::Q6K => &[208],
-            _ => &[0, 2],
-        };
-        for blk in w.chunks_exact_mut(ty.type_size()) {
-            for &a in at {
-                let v = f16::from_f32(rng.f32() * 0.05);
-                blk[a..a + 2].copy_from_slice(&v.to_bits().to_le_bytes());
-            }
-        }
-        w
-    }
 
     #[test]
     fn panels_equal_the_scalar_reference_bitwise() {
