@@ -671,18 +671,17 @@ pub(crate) mod x86 {
         (p as *const i16).read_unaligned()
     }
 
-    /// Eight f16 values (lane i from `at(i)`, zero where `i >= n`) as f32.
+    /// Eight f16 values (lane i from `at(i)`) as f32.
     #[inline(always)]
-    unsafe fn f16x8(n: usize, at: impl Fn(usize) -> *const u8) -> __m256 {
-        let v = |i: usize| if i < n { h16(at(i)) } else { 0 };
+    unsafe fn f16x8(at: impl Fn(usize) -> *const u8) -> __m256 {
+        let v = |i: usize| h16(at(i));
         _mm256_cvtph_ps(_mm_set_epi16(v(7), v(6), v(5), v(4), v(3), v(2), v(1), v(0)))
     }
 
-    /// Eight f32 values (lane i is `f(i)`, zero where `i >= n`).
+    /// Eight f32 values (lane i is `f(i)`).
     #[inline(always)]
-    unsafe fn f32x8(n: usize, f: impl Fn(usize) -> f32) -> __m256 {
-        let v = |i: usize| if i < n { f(i) } else { 0.0 };
-        _mm256_set_ps(v(7), v(6), v(5), v(4), v(3), v(2), v(1), v(0))
+    unsafe fn f32x8(f: impl Fn(usize) -> f32) -> __m256 {
+        _mm256_set_ps(f(7), f(6), f(5), f(4), f(3), f(2), f(1), f(0))
     }
 
     /// Pairwise step of the reduction of eight blocks' lane vectors.
@@ -702,19 +701,15 @@ pub(crate) mod x86 {
     }
 
     /// The integer lanes of block `b` for `W` weight rows and `R`
-    /// activation rows (lane k: elements 4k..4k+3); zero past the row.
+    /// activation rows (lane k: elements 4k..4k+3).
     #[inline(always)]
     unsafe fn block_lanes<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         rows: &Rows<W>,
         ts: usize,
-        nb: usize,
         b: usize,
         acts: &[&[BlockQ8]; R],
     ) -> [[__m256i; R]; W] {
         let mut out = [[_mm256_setzero_si256(); R]; W];
-        if b >= nb {
-            return out;
-        }
         let mut av = [_mm256_setzero_si256(); R];
         for r in 0..R {
             av[r] = _mm256_loadu_si256(acts[r].get_unchecked(b).qs.as_ptr() as *const __m256i);
@@ -753,14 +748,13 @@ pub(crate) mod x86 {
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         let mut g = 0;
         while g + 8 <= nb {
-            let n = 8;
             let mut q = [[[_mm256_setzero_si256(); 2]; R]; W];
             for half in 0..2 {
                 let mut h = [[[_mm256_setzero_si256(); 2]; R]; W];
                 for p in 0..2 {
                     let b = g + half * 4 + p * 2;
-                    let v0 = block_lanes::<U, VNNI, W, R>(rows, ts, nb, b, acts);
-                    let v1 = block_lanes::<U, VNNI, W, R>(rows, ts, nb, b + 1, acts);
+                    let v0 = block_lanes::<U, VNNI, W, R>(rows, ts, b, acts);
+                    let v1 = block_lanes::<U, VNNI, W, R>(rows, ts, b + 1, acts);
                     for w in 0..W {
                         for r in 0..R {
                             h[w][r][p] = hadd(v0[w][r], v1[w][r]);
@@ -777,16 +771,16 @@ pub(crate) mod x86 {
             let mut sa = [_mm256_setzero_ps(); R];
             for r in 0..R {
                 let a = acts[r].as_ptr().add(g);
-                da[r] = f32x8(n, |i| (*a.add(i)).d);
+                da[r] = f32x8(|i| (*a.add(i)).d);
                 if U::HAS_MIN {
-                    sa[r] = f32x8(n, |i| (*a.add(i)).s);
+                    sa[r] = f32x8(|i| (*a.add(i)).s);
                 }
             }
             for w in 0..W {
                 let base = rows[w].add(g * ts);
-                let dw = f16x8(n, |i| base.add(i * ts + U::D_AT));
+                let dw = f16x8(|i| base.add(i * ts + U::D_AT));
                 let mw = if U::HAS_MIN {
-                    f16x8(n, |i| base.add(i * ts + U::M_AT))
+                    f16x8(|i| base.add(i * ts + U::M_AT))
                 } else {
                     _mm256_setzero_ps()
                 };
@@ -808,7 +802,7 @@ pub(crate) mod x86 {
             }
         }
         for b in g..nb {
-            let lanes = block_lanes::<U, VNNI, W, R>(rows, ts, nb, b, acts);
+            let lanes = block_lanes::<U, VNNI, W, R>(rows, ts, b, acts);
             for w in 0..W {
                 let blk = rows[w].add(b * ts);
                 let dw = h2f(blk.add(U::D_AT));
@@ -855,8 +849,8 @@ pub(crate) mod x86 {
     }
 
     /// The integer lanes of super-block `sb` for `W` weight rows against
-    /// `R` activation rows, and the lanes of their minimum sums (zero past
-    /// the row, or for types without a minimum).
+    /// `R` activation rows, and the lanes of their minimum sums (zero for types
+    /// without a minimum).
     ///
     /// Per block, the byte products are summed in pairs to 16 bits
     /// (`maddubs`, which cannot saturate: weights are at most 32 in
@@ -867,15 +861,11 @@ pub(crate) mod x86 {
     unsafe fn k_lanes<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         rows: &Rows<W>,
         ts: usize,
-        nsb: usize,
         sb: usize,
         acts: &[&[BlockQ8]; R],
     ) -> ([[__m256i; R]; W], [[__m256i; R]; W]) {
         let mut lanes = [[_mm256_setzero_si256(); R]; W];
         let mut mins = [[_mm256_setzero_si256(); R]; W];
-        if sb >= nsb {
-            return (lanes, mins);
-        }
         // Q4_K and Q5_K levels are non-negative; Q6_K's are signed.
         let signed = !U::HAS_MIN;
         let blk: [*const u8; W] = std::array::from_fn(|w| rows[w].add(sb * ts));
@@ -970,7 +960,7 @@ pub(crate) mod x86 {
         let nsb = row_bytes / ts;
         let mut acc = [[Acc8::new(); R]; W];
         for sb in 0..nsb {
-            let (lanes, mins) = k_lanes::<U, VNNI, W, R>(rows, ts, nsb, sb, acts);
+            let (lanes, mins) = k_lanes::<U, VNNI, W, R>(rows, ts, sb, acts);
             for w in 0..W {
                 let blk = rows[w].add(sb * ts);
                 let d = h2f(blk.add(U::D_AT));
