@@ -77,6 +77,36 @@ fn chunking_never_changes_a_rows_logits() {
 }
 
 #[test]
+fn panels_packed_at_load_change_no_bits() {
+    for alias in MODELS {
+        let Some(path) = model_path(alias) else { continue };
+        let file = GgufFile::open(&path).unwrap();
+        let packed = Model::load(&file).unwrap();
+        if snug_kernels::panel::available(snug_kernels::GgmlType::Q8_0) && std::env::var("SNUG_PACK").is_err() {
+            assert!(packed.packed_matrices() > 0, "{alias}: nothing packed");
+        }
+        let plain = packed.without_packed_panels();
+        assert_eq!(plain.packed_matrices(), 0);
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let mut ids = tok.encode(PROMPT, EncodeOptions::default());
+        ids.truncate(37);
+        // One chunk (panels either way: packed at load, or per call) and
+        // token by token (packed panels against the row-at-a-time kernels).
+        for chunks in [&[37][..], &[1; 37][..]] {
+            let a = logits_by_chunks(&mut Engine::new(&packed, options()), &ids, chunks);
+            let b = logits_by_chunks(&mut Engine::new(&plain, options()), &ids, chunks);
+            for p in 0..37 {
+                assert!(
+                    a[p] == b[p],
+                    "{alias}: position {p} differs with packed panels ({} chunks)",
+                    chunks.len()
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn decoding_beside_other_sequences_never_changes_a_rows_logits() {
     for alias in MODELS {
         let Some(path) = model_path(alias) else { continue };

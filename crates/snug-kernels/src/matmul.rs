@@ -14,7 +14,7 @@
 use std::cell::RefCell;
 
 use crate::dot::{act_format, dot_f32, dot_tile, quantize_row, supports, BlockQ8, QK8};
-use crate::panel::{self, activation_aux, aux_len, Panel};
+use crate::panel::{self, activation_aux, aux_len, Panel, PanelRef};
 use crate::pool::ThreadPool;
 use crate::quant::{dequantize, GgmlType};
 
@@ -26,6 +26,9 @@ pub struct Weight<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// The same rows packed into panels ([`crate::panel::pack_matrix`]),
+    /// where the model packed them.
+    pub packed: Option<&'a [u8]>,
 }
 
 impl<'a> Weight<'a> {
@@ -125,7 +128,10 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     if scratch.q8.len() < n_rows * nb {
         scratch.q8.resize(n_rows * nb, BlockQ8::default());
     }
-    let use_panel = n_rows >= PANEL_MIN_ROWS && panel::available(w.ty);
+    // Packed panels serve every product; otherwise tasks pack their rows
+    // from a few activation rows on.
+    let packed = w.packed.filter(|_| panel::available(w.ty));
+    let use_panel = packed.is_some() || (n_rows >= PANEL_MIN_ROWS && panel::available(w.ty));
     let al = if use_panel { aux_len(w.ty, nb) } else { 0 };
     if scratch.aux.len() < n_rows * al {
         scratch.aux.resize(n_rows * al, 0);
@@ -157,6 +163,32 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     }
     let q8 = &scratch.q8[..n_rows * nb];
     let aux = &scratch.aux[..n_rows * al];
+    if let Some(pk) = packed {
+        // Panels packed at load: no per-task set-up beyond the panel's
+        // place, the activation rows handed over four at a time.
+        pool.run(tasks, &|t| {
+            let op = &out_ptr;
+            let o0 = t * FEATURES_PER_TASK;
+            let lanes = (n - o0).min(FEATURES_PER_TASK);
+            let panel = PanelRef::of_matrix(ty, k, pk, t);
+            for r0 in (0..n_rows).step_by(4) {
+                let m = (n_rows - r0).min(4);
+                let acts: [&[BlockQ8]; 4] = std::array::from_fn(|i| {
+                    let r = (r0 + i).min(n_rows - 1);
+                    &q8[r * nb..(r + 1) * nb]
+                });
+                let auxs: [&[i32]; 4] = std::array::from_fn(|i| {
+                    let r = (r0 + i).min(n_rows - 1);
+                    &aux[r * al..(r + 1) * al]
+                });
+                panel.dot_with(&acts[..m], &auxs[..m], lanes, |r, vals| {
+                    // SAFETY: each (r, o) is written by exactly one task.
+                    unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), op.0.add((r0 + r) * n + o0), vals.len()) };
+                });
+            }
+        });
+        return;
+    }
     pool.run(tasks, &|t| {
         let op = &out_ptr;
         let o0 = t * FEATURES_PER_TASK;
@@ -172,17 +204,20 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
             None
         };
         PANEL.with(|p| {
-            let mut panel = p.borrow_mut();
-            if use_panel {
-                panel.pack(ty, wrows);
-            }
+            let mut own = p.borrow_mut();
+            let panel = if use_panel {
+                own.pack(ty, wrows);
+                Some(own.as_ref())
+            } else {
+                None
+            };
             for r0 in (0..n_rows).step_by(ROWS_PER_PASS) {
                 let m = ROWS_PER_PASS.min(n_rows - r0);
                 let acts: [&[BlockQ8]; ROWS_PER_PASS] = std::array::from_fn(|i| {
                     let r = (r0 + i).min(n_rows - 1);
                     &q8[r * nb..(r + 1) * nb]
                 });
-                if use_panel {
+                if let Some(panel) = panel {
                     let auxs: [&[i32]; ROWS_PER_PASS] = std::array::from_fn(|i| {
                         let r = (r0 + i).min(n_rows - 1);
                         &aux[r * al..(r + 1) * al]
@@ -231,7 +266,8 @@ mod tests {
     #[test]
     fn rows_are_batch_and_thread_invariant() {
         // 17 rows take the panel kernel where the CPU has one; each row
-        // alone takes the row-at-a-time kernel: the bits must not change.
+        // alone takes the row-at-a-time kernel; a packed matrix takes the
+        // panels for both: the bits must not change.
         let k = 512;
         let n = 37;
         let rows = 17;
@@ -256,12 +292,20 @@ mod tests {
                 rows: n,
                 cols: k,
                 data: &data,
+                packed: None,
             };
             let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
             let mut all = vec![0f32; rows * n];
             let p2 = ThreadPool::new(2);
             let p1 = ThreadPool::new(1);
             matmul(&p2, &w, &x, rows, &mut all, &mut MatmulScratch::default());
+            // The same matrix packed into panels, as a model packs it at
+            // load: every row count runs on the panels.
+            let mut pk = vec![0u8; panel::packed_matrix_bytes(ty, n, k)];
+            panel::pack_matrix(ty, &data, n, k, &mut pk);
+            let wp = Weight { packed: Some(&pk), ..w };
+            let mut all_packed = vec![0f32; rows * n];
+            matmul(&p2, &wp, &x, rows, &mut all_packed, &mut MatmulScratch::default());
             for r in 0..rows {
                 let mut one = vec![0f32; n];
                 matmul(
@@ -272,8 +316,20 @@ mod tests {
                     &mut one,
                     &mut MatmulScratch::default(),
                 );
+                let mut one_packed = vec![0f32; n];
+                matmul(
+                    &p2,
+                    &wp,
+                    &x[r * k..(r + 1) * k],
+                    1,
+                    &mut one_packed,
+                    &mut MatmulScratch::default(),
+                );
                 for o in 0..n {
-                    assert_eq!(one[o].to_bits(), all[r * n + o].to_bits(), "{ty} row {r} out {o}");
+                    let want = one[o].to_bits();
+                    assert_eq!(want, all[r * n + o].to_bits(), "{ty} row {r} out {o}");
+                    assert_eq!(want, all_packed[r * n + o].to_bits(), "{ty} packed, row {r} out {o}");
+                    assert_eq!(want, one_packed[o].to_bits(), "{ty} packed alone, row {r} out {o}");
                 }
             }
         }

@@ -1,24 +1,42 @@
-//! Row-interleaved weight panels: the matrix-product kernel for many
-//! activation rows (prefill chunks, verify batches).
+//! Row-interleaved weight panels: the matrix-product kernel layout.
 //!
-//! A panel holds 16 weight rows rearranged so that one 512-bit vector
-//! carries 4 consecutive elements of each of the 16 rows, one row per
-//! 32-bit lane, as unsigned bytes (the type's levels plus a fixed offset).
-//! One `vpdpbusd` against an activation's 4 bytes, broadcast to every lane,
-//! then does 64 multiply-adds for 16 rows at once, where the row-at-a-time
-//! kernels of [`crate::dot`] need a multiply and a widening add per 32
-//! products of one row. Packing costs about one pass over the 16 rows and
-//! is shared by every activation row of the call.
+//! A panel holds 16 weight rows with their quantized words interleaved:
+//! one 512-bit vector carries the same 32-bit word of each of the 16 rows,
+//! row i in lane i. The words are the GGUF block's own bytes (nibbles stay
+//! packed), so a panel is as large as the rows it holds (Q4_K: 2.8% more,
+//! for its scales unpacked to bytes), and a decode step reads no more
+//! bytes from it than from the file. The kernel unpacks a word vector into
+//! the unsigned levels of 4 elements of 16 rows with one or two logic
+//! operations; one `vpdpbusd` against an activation's 4 bytes, broadcast to
+//! every lane, then does 64 multiply-adds for 16 rows at once, where the
+//! row-at-a-time kernels of [`crate::dot`] need a multiply and a widening
+//! add per 32 products of one row.
+//!
+//! Panels serve two ways. A model packs its matrices once at load
+//! ([`pack_matrix`]), and every product, a decode step's one row included,
+//! runs on them; and [`Panel`] packs 16 rows per call, for matrices that
+//! were not packed.
 //!
 //! The arithmetic is exactly the reference's (see [`crate::dot`]): each
-//! lane computes its row's integer `isum` per block (the offset is taken
-//! back out with the activation block's sum, exactly), then performs the
-//! same float operations in the same order, accumulators by block number
-//! modulo 8. So a row's result is bitwise the row-at-a-time kernels' result
-//! (tested), and choosing panels by batch size changes no bits.
+//! lane computes its row's integer `isum` per block (a level offset is
+//! taken back out with the activation block's sum, exactly), then performs
+//! the same float operations in the same order, accumulators by block
+//! number modulo 8. So a row's result is bitwise the row-at-a-time
+//! kernels' result (tested), and the choice of kernel changes no bits.
 //!
 //! Panels need AVX-512 with VNNI; elsewhere [`available`] is false and the
 //! matrix product uses the row-at-a-time kernels.
+//!
+//! Layout of one panel, per 32-element block (per 256-element super-block
+//! for K-quants), lanes = rows, "word t" = bytes 4t..4t+4 of the field:
+//!
+//! | type | per block / super-block |
+//! | --- | --- |
+//! | Q4_0, Q4_1 | `qs` words 0..4 (64 B each); `d` 16 x f16; Q4_1: `m` 16 x f16 |
+//! | Q5_0, Q5_1 | as Q4, plus after `qs` one vector of high bits, rearranged (see [`q5_high_bits`]) |
+//! | Q8_0 | `qs` words 0..8, each byte XOR 0x80 (unsigned); `d` |
+//! | Q4_K | `d`, `dmin` 16 x f16 each; scales `[8][16]` u8; minimums `[4][16][2]` u8; `qs` words 0..32 |
+//! | Q6_K | scales `[16][16]` i8; `d` 16 x f16; per half: `ql` words 0..8, `qh` words 0..8, `ql` words 8..16 |
 
 use crate::cpu::{simd, Simd};
 use crate::dot::BlockQ8;
@@ -32,9 +50,60 @@ pub fn available(ty: GgmlType) -> bool {
     simd() == Simd::Avx512Vnni && supports(ty)
 }
 
-/// The weight types panels handle: every type the row kernels handle.
+/// The weight types panels handle. (Q5_K, which none of the supported
+/// model files use, runs on the row-at-a-time kernels.)
 pub fn supports(ty: GgmlType) -> bool {
-    crate::dot::supports(ty)
+    matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::Q4K
+            | GgmlType::Q6K
+    )
+}
+
+/// Bytes of one packed unit: a 32-element block, or a K-quant's
+/// 256-element super-block.
+const fn unit_bytes(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_0 => 256 + 32,
+        GgmlType::Q4_1 => 256 + 64,
+        GgmlType::Q5_0 => 256 + 64 + 32,
+        GgmlType::Q5_1 => 256 + 64 + 64,
+        GgmlType::Q8_0 => 512 + 32,
+        GgmlType::Q4K => Q4K_QS + 2048,
+        GgmlType::Q6K => Q6K_HALF + 2 * 1536,
+        _ => 0,
+    }
+}
+
+// Offsets inside a Q4_K and a Q6_K packed super-block. The scales come
+// first and the levels in the order the kernel first touches them, so that
+// a panel is read front to back.
+const Q4K_D: usize = 0;
+const Q4K_DMIN: usize = 32;
+const Q4K_SC: usize = 64;
+const Q4K_MINS: usize = 192;
+const Q4K_QS: usize = 320;
+const Q6K_SC: usize = 0;
+const Q6K_D: usize = 256;
+/// Q6_K: each 128-element half holds `ql` words 0..8, then the half's `qh`
+/// words, then `ql` words 8..16 (1536 bytes).
+const Q6K_HALF: usize = 288;
+
+/// Bytes of one panel of 16 rows of `cols` elements.
+pub fn panel_bytes(ty: GgmlType, cols: usize) -> usize {
+    assert!(supports(ty), "panels: unsupported type {ty}");
+    let units = cols / ty.block_size();
+    units * unit_bytes(ty)
+}
+
+/// Bytes of a whole matrix of `rows` x `cols` packed by [`pack_matrix`].
+pub fn packed_matrix_bytes(ty: GgmlType, rows: usize, cols: usize) -> usize {
+    rows.div_ceil(PANEL_ROWS) * panel_bytes(ty, cols)
 }
 
 /// The offset added to a per-32-block type's levels to make them unsigned.
@@ -61,7 +130,7 @@ pub fn aux_len(ty: GgmlType, n_blocks: usize) -> usize {
 }
 
 /// The per-row values that take a panel's level offset back out (or, for
-/// Q4_K / Q5_K, feed its minimums), from one quantized activation row.
+/// Q4_K, feed its minimums), from one quantized activation row.
 pub fn activation_aux(ty: GgmlType, act: &[BlockQ8], out: &mut [i32]) {
     assert_eq!(out.len(), aux_len(ty, act.len()), "activation_aux: length");
     match ty {
@@ -87,78 +156,151 @@ pub fn activation_aux(ty: GgmlType, act: &[BlockQ8], out: &mut [i32]) {
     }
 }
 
-/// Sixteen weight rows of one type, interleaved (see the module docs).
-/// Buffers grow to the largest row seen and are reused.
-#[derive(Default)]
-pub struct Panel {
-    ty: Option<GgmlType>,
-    /// 32-element blocks per row.
-    n_blocks: usize,
-    /// Per block: 8 vectors of (16 rows x 4 bytes).
-    qs: Vec<u8>,
-    /// Per block (per super-block for K-quants): 16 scales.
-    d: Vec<f32>,
-    /// Per block: 16 minimums (`dmin` per super-block for K-quants).
-    m: Vec<f32>,
-    /// K-quants: per block (Q6_K: per 16 elements), 16 integer scales.
-    sc: Vec<i32>,
-    /// Q4_K / Q5_K: per pair of blocks, 16 pairs of 16-bit minimums.
-    mins: Vec<i32>,
+/// Q5_0 / Q5_1 high bits (bit j = element j) rearranged so that one
+/// shift and a mask put each element's bit at bit 4 of its byte in the
+/// kernel's vectors: byte j holds, at bit 2t, element 4t + j's bit and,
+/// at bit 2t + 1, element 16 + 4t + j's (t = 0..4).
+pub fn q5_high_bits(h: u32) -> u32 {
+    let mut out = 0u32;
+    for j in 0..4 {
+        for t in 0..4 {
+            out |= ((h >> (4 * t + j)) & 1) << (8 * j + 2 * t);
+            out |= ((h >> (16 + 4 * t + j)) & 1) << (8 * j + 2 * t + 1);
+        }
+    }
+    out
 }
 
-impl Panel {
-    pub fn new() -> Panel {
-        Panel::default()
-    }
+/// Where unit `u` of `units` sits in a panel: units are stored in the
+/// order the kernel visits them, accumulator class by class (units c,
+/// c + 8, c + 16, ... for class c), so that it reads a panel front to back
+/// and the hardware prefetcher sees one stream.
+fn unit_slot(u: usize, units: usize) -> usize {
+    let c = u % 8;
+    // Units in classes before c: class c' holds ceil((units - c') / 8).
+    let before: usize = (0..c).map(|k| (units - k.min(units)).div_ceil(8)).sum();
+    before + u / 8
+}
 
-    /// Bytes held by the panel's buffers.
-    pub fn bytes(&self) -> usize {
-        self.qs.capacity() + 4 * (self.d.capacity() + self.m.capacity() + self.sc.capacity() + self.mins.capacity())
-    }
-
-    /// Packs `rows` (1 to 16 weight rows of type `ty`, one length). Lanes
-    /// past the last row repeat it.
-    pub fn pack(&mut self, ty: GgmlType, rows: &[&[u8]]) {
-        assert!(available(ty), "panels: unsupported type {ty} or CPU");
-        assert!(!rows.is_empty() && rows.len() <= PANEL_ROWS, "panels: 1 to 16 rows");
-        let row_bytes = rows[0].len();
-        assert!(rows.iter().all(|r| r.len() == row_bytes), "panels: rows of one length");
-        assert_eq!(row_bytes % ty.type_size(), 0, "panels: whole weight blocks");
-        let n_blocks = row_bytes / ty.type_size() * (ty.block_size() / 32);
-        let n_sb = n_blocks / 8;
-        let k = matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K);
-        self.ty = Some(ty);
-        self.n_blocks = n_blocks;
-        let grow = |v: &mut Vec<i32>, n: usize| {
-            if v.len() < n {
-                v.resize(n, 0)
+/// Packs `rows` (1 to 16 rows of type `ty`, one length, a whole number of
+/// blocks) into one panel at `out` (`panel_bytes` long). Lanes past the
+/// last row repeat it.
+pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
+    assert!(supports(ty), "panels: unsupported type {ty}");
+    assert!(!rows.is_empty() && rows.len() <= PANEL_ROWS, "panels: 1 to 16 rows");
+    let row_bytes = rows[0].len();
+    assert!(rows.iter().all(|r| r.len() == row_bytes), "panels: rows of one length");
+    let ts = ty.type_size();
+    assert_eq!(row_bytes % ts, 0, "panels: whole weight blocks");
+    let units = row_bytes / ts;
+    let ub = unit_bytes(ty);
+    assert_eq!(out.len(), units * ub, "panels: output length");
+    let copy = |o: &mut [u8], at: usize, lane: usize, w: &[u8]| {
+        o[at + 4 * lane..at + 4 * lane + 4].copy_from_slice(w);
+    };
+    for u in 0..units {
+        let slot = unit_slot(u, units);
+        let o = &mut out[slot * ub..(slot + 1) * ub];
+        for lane in 0..PANEL_ROWS {
+            let b = &rows[lane.min(rows.len() - 1)][u * ts..(u + 1) * ts];
+            match ty {
+                GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                    // GGUF block: d, [m], [qh], qs.
+                    let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                    let five = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+                    let qh_at = if min { 4 } else { 2 };
+                    let qs_at = qh_at + if five { 4 } else { 0 };
+                    for t in 0..4 {
+                        copy(o, 64 * t, lane, &b[qs_at + 4 * t..qs_at + 4 * t + 4]);
+                    }
+                    let mut p = 256;
+                    if five {
+                        let h = u32::from_le_bytes(b[qh_at..qh_at + 4].try_into().unwrap());
+                        copy(o, p, lane, &q5_high_bits(h).to_le_bytes());
+                        p += 64;
+                    }
+                    o[p + 2 * lane..p + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                    if min {
+                        o[p + 32 + 2 * lane..p + 32 + 2 * lane + 2].copy_from_slice(&b[2..4]);
+                    }
+                }
+                GgmlType::Q8_0 => {
+                    for t in 0..8 {
+                        let w = u32::from_le_bytes(b[2 + 4 * t..6 + 4 * t].try_into().unwrap()) ^ 0x8080_8080;
+                        copy(o, 64 * t, lane, &w.to_le_bytes());
+                    }
+                    o[512 + 2 * lane..512 + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                }
+                GgmlType::Q4K => {
+                    for t in 0..32 {
+                        copy(o, Q4K_QS + 64 * t, lane, &b[16 + 4 * t..20 + 4 * t]);
+                    }
+                    o[Q4K_D + 2 * lane..Q4K_D + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                    o[Q4K_DMIN + 2 * lane..Q4K_DMIN + 2 * lane + 2].copy_from_slice(&b[2..4]);
+                    for j in 0..8 {
+                        let (sc, m) = crate::quant::scale_min_k4(j, &b[4..16]);
+                        o[Q4K_SC + 16 * j + lane] = sc;
+                        o[Q4K_MINS + 32 * (j / 2) + 2 * lane + j % 2] = m;
+                    }
+                }
+                GgmlType::Q6K => {
+                    for t in 0..32 {
+                        let (half, w) = (t / 16, t % 16);
+                        let at = Q6K_HALF + 1536 * half + if w < 8 { 64 * w } else { 1024 + 64 * (w - 8) };
+                        copy(o, at, lane, &b[4 * t..4 * t + 4]);
+                    }
+                    for t in 0..16 {
+                        let at = Q6K_HALF + 1536 * (t / 8) + 512 + 64 * (t % 8);
+                        copy(o, at, lane, &b[128 + 4 * t..132 + 4 * t]);
+                    }
+                    for g in 0..16 {
+                        o[Q6K_SC + 16 * g + lane] = b[192 + g];
+                    }
+                    o[Q6K_D + 2 * lane..Q6K_D + 2 * lane + 2].copy_from_slice(&b[208..210]);
+                }
+                _ => unreachable!(),
             }
-        };
-        if self.qs.len() < n_blocks * 512 {
-            self.qs.resize(n_blocks * 512, 0);
         }
-        let per_scale = if k { n_sb } else { n_blocks };
-        if self.d.len() < per_scale * 16 {
-            self.d.resize(per_scale * 16, 0.0);
-        }
-        if self.m.len() < per_scale * 16 {
-            self.m.resize(per_scale * 16, 0.0);
-        }
-        if ty == GgmlType::Q6K {
-            grow(&mut self.sc, n_sb * 16 * 16);
-        } else if k {
-            grow(&mut self.sc, n_sb * 8 * 16);
-            grow(&mut self.mins, n_sb * 4 * 16);
-        }
-        let lane_rows: [&[u8]; PANEL_ROWS] = std::array::from_fn(|i| rows[i.min(rows.len() - 1)]);
-        // SAFETY: `available` checked the CPU; buffers sized above.
-        #[cfg(target_arch = "x86_64")]
-        unsafe {
-            x86::pack(self, ty, &lane_rows)
+    }
+}
+
+/// Packs a whole `rows` x `cols` matrix (`data`, row-major GGUF rows) into
+/// consecutive panels at `out` ([`packed_matrix_bytes`] long); the last
+/// panel repeats the last row in its spare lanes.
+pub fn pack_matrix(ty: GgmlType, data: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    let rb = ty.bytes_for(cols as u64).expect("whole blocks") as usize;
+    assert_eq!(data.len(), rows * rb, "pack_matrix: data length");
+    let pb = panel_bytes(ty, cols);
+    assert_eq!(out.len(), rows.div_ceil(PANEL_ROWS) * pb, "pack_matrix: output length");
+    for (g, o) in out.chunks_exact_mut(pb).enumerate() {
+        let r0 = g * PANEL_ROWS;
+        let r1 = (r0 + PANEL_ROWS).min(rows);
+        let rs: Vec<&[u8]> = (r0..r1).map(|r| &data[r * rb..(r + 1) * rb]).collect();
+        pack_panel(ty, &rs, o);
+    }
+}
+
+/// A packed panel, borrowed: from a packed matrix or a [`Panel`].
+#[derive(Clone, Copy)]
+pub struct PanelRef<'a> {
+    ty: GgmlType,
+    /// 32-element blocks per row.
+    n_blocks: usize,
+    data: &'a [u8],
+}
+
+impl<'a> PanelRef<'a> {
+    /// Panel `g` of a matrix packed by [`pack_matrix`].
+    pub fn of_matrix(ty: GgmlType, cols: usize, packed: &'a [u8], g: usize) -> PanelRef<'a> {
+        let pb = panel_bytes(ty, cols);
+        PanelRef {
+            ty,
+            n_blocks: cols / 32,
+            data: &packed[g * pb..(g + 1) * pb],
         }
     }
 
-    /// Dot products of the packed rows with each activation row in `acts`
+    /// Dot products of the panel's rows with each activation row in `acts`
     /// (`aux` holds each row's [`activation_aux`]): `out[lane * acts.len() +
     /// r]` for the first `out.len() / acts.len()` lanes.
     pub fn dot(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], out: &mut [f32]) {
@@ -175,12 +317,14 @@ impl Panel {
         });
     }
 
-    /// As [`Panel::dot`], handing each activation row's results (its first
-    /// `lanes` lanes) to `put(r, values)`.
+    /// As [`PanelRef::dot`], handing each activation row's results (its
+    /// first `lanes` lanes) to `put(r, values)`.
     pub fn dot_with(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, mut put: impl FnMut(usize, &[f32])) {
-        let ty = self.ty.expect("panel: packed");
+        let ty = self.ty;
+        assert!(available(ty), "panels: unsupported type {ty} or CPU");
         assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
         assert!(lanes <= PANEL_ROWS, "panel: at most 16 lanes");
+        assert_eq!(self.data.len(), panel_bytes(ty, self.n_blocks * 32), "panel: length");
         assert!(
             acts.iter().all(|a| a.len() == self.n_blocks),
             "panel: activation length"
@@ -192,11 +336,18 @@ impl Panel {
         while r0 < n {
             let rt = (n - r0).min(4);
             let mut tile = std::mem::MaybeUninit::<[[f32; PANEL_ROWS]; 4]>::uninit();
-            // SAFETY: `pack` checked the CPU; shapes checked above. The
+            // SAFETY: `available` checked the CPU; shapes checked above. The
             // kernel writes rows 0..rt of the tile, and only those are read.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                x86::dot(self, ty, &acts[r0..r0 + rt], &aux[r0..r0 + rt], tile.as_mut_ptr())
+                x86::dot(
+                    self.data.as_ptr(),
+                    ty,
+                    self.n_blocks,
+                    &acts[r0..r0 + rt],
+                    &aux[r0..r0 + rt],
+                    tile.as_mut_ptr(),
+                )
             };
             let tile = tile.as_ptr() as *const [f32; PANEL_ROWS];
             for r in 0..rt {
@@ -209,176 +360,99 @@ impl Panel {
     }
 }
 
+/// Sixteen weight rows packed per call, for matrices that were not packed
+/// at load. The buffer grows to the longest row seen and is reused.
+#[derive(Default)]
+pub struct Panel {
+    ty: Option<GgmlType>,
+    n_blocks: usize,
+    data: Vec<u8>,
+}
+
+impl Panel {
+    pub fn new() -> Panel {
+        Panel::default()
+    }
+
+    /// Bytes held by the panel's buffer.
+    pub fn bytes(&self) -> usize {
+        self.data.capacity()
+    }
+
+    /// Packs `rows` (1 to 16 weight rows of type `ty`, one length). Lanes
+    /// past the last row repeat it.
+    pub fn pack(&mut self, ty: GgmlType, rows: &[&[u8]]) {
+        assert!(available(ty), "panels: unsupported type {ty} or CPU");
+        let cols = rows[0].len() / ty.type_size() * ty.block_size();
+        let pb = panel_bytes(ty, cols);
+        if self.data.len() < pb {
+            self.data.resize(pb, 0);
+        }
+        pack_panel(ty, rows, &mut self.data[..pb]);
+        self.ty = Some(ty);
+        self.n_blocks = cols / 32;
+    }
+
+    /// The packed rows.
+    pub fn as_ref(&self) -> PanelRef<'_> {
+        let ty = self.ty.expect("panel: packed");
+        PanelRef {
+            ty,
+            n_blocks: self.n_blocks,
+            data: &self.data[..panel_bytes(ty, self.n_blocks * 32)],
+        }
+    }
+
+    /// [`PanelRef::dot`] on the packed rows.
+    pub fn dot(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], out: &mut [f32]) {
+        self.as_ref().dot(acts, aux, out)
+    }
+
+    /// [`PanelRef::dot_with`] on the packed rows.
+    pub fn dot_with(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, put: impl FnMut(usize, &[f32])) {
+        self.as_ref().dot_with(acts, aux, lanes, put)
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // lane- and row-indexed register arrays
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{level_offset, Panel, PANEL_ROWS};
-    use crate::dot::x86::{scales_mins_k4, Unpack, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+    use super::{unit_bytes, PANEL_ROWS, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_HALF, Q6K_SC};
     use crate::dot::BlockQ8;
     use crate::quant::GgmlType;
-
-    /// Eight 32-bit elements of each of 16 rows (`v[i]`, row i) as 8
-    /// vectors: vector t holds element t of every row, row i in lane i.
-    /// Rows i and i + 8 share a vector, then each 256-bit half goes through
-    /// an 8x8 transpose.
-    #[inline(always)]
-    unsafe fn transpose(v: &[__m256i; PANEL_ROWS]) -> [__m512i; 8] {
-        // (Loops, not closures: a closure does not inherit the target
-        // features, and its intrinsics would become calls.)
-        let mut a = [_mm512_setzero_si512(); 8];
-        for i in 0..8 {
-            a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(v[i]), v[i + 8], 1);
-        }
-        let mut t = [_mm512_setzero_si512(); 8];
-        for i in 0..4 {
-            t[2 * i] = _mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
-        }
-        // u[q] for rows 0..4 (q < 4) and rows 4..8 (q >= 4): element
-        // (q % 4) and (q % 4) + 4 of each row.
-        let mut u = [_mm512_setzero_si512(); 8];
-        for g in [0, 4] {
-            u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-            u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-            u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-            u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-        }
-        let lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
-        let hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-        let mut out = [_mm512_setzero_si512(); 8];
-        for q in 0..4 {
-            out[q] = _mm512_permutex2var_epi64(u[q], lo, u[q + 4]);
-            out[q + 4] = _mm512_permutex2var_epi64(u[q], hi, u[q + 4]);
-        }
-        out
-    }
-
-    /// [`transpose`], stored as one block's 8 vectors at `dst`.
-    #[inline(always)]
-    unsafe fn transpose_store(v: &[__m256i; PANEL_ROWS], dst: *mut u8) {
-        let t = transpose(v);
-        for (q, x) in t.iter().enumerate() {
-            _mm512_storeu_si512(dst.add(q * 64) as *mut __m512i, *x);
-        }
-    }
-
-    /// Sixteen f16 values as f32, stored at `dst`.
-    #[inline(always)]
-    unsafe fn f16x16_store(h: &[*const u8; PANEL_ROWS], dst: *mut f32) {
-        let mut v = [0u16; PANEL_ROWS];
-        for i in 0..PANEL_ROWS {
-            v[i] = (h[i] as *const u16).read_unaligned();
-        }
-        let x = _mm256_loadu_si256(v.as_ptr() as *const __m256i);
-        _mm512_storeu_ps(dst, _mm512_cvtph_ps(x));
-    }
-
-    #[inline(always)]
-    unsafe fn f16_at(p: *const u8) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-            (p as *const u16).read_unaligned() as i32
-        )))
-    }
-
-    #[inline(always)]
-    unsafe fn pack_blocks<U: Unpack>(p: &mut Panel, ty: GgmlType, rows: &[&[u8]; PANEL_ROWS]) {
-        let ts = ty.type_size();
-        let off = _mm256_set1_epi8(level_offset(ty) as u8 as i8);
-        for b in 0..p.n_blocks {
-            let blk: [*const u8; PANEL_ROWS] = std::array::from_fn(|i| rows[i].as_ptr().add(b * ts));
-            let mut v = [_mm256_setzero_si256(); PANEL_ROWS];
-            for i in 0..PANEL_ROWS {
-                v[i] = _mm256_add_epi8(U::levels(blk[i], 0), off);
-            }
-            transpose_store(&v, p.qs.as_mut_ptr().add(b * 512));
-            for i in 0..PANEL_ROWS {
-                p.d[b * 16 + i] = f16_at(blk[i].add(U::D_AT));
-                if U::HAS_MIN {
-                    p.m[b * 16 + i] = f16_at(blk[i].add(U::M_AT));
-                }
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn pack_k<U: Unpack>(p: &mut Panel, ty: GgmlType, rows: &[&[u8]; PANEL_ROWS]) {
-        let ts = ty.type_size();
-        let six = ty == GgmlType::Q6K;
-        let off = _mm256_set1_epi8(if six { 32 } else { 0 });
-        for sb in 0..p.n_blocks / 8 {
-            let blk: [*const u8; PANEL_ROWS] = std::array::from_fn(|i| rows[i].as_ptr().add(sb * ts));
-            for j in 0..8 {
-                let mut v = [_mm256_setzero_si256(); PANEL_ROWS];
-                for i in 0..PANEL_ROWS {
-                    v[i] = _mm256_add_epi8(U::levels(blk[i], j), off);
-                }
-                transpose_store(&v, p.qs.as_mut_ptr().add((sb * 8 + j) * 512));
-            }
-            // Scales (and minimums) of the 16 rows: per row a vector of
-            // 16-bit values, transposed so that lane i is row i.
-            let mut sv = [_mm256_setzero_si256(); PANEL_ROWS];
-            for i in 0..PANEL_ROWS {
-                sv[i] = if six {
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128(blk[i].add(192) as *const __m128i))
-                } else {
-                    scales_mins_k4(blk[i])
-                };
-            }
-            let t = transpose(&sv);
-            let mut at = [std::ptr::null::<u8>(); PANEL_ROWS];
-            for i in 0..PANEL_ROWS {
-                at[i] = blk[i].add(U::D_AT);
-            }
-            f16x16_store(&at, p.d.as_mut_ptr().add(sb * 16));
-            let sc = p.sc.as_mut_ptr();
-            if six {
-                // Vector q: the signed scales of groups 2q and 2q + 1.
-                for q in 0..8 {
-                    let even = _mm512_srai_epi32(_mm512_slli_epi32(t[q], 16), 16);
-                    let odd = _mm512_srai_epi32(t[q], 16);
-                    _mm512_storeu_si512(sc.add((sb * 16 + 2 * q) * 16) as *mut __m512i, even);
-                    _mm512_storeu_si512(sc.add((sb * 16 + 2 * q + 1) * 16) as *mut __m512i, odd);
-                }
-            } else {
-                for i in 0..PANEL_ROWS {
-                    at[i] = blk[i].add(U::M_AT);
-                }
-                f16x16_store(&at, p.m.as_mut_ptr().add(sb * 16));
-                // Vectors 0..4: scales of blocks 2q and 2q + 1; 4..8: the
-                // minimum pairs, already in the panel's form.
-                let low = _mm512_set1_epi32(0xffff);
-                for q in 0..4 {
-                    let even = _mm512_and_si512(t[q], low);
-                    let odd = _mm512_srli_epi32(t[q], 16);
-                    _mm512_storeu_si512(sc.add((sb * 8 + 2 * q) * 16) as *mut __m512i, even);
-                    _mm512_storeu_si512(sc.add((sb * 8 + 2 * q + 1) * 16) as *mut __m512i, odd);
-                    _mm512_storeu_si512(p.mins.as_mut_ptr().add((sb * 4 + q) * 16) as *mut __m512i, t[q + 4]);
-                }
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn pack(p: &mut Panel, ty: GgmlType, rows: &[&[u8]; PANEL_ROWS]) {
-        match ty {
-            GgmlType::Q4_0 => pack_blocks::<Q4_0>(p, ty, rows),
-            GgmlType::Q4_1 => pack_blocks::<Q4_1>(p, ty, rows),
-            GgmlType::Q5_0 => pack_blocks::<Q5_0>(p, ty, rows),
-            GgmlType::Q5_1 => pack_blocks::<Q5_1>(p, ty, rows),
-            GgmlType::Q8_0 => pack_blocks::<Q8_0>(p, ty, rows),
-            GgmlType::Q4K => pack_k::<Q4K>(p, ty, rows),
-            GgmlType::Q5K => pack_k::<Q5K>(p, ty, rows),
-            GgmlType::Q6K => pack_k::<Q6K>(p, ty, rows),
-            _ => unreachable!(),
-        }
-    }
 
     /// The activation's 4 bytes at element `4t` of block `a`, in every lane.
     #[inline(always)]
     unsafe fn act4(a: &BlockQ8, t: usize) -> __m512i {
         _mm512_set1_epi32((a.qs.as_ptr().add(4 * t) as *const i32).read_unaligned())
+    }
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512i {
+        _mm512_loadu_si512(p as *const __m512i)
+    }
+
+    /// Sixteen f16 values at `p` as f32.
+    #[inline(always)]
+    unsafe fn f16x16(p: *const u8) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+
+    /// `a | (b & c)`.
+    #[inline(always)]
+    unsafe fn or_and(a: __m512i, b: __m512i, c: __m512i) -> __m512i {
+        _mm512_ternarylogic_epi32::<0xF8>(a, b, c)
+    }
+
+    /// Low and high nibbles of every byte.
+    #[inline(always)]
+    unsafe fn nibbles(v: __m512i, m0f: __m512i) -> (__m512i, __m512i) {
+        (
+            _mm512_and_si512(v, m0f),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f),
+        )
     }
 
     /// The canonical sum of a lane's eight accumulators,
@@ -427,27 +501,66 @@ mod x86 {
         }
     }
 
+    /// Per-32-block kinds.
+    const Q4: u8 = 0;
+    const Q5: u8 = 1;
+    const Q8: u8 = 2;
+
     /// Per-32-block types: accumulator class `c` takes blocks c, c+8, ...
+    /// `KIND`: nibbles (Q4), nibbles and high bits (Q5) or bytes (Q8);
+    /// `MIN`: a per-block minimum (Q4_1, Q5_1); `OFF`: a level offset taken
+    /// out through `aux`.
     #[inline(always)]
-    unsafe fn dot_blocks<const MIN: bool, const OFF: bool, const R: usize>(
-        p: &Panel,
+    unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: usize>(
+        mut p: *const u8,
+        ub: usize,
+        n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
         out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
+        let m0f = _mm512_set1_epi8(0x0f);
+        let m10 = _mm512_set1_epi8(0x10);
+        // Bytes of levels (and high bits) before the scales.
+        let d_at = match KIND {
+            Q8 => 512,
+            Q5 => 320,
+            _ => 256,
+        };
         let mut tree = Tree::<R>::new();
         for c in 0..8 {
             let mut acc = [_mm512_setzero_ps(); R];
             let mut b = c;
-            while b < p.n_blocks {
-                let q = p.qs.as_ptr().add(b * 512);
+            while b < n_blocks {
+                let q = p;
+                p = p.add(ub);
                 let mut w = [_mm512_setzero_si512(); 8];
-                for t in 0..8 {
-                    w[t] = _mm512_loadu_si512(q.add(t * 64) as *const __m512i);
+                if KIND == Q8 {
+                    for t in 0..8 {
+                        w[t] = load(q.add(t * 64));
+                    }
+                } else {
+                    for t in 0..4 {
+                        (w[t], w[t + 4]) = nibbles(load(q.add(t * 64)), m0f);
+                    }
+                    if KIND == Q5 {
+                        // Element 4t + j's bit sits at bit 2t of byte j,
+                        // element 16 + 4t + j's at bit 2t + 1: move each to
+                        // bit 4.
+                        let h = load(q.add(256));
+                        w[0] = or_and(w[0], _mm512_slli_epi16::<4>(h), m10);
+                        w[1] = or_and(w[1], _mm512_slli_epi16::<2>(h), m10);
+                        w[2] = or_and(w[2], h, m10);
+                        w[3] = or_and(w[3], _mm512_srli_epi16::<2>(h), m10);
+                        w[4] = or_and(w[4], _mm512_slli_epi16::<3>(h), m10);
+                        w[5] = or_and(w[5], _mm512_slli_epi16::<1>(h), m10);
+                        w[6] = or_and(w[6], _mm512_srli_epi16::<1>(h), m10);
+                        w[7] = or_and(w[7], _mm512_srli_epi16::<3>(h), m10);
+                    }
                 }
-                let dw = _mm512_loadu_ps(p.d.as_ptr().add(b * 16));
+                let dw = f16x16(q.add(d_at));
                 let mw = if MIN {
-                    _mm512_loadu_ps(p.m.as_ptr().add(b * 16))
+                    f16x16(q.add(d_at + 32))
                 } else {
                     _mm512_setzero_ps()
                 };
@@ -474,85 +587,162 @@ mod x86 {
         tree.store(out);
     }
 
-    /// K-quant types: accumulator class `c` takes super-blocks c, c+8, ...
-    /// `SIX`: Q6_K (signed 8-bit scales per 16 elements, levels offset by
-    /// 32, no minimum); otherwise Q4_K / Q5_K (6-bit scales per 32
-    /// elements, minimums).
+    /// One 32-element block's integer sum for each activation row:
+    /// `isum[r] += (sum of 8 vpdpbusd) * s`, or with two scales for the
+    /// block's halves (`s1`, Q6_K) and a starting value per half.
     #[inline(always)]
-    unsafe fn dot_k<const SIX: bool, const R: usize>(
-        p: &Panel,
+    unsafe fn block_isum<const R: usize, const TWO: bool>(
+        w: &[__m512i; 8],
+        acts: &[&[BlockQ8]],
+        blk: usize,
+        start: [[i32; 2]; R],
+        s0: __m512i,
+        s1: __m512i,
+        isum: &mut [__m512i; R],
+    ) {
+        for r in 0..R {
+            let a = acts.get_unchecked(r).get_unchecked(blk);
+            let mut i0 = _mm512_set1_epi32(start[r][0]);
+            let mut i1 = _mm512_set1_epi32(start[r][1]);
+            for t in 0..4 {
+                i0 = _mm512_dpbusd_epi32(i0, w[t], act4(a, t));
+                i1 = _mm512_dpbusd_epi32(i1, w[t + 4], act4(a, t + 4));
+            }
+            let v = if TWO {
+                _mm512_add_epi32(_mm512_mullo_epi32(i0, s0), _mm512_mullo_epi32(i1, s1))
+            } else {
+                _mm512_mullo_epi32(_mm512_add_epi32(i0, i1), s0)
+            };
+            isum[r] = _mm512_add_epi32(isum[r], v);
+        }
+    }
+
+    /// Q4_K: accumulator class `c` takes super-blocks c, c+8, ...
+    #[inline(always)]
+    unsafe fn dot_q4k<const R: usize>(
+        mut p: *const u8,
+        n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
         out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
-        let n_sb = p.n_blocks / 8;
+        let ub = unit_bytes(GgmlType::Q4K);
+        let n_sb = n_blocks / 8;
         let neg = _mm512_set1_epi32(i32::MIN);
+        let m0f = _mm512_set1_epi8(0x0f);
+        let zero = _mm512_setzero_si512();
         let mut tree = Tree::<R>::new();
         for c in 0..8 {
             let mut acc = [_mm512_setzero_ps(); R];
             let mut sb = c;
             while sb < n_sb {
+                let q = p;
+                p = p.add(ub);
                 let mut isum = [_mm512_setzero_si512(); R];
-                for j in 0..8 {
-                    let blk = sb * 8 + j;
-                    let q = p.qs.as_ptr().add(blk * 512);
-                    let mut w = [_mm512_setzero_si512(); 8];
+                for pair in 0..4 {
+                    // Low nibbles: block 2 * pair; high: block 2 * pair + 1.
+                    let mut lo = [zero; 8];
+                    let mut hi = [zero; 8];
                     for t in 0..8 {
-                        w[t] = _mm512_loadu_si512(q.add(t * 64) as *const __m512i);
+                        (lo[t], hi[t]) = nibbles(load(q.add(Q4K_QS + (pair * 8 + t) * 64)), m0f);
                     }
-                    if SIX {
-                        let s0 = _mm512_loadu_si512(p.sc.as_ptr().add((2 * blk) * 16) as *const __m512i);
-                        let s1 = _mm512_loadu_si512(p.sc.as_ptr().add((2 * blk + 1) * 16) as *const __m512i);
-                        for r in 0..R {
-                            let a = acts.get_unchecked(r).get_unchecked(blk);
-                            let x = aux.get_unchecked(r);
-                            let mut i0 = _mm512_set1_epi32(*x.get_unchecked(2 * blk));
-                            let mut i1 = _mm512_set1_epi32(*x.get_unchecked(2 * blk + 1));
-                            for t in 0..4 {
-                                i0 = _mm512_dpbusd_epi32(i0, w[t], act4(a, t));
-                                i1 = _mm512_dpbusd_epi32(i1, w[t + 4], act4(a, t + 4));
-                            }
-                            isum[r] = _mm512_add_epi32(
-                                isum[r],
-                                _mm512_add_epi32(_mm512_mullo_epi32(i0, s0), _mm512_mullo_epi32(i1, s1)),
-                            );
-                        }
-                    } else {
-                        let s = _mm512_loadu_si512(p.sc.as_ptr().add(blk * 16) as *const __m512i);
-                        for r in 0..R {
-                            let a = acts.get_unchecked(r).get_unchecked(blk);
-                            let mut i0 = _mm512_setzero_si512();
-                            let mut i1 = _mm512_setzero_si512();
-                            for t in 0..4 {
-                                i0 = _mm512_dpbusd_epi32(i0, w[t], act4(a, t));
-                                i1 = _mm512_dpbusd_epi32(i1, w[t + 4], act4(a, t + 4));
-                            }
-                            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(i0, i1), s));
-                        }
+                    for (h, w) in [(0, &lo), (1, &hi)] {
+                        let j = 2 * pair + h;
+                        let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(Q4K_SC + 16 * j) as *const __m128i));
+                        block_isum::<R, false>(w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
                     }
                 }
-                let d = _mm512_loadu_ps(p.d.as_ptr().add(sb * 16));
+                let d = f16x16(q.add(Q4K_D));
                 for r in 0..R {
                     let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
                 }
-                if !SIX {
-                    let dmin = _mm512_loadu_ps(p.m.as_ptr().add(sb * 16));
-                    let mut mv = [_mm512_setzero_si512(); 4];
-                    for q in 0..4 {
-                        mv[q] = _mm512_loadu_si512(p.mins.as_ptr().add((sb * 4 + q) * 16) as *const __m512i);
+                let dmin = f16x16(q.add(Q4K_DMIN));
+                let mut mv = [zero; 4];
+                for k in 0..4 {
+                    mv[k] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q.add(Q4K_MINS + 32 * k) as *const __m256i));
+                }
+                for r in 0..R {
+                    let x = aux.get_unchecked(r);
+                    let mut msum = zero;
+                    for k in 0..4 {
+                        msum = _mm512_dpwssd_epi32(msum, mv[k], _mm512_set1_epi32(*x.get_unchecked(sb * 4 + k)));
                     }
-                    for r in 0..R {
-                        let x = aux.get_unchecked(r);
-                        let mut msum = _mm512_setzero_si512();
-                        for q in 0..4 {
-                            msum = _mm512_dpwssd_epi32(msum, mv[q], _mm512_set1_epi32(*x.get_unchecked(sb * 4 + q)));
+                    let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                    let cm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), neg));
+                    acc[r] = _mm512_fmadd_ps(cm, _mm512_cvtepi32_ps(msum), acc[r]);
+                }
+                sb += 8;
+            }
+            tree.push(c, &acc);
+        }
+        tree.store(out);
+    }
+
+    /// Q6_K: accumulator class `c` takes super-blocks c, c+8, ... Levels
+    /// are offset by 32 (taken out through `aux`, per 16 elements), scales
+    /// are signed bytes per 16 elements, no minimum.
+    #[inline(always)]
+    unsafe fn dot_q6k<const R: usize>(
+        mut p: *const u8,
+        n_blocks: usize,
+        acts: &[&[BlockQ8]],
+        aux: &[&[i32]],
+        out: *mut [[f32; PANEL_ROWS]; 4],
+    ) {
+        let ub = unit_bytes(GgmlType::Q6K);
+        let n_sb = n_blocks / 8;
+        let m0f = _mm512_set1_epi8(0x0f);
+        let m30 = _mm512_set1_epi8(0x30);
+        let mut tree = Tree::<R>::new();
+        for c in 0..8 {
+            let mut acc = [_mm512_setzero_ps(); R];
+            let mut sb = c;
+            while sb < n_sb {
+                let q = p;
+                p = p.add(ub);
+                let mut isum = [_mm512_setzero_si512(); R];
+                for half in 0..2 {
+                    let hq = q.add(Q6K_HALF + 1536 * half + 512);
+                    // Blocks 0 and 2 share their `ql` words, as do 1 and 3.
+                    for k in [0, 2, 1, 3] {
+                        // Block 4 * half + k: low (k < 2) or high nibbles of
+                        // `ql` words 0..8 (k even) or 8..16 (k odd), and
+                        // bits 2k, 2k + 1 of the `qh` bytes.
+                        let lq = q.add(Q6K_HALF + 1536 * half + (k & 1) * 1024);
+                        let mut w = [_mm512_setzero_si512(); 8];
+                        for t in 0..8 {
+                            let l = load(lq.add(t * 64));
+                            let h = load(hq.add(t * 64));
+                            let lo = if k < 2 {
+                                _mm512_and_si512(l, m0f)
+                            } else {
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(l), m0f)
+                            };
+                            let hs = match k {
+                                0 => _mm512_slli_epi16::<4>(h),
+                                1 => _mm512_slli_epi16::<2>(h),
+                                2 => h,
+                                _ => _mm512_srli_epi16::<2>(h),
+                            };
+                            w[t] = or_and(lo, hs, m30);
                         }
-                        let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                        let cm =
-                            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), neg));
-                        acc[r] = _mm512_fmadd_ps(cm, _mm512_cvtepi32_ps(msum), acc[r]);
+                        let blk = sb * 8 + 4 * half + k;
+                        let g = 2 * (4 * half + k);
+                        let s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(Q6K_SC + 16 * g) as *const __m128i));
+                        let s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(Q6K_SC + 16 * (g + 1)) as *const __m128i));
+                        let mut start = [[0i32; 2]; R];
+                        for r in 0..R {
+                            let x = aux.get_unchecked(r);
+                            start[r] = [*x.get_unchecked(2 * blk), *x.get_unchecked(2 * blk + 1)];
+                        }
+                        block_isum::<R, true>(&w, acts, blk, start, s0, s1, &mut isum);
                     }
+                }
+                let d = f16x16(q.add(Q6K_D));
+                for r in 0..R {
+                    let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
                 }
                 sb += 8;
             }
@@ -563,35 +753,41 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn dot_r<const R: usize>(
-        p: &Panel,
+        p: *const u8,
         ty: GgmlType,
+        n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
         out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
+        let ub = unit_bytes(ty);
         match ty {
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => dot_blocks::<false, true, R>(p, acts, aux, out),
-            GgmlType::Q4_1 | GgmlType::Q5_1 => dot_blocks::<true, false, R>(p, acts, aux, out),
-            GgmlType::Q4K | GgmlType::Q5K => dot_k::<false, R>(p, acts, aux, out),
-            GgmlType::Q6K => dot_k::<true, R>(p, acts, aux, out),
+            GgmlType::Q4_0 => dot_blocks::<Q4, false, true, R>(p, ub, n_blocks, acts, aux, out),
+            GgmlType::Q4_1 => dot_blocks::<Q4, true, false, R>(p, ub, n_blocks, acts, aux, out),
+            GgmlType::Q5_0 => dot_blocks::<Q5, false, true, R>(p, ub, n_blocks, acts, aux, out),
+            GgmlType::Q5_1 => dot_blocks::<Q5, true, false, R>(p, ub, n_blocks, acts, aux, out),
+            GgmlType::Q8_0 => dot_blocks::<Q8, false, true, R>(p, ub, n_blocks, acts, aux, out),
+            GgmlType::Q4K => dot_q4k::<R>(p, n_blocks, acts, aux, out),
+            GgmlType::Q6K => dot_q6k::<R>(p, n_blocks, acts, aux, out),
             _ => unreachable!(),
         }
     }
 
-    /// Up to four activation rows against a packed panel.
+    /// Up to four activation rows against one panel at `p`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn dot(
-        p: &Panel,
+        p: *const u8,
         ty: GgmlType,
+        n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
         out: *mut [[f32; PANEL_ROWS]; 4],
     ) {
         match acts.len() {
-            1 => dot_r::<1>(p, ty, acts, aux, out),
-            2 => dot_r::<2>(p, ty, acts, aux, out),
-            3 => dot_r::<3>(p, ty, acts, aux, out),
-            _ => dot_r::<4>(p, ty, acts, aux, out),
+            1 => dot_r::<1>(p, ty, n_blocks, acts, aux, out),
+            2 => dot_r::<2>(p, ty, n_blocks, acts, aux, out),
+            3 => dot_r::<3>(p, ty, n_blocks, acts, aux, out),
+            _ => dot_r::<4>(p, ty, n_blocks, acts, aux, out),
         }
     }
 }
@@ -609,7 +805,7 @@ mod tests {
             return;
         }
         let mut rng = Rng(42);
-        for ty in TYPES {
+        for ty in TYPES.into_iter().filter(|&t| supports(t)) {
             // Fewer than 8, exactly 8, and more than 8 blocks or super-blocks
             // (accumulator classes with no, one and two blocks).
             for n in [768, 2048, 2304, 4608] {
@@ -638,6 +834,11 @@ mod tests {
                     let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
                     let mut panel = Panel::new();
                     panel.pack(ty, &wrefs);
+                    // The same rows as one panel of a packed matrix.
+                    let flat: Vec<u8> = ws.concat();
+                    let mut packed = vec![0u8; packed_matrix_bytes(ty, n_w, n)];
+                    pack_matrix(ty, &flat, n_w, n, &mut packed);
+                    assert_eq!(&packed[..], panel.as_ref().data, "{ty}: matrix and panel packing");
                     for rows in [n_r, 4, 3, 1] {
                         let mut got = vec![0f32; n_w * rows];
                         panel.dot(&arefs[..rows], &xrefs[..rows], &mut got);

@@ -397,6 +397,10 @@ impl GgufHeader {
 pub struct GgufFile {
     pub header: GgufHeader,
     mmap: Mmap,
+    path: std::path::PathBuf,
+    modified: Option<std::time::SystemTime>,
+    /// The matrices repacked into panels, made on first use.
+    packed: std::sync::OnceLock<Option<crate::packed::PackedWeights>>,
 }
 
 impl GgufFile {
@@ -426,7 +430,64 @@ impl GgufFile {
         // mapped; weights are immutable by design.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
         let header = GgufHeader::parse(&mmap)?;
-        Ok(GgufFile { header, mmap })
+        Ok(GgufFile {
+            header,
+            mmap,
+            path: path.to_path_buf(),
+            modified: meta.modified().ok(),
+            packed: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The path the file was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file's modification time, where the system tells it.
+    pub fn modified(&self) -> Option<std::time::SystemTime> {
+        self.modified
+    }
+
+    /// The tensors `names` packed into panels (see [`crate::packed`]),
+    /// made on the first call (later calls return the same panels,
+    /// whatever names they pass); `None` where nothing is packed.
+    pub fn packed(&self, names: &[&str]) -> Option<&crate::packed::PackedWeights> {
+        self.packed
+            .get_or_init(|| {
+                let p = crate::packed::PackedWeights::for_model(self, names, crate::packed::PackMode::from_env());
+                if p.is_some() {
+                    // Packing read the matrices through the map; compute
+                    // reads the panels from now on, so give those pages
+                    // back (they are read again from the file if needed).
+                    // SAFETY: the map is a read-only view of a file, so
+                    // dropped pages are re-read unchanged on access.
+                    #[cfg(unix)]
+                    let _ = unsafe { self.mmap.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+                }
+                p
+            })
+            .as_ref()
+    }
+
+    /// The panels made by [`GgufFile::packed`], if it has run and packed
+    /// anything.
+    pub fn packed_weights(&self) -> Option<&crate::packed::PackedWeights> {
+        self.packed.get().and_then(|p| p.as_ref())
+    }
+
+    /// Bytes of the model mapped for compute: the file and its panels.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.file_size() + self.packed_weights().map_or(0, |p| p.len())
+    }
+
+    /// Bytes of the file and its panels resident in this process.
+    pub fn weights_resident_bytes(&self) -> Option<u64> {
+        let packed = match self.packed_weights() {
+            Some(p) => p.resident_bytes()?,
+            None => 0,
+        };
+        Some(self.resident_bytes()? + packed)
     }
 
     /// The bytes of tensor `t` (which must come from this file's header).
@@ -450,7 +511,7 @@ impl GgufFile {
 }
 
 /// `Rss` of the mapping that starts at `start`, from `/proc/self/smaps`.
-fn mapping_rss(start: usize) -> Option<u64> {
+pub(crate) fn mapping_rss(start: usize) -> Option<u64> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let mut in_mapping = false;
     for line in smaps.lines() {

@@ -8,6 +8,7 @@ pub mod arch;
 pub mod catalog;
 pub mod gguf;
 pub mod info;
+pub mod packed;
 pub mod pull;
 pub mod template;
 pub mod testing;

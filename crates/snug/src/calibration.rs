@@ -2,7 +2,7 @@
 //! measures before its first draft (a 1-row and a 9-row forward), so that
 //! later runs of the same model file with the same thread count skip the
 //! measurement. One small JSON file per (model file, size, threads, SIMD
-//! path) under `~/.cache/snug/calibration/`; delete it to measure again.
+//! path, panels packed or not) under `~/.cache/snug/calibration/`; delete it to measure again.
 //! A missing, unreadable or malformed file is ignored (the run measures).
 
 use std::fs;
@@ -20,13 +20,19 @@ pub struct Calibration {
 }
 
 /// The cache file for `model` run with `threads` threads.
-fn cache_path(model: &Path, threads: usize) -> Option<PathBuf> {
+fn cache_path(model: &Path, threads: usize, panels: bool) -> Option<PathBuf> {
     let len = fs::metadata(model).ok()?.len();
     let name = model
         .file_name()?
         .to_string_lossy()
         .replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_");
     let simd = snug_kernels::cpu::simd().name();
+    // Panels packed at load change the costs (the rows' bits stay).
+    let simd = if panels {
+        format!("{simd}-panels")
+    } else {
+        simd.to_string()
+    };
     Some(
         snug_model::catalog::cache_dir()
             .join("calibration")
@@ -48,7 +54,7 @@ fn parse(text: &str) -> Option<Vec<(usize, f64)>> {
 
 /// Seeds `engine` with cached costs for `model`, if there are any.
 pub fn load(model: &Path, threads: usize, engine: &mut Engine) -> Calibration {
-    let path = cache_path(model, threads);
+    let path = cache_path(model, threads, engine.model.packed_matrices() > 0);
     let costs = path
         .as_ref()
         .and_then(|p| fs::read_to_string(p).ok())

@@ -215,8 +215,8 @@ pub fn ledger(file: &snug_model::GgufFile, engine: &Engine) -> Ledger {
     let (kv_reserved, kv_used) = engine.kv_bytes();
     Ledger::from_heap_peak(
         *crate::RUNTIME_RSS.get().unwrap_or(&0),
-        file.file_size(),
-        file.resident_bytes().unwrap_or(0),
+        file.mapped_bytes(),
+        file.weights_resident_bytes().unwrap_or(0),
         kv_reserved as u64,
         kv_used as u64,
         engine.scratch_bytes() as u64,

@@ -391,10 +391,12 @@ fn the_memory_ledger_agrees_with_measured_peak_rss() {
         + n("scratch_bytes")
         + n("heap_other_bytes");
     assert_eq!(parts, n("total_bytes"));
-    // The whole model is read during a forward pass, except rows of the
-    // embedding table that no token looked up.
+    // Every matrix is read during a forward pass. Mapped counts the model
+    // file and, where matrices are packed into panels, the panel file
+    // (about as large): compute then reads the panels, and of the model
+    // file only embedding rows and norms.
     assert!(n("weights_resident_bytes") <= n("weights_mapped_bytes"));
-    assert!(n("weights_resident_bytes") * 10 >= n("weights_mapped_bytes") * 8, "{l}");
+    assert!(n("weights_resident_bytes") * 10 >= n("weights_mapped_bytes") * 4, "{l}");
     // 2048 positions x 30 layers x 2 x 3 heads x 64 x 2 bytes.
     assert_eq!(n("kv_reserved_bytes"), 2048 * 30 * 2 * 3 * 64 * 2);
     assert!(n("kv_used_bytes") > 0 && n("kv_used_bytes") < n("kv_reserved_bytes"));

@@ -9,6 +9,7 @@ use super::ModelError;
 use crate::gguf::GgufFile;
 
 /// One layer's weights.
+#[derive(Clone)]
 pub(super) struct Layer<'a> {
     pub attn_norm: &'a [f32],
     pub wq: Weight<'a>,
@@ -50,6 +51,29 @@ impl<'a> Model<'a> {
             name: name.to_string(),
             problem,
         };
+        // The matrices the forward pass multiplies by, packed into panels
+        // where this machine runs them.
+        let mut names: Vec<String> = Vec::new();
+        for l in 0..c.layers {
+            for m in [
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            ] {
+                names.push(format!("blk.{l}.{m}.weight"));
+            }
+        }
+        names.push(if file.tensor("output.weight").is_some() {
+            "output.weight".into()
+        } else {
+            "token_embd.weight".into()
+        });
+        let name_refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        let packed = file.packed(&name_refs);
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight<'a>, ModelError> {
             let t = get(name)?;
             if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {
@@ -63,6 +87,7 @@ impl<'a> Model<'a> {
                 rows,
                 cols,
                 data: file.tensor_data(t),
+                packed: packed.and_then(|p| p.get(name)),
             })
         };
         let vector = |name: &str, len: usize| -> Result<&'a [f32], ModelError> {
@@ -141,10 +166,52 @@ impl<'a> Model<'a> {
         })
     }
 
-    /// Bytes of tensor data the forward pass reads per token (all weights
-    /// but the embedding table, of which one row is read).
+    /// Matrices that run on panels packed at load (see
+    /// [`crate::packed`]).
+    pub fn packed_matrices(&self) -> usize {
+        let mut n = self.layers.iter().fold(0, |n, l| {
+            n + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .filter(|w| w.packed.is_some())
+                .count()
+        });
+        n += self.output.packed.is_some() as usize;
+        n
+    }
+
+    /// This model reading every matrix from the model file, as on a CPU
+    /// without panels (the products then take the row-at-a-time kernels,
+    /// or panels packed per call): for tests that the two compute the same
+    /// bits.
+    pub fn without_packed_panels(&self) -> Model<'a> {
+        let strip = |w: &Weight<'a>| Weight { packed: None, ..*w };
+        Model {
+            config: self.config.clone(),
+            embed: strip(&self.embed),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| Layer {
+                    wq: strip(&l.wq),
+                    wk: strip(&l.wk),
+                    wv: strip(&l.wv),
+                    wo: strip(&l.wo),
+                    w_gate: strip(&l.w_gate),
+                    w_up: strip(&l.w_up),
+                    w_down: strip(&l.w_down),
+                    ..l.clone()
+                })
+                .collect(),
+            output_norm: self.output_norm,
+            output: strip(&self.output),
+        }
+    }
+
+    /// Bytes of tensor data the forward pass reads per token (all weights,
+    /// as panels where they are packed, but the embedding table, of which
+    /// one row is read).
     pub fn bytes_read_per_token(&self) -> u64 {
-        let w = |w: &Weight| w.data.len() as u64;
+        let w = |w: &Weight| w.packed.map_or(w.data.len(), |p| p.len()) as u64;
         let per_layer: u64 = self
             .layers
             .iter()
@@ -164,6 +231,7 @@ fn to_f32<'b>(w: &Weight, arena: &'b [Vec<f32>], slot: usize) -> Weight<'b> {
         rows: w.rows,
         cols: w.cols,
         data: bytes,
+        packed: None,
     }
 }
 

@@ -1,0 +1,318 @@
+//! A model's matrices repacked into panels (see `snug_kernels::panel`),
+//! once per model file, and kept in a cache file beside snug's other
+//! caches so that later runs map them as they map the GGUF file.
+//!
+//! Panels hold the GGUF blocks' own bytes with 16 rows' words interleaved,
+//! so the cache file is about as large as the matrices it holds, and
+//! every matrix product, a decode step's single row included, runs on it:
+//! one `vpdpbusd` does 64 multiply-adds for 16 rows. Panels need AVX-512
+//! VNNI; elsewhere nothing is packed and the row-at-a-time kernels read
+//! the GGUF file directly. Both compute the same bits.
+//!
+//! The file is `<cache>/packed/<model file name>-<key>.snugpack`, where the
+//! key hashes the panel layout's version, the model file's size and
+//! modification time, and every packed tensor's name, type, shape and
+//! offset; a file whose header does not carry the expected key and length
+//! is rebuilt. It is written to a temporary name, synced and renamed, so a
+//! crash never leaves a partial file under the real name.
+//!
+//! `SNUG_PACK=off` turns packing off (the row kernels then run every
+//! product); `SNUG_PACK=memory` packs into memory instead of a file.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::{Mmap, MmapMut};
+use snug_kernels::panel::{self, pack_matrix, packed_matrix_bytes};
+
+use crate::gguf::{GgufFile, TensorInfo};
+
+/// Version of the panel layout; part of every cache file's key.
+const LAYOUT_VERSION: u64 = 3;
+const MAGIC: &[u8; 8] = b"SNUGPAK1";
+const HEADER: usize = 64;
+const ALIGN: usize = 64;
+
+enum Backing {
+    Map(Mmap),
+    Memory(MmapMut),
+}
+
+/// Packed matrices, by tensor name.
+pub struct PackedWeights {
+    backing: Backing,
+    at: HashMap<String, (usize, usize)>,
+    path: Option<PathBuf>,
+}
+
+/// How a model file's matrices are packed (from `SNUG_PACK`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackMode {
+    /// In a cache file under snug's cache directory (the default).
+    File,
+    /// In memory, at every load.
+    Memory,
+    /// Not at all.
+    Off,
+}
+
+impl PackMode {
+    pub fn from_env() -> PackMode {
+        match std::env::var("SNUG_PACK").as_deref() {
+            Ok("off") | Ok("0") | Ok("no") => PackMode::Off,
+            Ok("memory") => PackMode::Memory,
+            _ => PackMode::File,
+        }
+    }
+}
+
+struct Plan<'f> {
+    tensors: Vec<(&'f TensorInfo, usize)>,
+    total: usize,
+    key: u64,
+}
+
+fn fnv(h: &mut u64, bytes: &[u8]) {
+    for &b in bytes {
+        *h ^= b as u64;
+        *h = h.wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+fn plan<'f>(file: &'f GgufFile, names: &[&str]) -> Plan<'f> {
+    let mut key = 0xcbf2_9ce4_8422_2325u64;
+    fnv(&mut key, &LAYOUT_VERSION.to_le_bytes());
+    fnv(&mut key, &file.file_size().to_le_bytes());
+    if let Some(t) = file.modified() {
+        let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        fnv(&mut key, &d.as_nanos().to_le_bytes());
+    }
+    let mut tensors = Vec::new();
+    let mut total = HEADER;
+    let mut seen = std::collections::HashSet::new();
+    for &name in names {
+        let Some(t) = file.tensor(name) else { continue };
+        if !seen.insert(name) || !panel::available(t.ty) || t.dims.len() != 2 {
+            continue;
+        }
+        let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+        if !cols.is_multiple_of(t.ty.block_size()) {
+            continue;
+        }
+        fnv(&mut key, name.as_bytes());
+        fnv(&mut key, &[0xff]);
+        fnv(&mut key, &(t.ty as u32).to_le_bytes());
+        fnv(&mut key, &(cols as u64).to_le_bytes());
+        fnv(&mut key, &(rows as u64).to_le_bytes());
+        fnv(&mut key, &t.offset.to_le_bytes());
+        tensors.push((t, total));
+        total += packed_matrix_bytes(t.ty, rows, cols).next_multiple_of(ALIGN);
+    }
+    Plan { tensors, total, key }
+}
+
+/// Packs every planned tensor into `out` (the whole file image), the
+/// panels of each tensor split over the machine's threads.
+fn fill(file: &GgufFile, plan: &Plan, out: &mut [u8]) {
+    out[..HEADER].fill(0);
+    out[..8].copy_from_slice(MAGIC);
+    out[8..16].copy_from_slice(&plan.key.to_le_bytes());
+    out[16..24].copy_from_slice(&(plan.total as u64).to_le_bytes());
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    for &(t, at) in &plan.tensors {
+        let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+        let len = packed_matrix_bytes(t.ty, rows, cols);
+        let dst = &mut out[at..at + len];
+        let data = file.tensor_data(t);
+        let pb = panel::panel_bytes(t.ty, cols);
+        let rb = data.len() / rows;
+        let groups = rows.div_ceil(panel::PANEL_ROWS);
+        let per = groups.div_ceil(threads).max(1);
+        std::thread::scope(|s| {
+            for (i, chunk) in dst.chunks_mut(per * pb).enumerate() {
+                let r0 = i * per * panel::PANEL_ROWS;
+                let r1 = (r0 + per * panel::PANEL_ROWS).min(rows);
+                let src = &data[r0 * rb..r1 * rb];
+                s.spawn(move || pack_matrix(t.ty, src, r1 - r0, cols, chunk));
+            }
+        });
+    }
+}
+
+/// What went wrong building or opening a cache file.
+#[derive(Debug, thiserror::Error)]
+pub enum PackError {
+    #[error("packed weights {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+impl PackedWeights {
+    /// The panels of the tensors `names` (those of a type and shape panels
+    /// handle; others are skipped), per `mode`; `None` when nothing is
+    /// packed (mode off, or a CPU without panels). A cache file that
+    /// cannot be written falls back to memory.
+    pub fn for_model(file: &GgufFile, names: &[&str], mode: PackMode) -> Option<PackedWeights> {
+        if mode == PackMode::Off {
+            return None;
+        }
+        let plan = plan(file, names);
+        if plan.tensors.is_empty() {
+            return None;
+        }
+        if mode == PackMode::File {
+            let dir = crate::catalog::cache_dir().join("packed");
+            if let Ok(p) = Self::from_cache(file, &plan, &dir) {
+                return Some(p);
+            }
+        }
+        Self::in_memory(file, &plan)
+    }
+
+    /// As [`PackedWeights::for_model`] with a cache file in `dir`, with no
+    /// fallback: `Ok(None)` when nothing is packed here.
+    pub fn open_or_build(file: &GgufFile, names: &[&str], dir: &Path) -> Result<Option<PackedWeights>, PackError> {
+        let plan = plan(file, names);
+        if plan.tensors.is_empty() {
+            return Ok(None);
+        }
+        Self::from_cache(file, &plan, dir).map(Some)
+    }
+
+    fn in_memory(file: &GgufFile, plan: &Plan) -> Option<PackedWeights> {
+        let mut v = MmapMut::map_anon(plan.total).ok()?;
+        fill(file, plan, &mut v);
+        Some(PackedWeights {
+            backing: Backing::Memory(v),
+            at: index(plan),
+            path: None,
+        })
+    }
+
+    fn from_cache(file: &GgufFile, plan: &Plan, dir: &Path) -> Result<PackedWeights, PackError> {
+        let stem = file
+            .path()
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        let path = dir.join(format!("{stem}-{:016x}.snugpack", plan.key));
+        let io = |source| PackError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        if let Some(map) = open_valid(&path, plan) {
+            return Ok(PackedWeights {
+                backing: Backing::Map(map),
+                at: index(plan),
+                path: Some(path),
+            });
+        }
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let tmp = dir.join(format!(
+            ".{stem}-{:016x}.{}.{:?}.tmp",
+            plan.key,
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let result = (|| {
+            let f = File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)?;
+            f.set_len(plan.total as u64)?;
+            // SAFETY: the file was just created under a name private to
+            // this thread; nothing else maps or writes it.
+            let mut map = unsafe { MmapMut::map_mut(&f)? };
+            fill(file, plan, &mut map);
+            map.flush()?;
+            drop(map);
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(e));
+        }
+        // Older files of the same model (a changed file or layout) are
+        // stale: remove them.
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with(&format!("{stem}-")) && n.ends_with(".snugpack") && e.path() != path {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let map = open_valid(&path, plan).ok_or_else(|| io(std::io::Error::other("written file does not verify")))?;
+        Ok(PackedWeights {
+            backing: Backing::Map(map),
+            at: index(plan),
+            path: Some(path),
+        })
+    }
+
+    /// The packed panels of tensor `name`, if it was packed.
+    pub fn get(&self, name: &str) -> Option<&[u8]> {
+        let &(at, len) = self.at.get(name)?;
+        Some(&self.bytes()[at..at + len])
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.backing {
+            Backing::Map(m) => m,
+            Backing::Memory(v) => v,
+        }
+    }
+
+    /// Bytes of packed data (the cache file's size).
+    pub fn len(&self) -> u64 {
+        self.bytes().len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes().is_empty()
+    }
+
+    /// The cache file, where the panels are mapped from one.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Bytes of the panels resident in this process (as
+    /// [`GgufFile::resident_bytes`] counts them for the model file).
+    pub fn resident_bytes(&self) -> Option<u64> {
+        let b = self.bytes();
+        crate::gguf::mapping_rss(b.as_ptr() as usize).map(|r| r.min(b.len() as u64))
+    }
+}
+
+fn index(plan: &Plan) -> HashMap<String, (usize, usize)> {
+    plan.tensors
+        .iter()
+        .map(|&(t, at)| {
+            let len = packed_matrix_bytes(t.ty, t.dims[1] as usize, t.dims[0] as usize);
+            (t.name.clone(), (at, len))
+        })
+        .collect()
+}
+
+/// The cache file at `path` mapped, if its header carries the plan's key
+/// and length.
+fn open_valid(path: &Path, plan: &Plan) -> Option<Mmap> {
+    let f = File::open(path).ok()?;
+    if f.metadata().ok()?.len() != plan.total as u64 {
+        return None;
+    }
+    // SAFETY: read-only map of a file only ever replaced by rename, never
+    // written in place.
+    let map = unsafe { Mmap::map(&f) }.ok()?;
+    let ok =
+        &map[..8] == MAGIC && map[8..16] == plan.key.to_le_bytes() && map[16..24] == (plan.total as u64).to_le_bytes();
+    ok.then_some(map)
+}
