@@ -2,7 +2,9 @@
 # snug bench beside llama-bench on the same GGUF files, same threads:
 # pp128, pp512, tg128, and tg64 at depth 2048; llama.cpp with -fa 0 and 1.
 # Writes one markdown file per program and model into OUT (default
-# bench/out, not committed) and prints them.
+# bench/out, not committed) and prints them; also the machine's read
+# bandwidth before and after (bandwidth.txt) and each model's bytes read
+# per decode step (bytes-MODEL.txt), for the roofline.
 #
 # Usage: bench/compare.sh LLAMA_BIN_DIR [OUT] [MODELS...]
 set -euo pipefail
@@ -15,11 +17,16 @@ threads=${THREADS:-2}
 reps=${REPS:-3}
 mkdir -p "$out"
 cargo build --release -p snug >&2
+cargo build --release -p snug-kernels --example bandwidth -p snug-model --example bytes_per_token >&2
+target/release/examples/bandwidth "$threads" | tail -n 1 > "$out/bandwidth.txt"
 for m in $models; do
   path=$(target/release/snug pull "$m" | tail -n 1)
   "$bin/llama-bench" -m "$path" -t "$threads" -p 128,512 -n 128 -fa 0,1 -r "$reps" -o md > "$out/llama-$m.md" 2>/dev/null
   "$bin/llama-bench" -m "$path" -t "$threads" -p 0 -n 64 -d 2048 -fa 0,1 -r "$reps" -o md 2>/dev/null | grep "d2048" >> "$out/llama-$m.md"
   target/release/snug bench "$path" -t "$threads" -p 128,512 -n 128 -r "$reps" > "$out/snug-$m.md"
   target/release/snug bench "$path" -t "$threads" -p "" -n 64 -d 2048 -r "$reps" | tail -n 1 >> "$out/snug-$m.md"
+  target/release/examples/bytes_per_token "$path" > "$out/bytes-$m.txt"
   cat "$out/llama-$m.md" "$out/snug-$m.md"
 done
+target/release/examples/bandwidth "$threads" | tail -n 1 >> "$out/bandwidth.txt"
+cat "$out/bandwidth.txt"

@@ -181,10 +181,9 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
                     let r = (r0 + i).min(n_rows - 1);
                     &aux[r * al..(r + 1) * al]
                 });
-                panel.dot_with(&acts[..m], &auxs[..m], lanes, |r, vals| {
-                    // SAFETY: each (r, o) is written by exactly one task.
-                    unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), op.0.add((r0 + r) * n + o0), vals.len()) };
-                });
+                // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`;
+                // each (r, o) is written by exactly one task.
+                unsafe { panel.dot_into(&acts[..m], &auxs[..m], lanes, op.0.add(r0 * n + o0), n) };
             }
         });
         return;

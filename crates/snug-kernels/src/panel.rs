@@ -320,10 +320,38 @@ impl<'a> PanelRef<'a> {
     /// As [`PanelRef::dot`], handing each activation row's results (its
     /// first `lanes` lanes) to `put(r, values)`.
     pub fn dot_with(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, mut put: impl FnMut(usize, &[f32])) {
+        let mut tile = [[0f32; PANEL_ROWS]; 4];
+        for r0 in (0..acts.len()).step_by(4) {
+            let rt = (acts.len() - r0).min(4);
+            // SAFETY: the tile holds 4 rows of 16 lanes.
+            unsafe {
+                self.dot_into(
+                    &acts[r0..r0 + rt],
+                    &aux[r0..r0 + rt],
+                    lanes,
+                    tile.as_mut_ptr() as *mut f32,
+                    PANEL_ROWS,
+                )
+            };
+            for (r, vals) in tile.iter().enumerate().take(rt) {
+                put(r0 + r, &vals[..lanes]);
+            }
+        }
+    }
+
+    /// As [`PanelRef::dot`], storing activation row r's first `lanes`
+    /// results at `out + r * stride` (the matrix product writes straight
+    /// into its output this way).
+    ///
+    /// # Safety
+    ///
+    /// `out + r * stride .. + lanes` must be valid for writes for every
+    /// activation row r.
+    pub unsafe fn dot_into(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, out: *mut f32, stride: usize) {
         let ty = self.ty;
         assert!(available(ty), "panels: unsupported type {ty} or CPU");
         assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
-        assert!(lanes <= PANEL_ROWS, "panel: at most 16 lanes");
+        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
         assert_eq!(self.data.len(), panel_bytes(ty, self.n_blocks * 32), "panel: length");
         assert!(
             acts.iter().all(|a| a.len() == self.n_blocks),
@@ -331,31 +359,28 @@ impl<'a> PanelRef<'a> {
         );
         let al = aux_len(ty, self.n_blocks);
         assert!(aux.iter().all(|a| a.len() == al), "panel: aux length");
-        let n = acts.len();
-        let mut r0 = 0;
-        while r0 < n {
-            let rt = (n - r0).min(4);
-            let mut tile = std::mem::MaybeUninit::<[[f32; PANEL_ROWS]; 4]>::uninit();
-            // SAFETY: `available` checked the CPU; shapes checked above. The
-            // kernel writes rows 0..rt of the tile, and only those are read.
+        let mask = if lanes == PANEL_ROWS {
+            u16::MAX
+        } else {
+            (1u16 << lanes) - 1
+        };
+        for r0 in (0..acts.len()).step_by(4) {
+            let rt = (acts.len() - r0).min(4);
+            // SAFETY: `available` checked the CPU; shapes checked above; the
+            // caller vouches for the output.
             #[cfg(target_arch = "x86_64")]
-            unsafe {
-                x86::dot(
-                    self.data.as_ptr(),
-                    ty,
-                    self.n_blocks,
-                    &acts[r0..r0 + rt],
-                    &aux[r0..r0 + rt],
-                    tile.as_mut_ptr(),
-                )
-            };
-            let tile = tile.as_ptr() as *const [f32; PANEL_ROWS];
-            for r in 0..rt {
-                // SAFETY: written by the kernel above.
-                let vals = unsafe { &*tile.add(r) };
-                put(r0 + r, &vals[..lanes]);
-            }
-            r0 += rt;
+            x86::dot(
+                self.data.as_ptr(),
+                ty,
+                self.n_blocks,
+                &acts[r0..r0 + rt],
+                &aux[r0..r0 + rt],
+                x86::Out {
+                    ptr: out.add(r0 * stride),
+                    stride,
+                    mask,
+                },
+            );
         }
     }
 }
@@ -419,9 +444,18 @@ impl Panel {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{unit_bytes, PANEL_ROWS, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_HALF, Q6K_SC};
+    use super::{unit_bytes, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_HALF, Q6K_SC};
     use crate::dot::BlockQ8;
     use crate::quant::GgmlType;
+
+    /// Where a kernel stores its results: activation row r's lanes (those
+    /// set in `mask`) at `ptr + r * stride`.
+    #[derive(Clone, Copy)]
+    pub(super) struct Out {
+        pub ptr: *mut f32,
+        pub stride: usize,
+        pub mask: u16,
+    }
 
     /// The activation's 4 bytes at element `4t` of block `a`, in every lane.
     #[inline(always)]
@@ -492,11 +526,12 @@ mod x86 {
             }
         }
 
-        /// Stores the sums (after class 7).
+        /// Stores the sums (after class 7): row r's first lanes at
+        /// `out.ptr + r * out.stride`.
         #[inline(always)]
-        unsafe fn store(&self, out: *mut [[f32; PANEL_ROWS]; 4]) {
+        unsafe fn store(&self, out: Out) {
             for r in 0..R {
-                _mm512_storeu_ps((*out)[r].as_mut_ptr(), self.low[r]);
+                _mm512_mask_storeu_ps(out.ptr.add(r * out.stride), out.mask, self.low[r]);
             }
         }
     }
@@ -517,7 +552,7 @@ mod x86 {
         n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: *mut [[f32; PANEL_ROWS]; 4],
+        out: Out,
     ) {
         let m0f = _mm512_set1_epi8(0x0f);
         let m10 = _mm512_set1_epi8(0x10);
@@ -624,7 +659,7 @@ mod x86 {
         n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: *mut [[f32; PANEL_ROWS]; 4],
+        out: Out,
     ) {
         let ub = unit_bytes(GgmlType::Q4K);
         let n_sb = n_blocks / 8;
@@ -688,7 +723,7 @@ mod x86 {
         n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: *mut [[f32; PANEL_ROWS]; 4],
+        out: Out,
     ) {
         let ub = unit_bytes(GgmlType::Q6K);
         let n_sb = n_blocks / 8;
@@ -758,7 +793,7 @@ mod x86 {
         n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: *mut [[f32; PANEL_ROWS]; 4],
+        out: Out,
     ) {
         let ub = unit_bytes(ty);
         match ty {
@@ -781,7 +816,7 @@ mod x86 {
         n_blocks: usize,
         acts: &[&[BlockQ8]],
         aux: &[&[i32]],
-        out: *mut [[f32; PANEL_ROWS]; 4],
+        out: Out,
     ) {
         match acts.len() {
             1 => dot_r::<1>(p, ty, n_blocks, acts, aux, out),
