@@ -164,6 +164,42 @@ fn output_is_identical_with_speculation_on_off_and_auto() {
     }
 }
 
+#[test]
+fn output_is_identical_with_speculation_on_and_off_over_compressed_kv() {
+    // The same gate with keys and values stored as Q8 and as TQ4: verify
+    // rows read the same compressed pages a plain step reads, so the bytes
+    // must match here too.
+    use snug_kernels::kv::KvFormat;
+    for alias in MODELS {
+        let Some(path) = model_path(alias) else { continue };
+        let file = GgufFile::open(&path).unwrap();
+        let model = Model::load(&file).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        for format in [KvFormat::Q8, KvFormat::Tq4] {
+            let mut engine = Engine::new(
+                &model,
+                EngineOptions {
+                    kv_format: format,
+                    ..options()
+                },
+            );
+            let mut drafted = 0;
+            for (kind, text) in prompts() {
+                let ids = tok.encode(&text, EncodeOptions::default());
+                let seq = engine.create_sequence();
+                for (name, params) in [("greedy", greedy()), ("sampled", sampled(7, false))] {
+                    let off = run(&mut engine, seq, &tok, &ids, &params, Mode::Off, 40);
+                    let on = run(&mut engine, seq, &tok, &ids, &params, Mode::On, 40);
+                    assert_same(&format!("{alias} {} {kind} {name}", format.name()), &off, &on);
+                    drafted += on.0.stats.speculation.drafted;
+                }
+                engine.free_sequence(seq);
+            }
+            assert!(drafted > 50, "{alias} {}: {drafted} drafted", format.name());
+        }
+    }
+}
+
 /// Top-2 margin of each row of logits.
 fn margins(logits: &[f32], vocab: usize) -> Vec<f32> {
     logits

@@ -21,6 +21,7 @@ pub mod ops;
 pub mod panel;
 pub mod pool;
 pub mod quant;
+pub mod tq4;
 pub mod vec;
 
 pub use quant::{dequantize, DequantError, GgmlType, QK_K};

@@ -116,7 +116,9 @@ struct GenArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// KV cache format: f16 or f32.
+    /// KV cache format: f16, f32, q8 (int8 and a scale per vector, 53% of
+    /// f16) or tq4 (4-bit codes of the rotated vector and a scale, 25-27%
+    /// of f16).
     #[arg(long, default_value = "f16")]
     kv: String,
     /// Speculative decoding from prompt lookup: on, off, or auto (drafts

@@ -76,11 +76,17 @@ pub fn append_metrics(g: &GenArgs, model: &str, gen: &Generation) -> Result<()> 
 }
 
 pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
-    let kv_format = match g.kv.as_str() {
-        "f16" => KvFormat::F16,
-        "f32" => KvFormat::F32,
-        other => bail!("unknown KV format {other:?} (f16 or f32)"),
+    let kv_format = match KvFormat::parse(&g.kv) {
+        Some(f) => f,
+        None => bail!("unknown KV format {:?} (f16, f32, q8 or tq4)", g.kv),
     };
+    if !kv_format.supports_head_dim(model.config.head_dim) {
+        bail!(
+            "KV format {} cannot store this model's head size {}",
+            kv_format.name(),
+            model.config.head_dim
+        );
+    }
     let mut o = EngineOptions {
         kv_format,
         ..EngineOptions::default()
