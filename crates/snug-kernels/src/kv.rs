@@ -17,7 +17,9 @@
 pub enum KvFormat {
     F32,
     F16,
-    /// Per vector: one f16 scale (`max |x| / 127`) and an int8 per element.
+    /// Per vector: the vector rotated as TQ4 rotates it (spreading outlier
+    /// coordinates), then one f16 scale (`max |x| / 127`) and an int8 per
+    /// element.
     Q8,
     /// Per vector: an f16 scale and 4-bit codes of the rotated vector
     /// (see [`crate::tq4`]).
@@ -54,22 +56,32 @@ impl KvFormat {
     /// Whether vectors of `head_dim` elements can be stored in this format.
     pub fn supports_head_dim(self, head_dim: usize) -> bool {
         match self {
-            KvFormat::Tq4 => crate::tq4::supports_dim(head_dim) && head_dim <= TQ4_MAX_DIM,
+            KvFormat::Tq4 | KvFormat::Q8 => crate::tq4::supports_dim(head_dim) && head_dim <= ROTATED_MAX_DIM,
             _ => head_dim > 0,
         }
     }
 }
 
-/// Largest head size TQ4 pages take (its encoder's scratch is on the stack).
-const TQ4_MAX_DIM: usize = 1024;
+/// Largest head size Q8 and TQ4 pages take (their encoders' scratch is on
+/// the stack).
+const ROTATED_MAX_DIM: usize = 1024;
+
+/// The random-sign rotation's signs for every (layer, KV head).
+fn rotation_signs(shape: &KvShape) -> Vec<Vec<u64>> {
+    (0..shape.layers * shape.kv_heads)
+        .map(|i| crate::tq4::signs(i / shape.kv_heads, i % shape.kv_heads, shape.head_dim))
+        .collect()
+}
 
 enum Data {
     F32(Vec<f32>),
     F16(Vec<u16>),
-    /// Codes (`head_dim` per vector) and f16 scales (one per vector).
+    /// Codes of the rotated vector (`head_dim` per vector), f16 scales
+    /// (one per vector), and the rotation's signs per (layer, KV head).
     Q8 {
         codes: Vec<i8>,
         scales: Vec<u16>,
+        signs: Vec<Vec<u64>>,
     },
     /// Codes (`head_dim / 2` bytes per vector), f16 scales, and the
     /// rotation's signs per (layer, KV head).
@@ -130,13 +142,12 @@ impl KvStorage {
             KvFormat::Q8 => Data::Q8 {
                 codes: crate::vec::committed(0, n),
                 scales: crate::vec::committed(0, nv),
+                signs: rotation_signs(&shape),
             },
             KvFormat::Tq4 => Data::Tq4 {
                 codes: crate::vec::committed(0, n / 2),
                 scales: crate::vec::committed(0, nv),
-                signs: (0..shape.layers * shape.kv_heads)
-                    .map(|i| crate::tq4::signs(i / shape.kv_heads, i % shape.kv_heads, shape.head_dim))
-                    .collect(),
+                signs: rotation_signs(&shape),
             },
         };
         KvStorage {
@@ -181,14 +192,19 @@ impl KvStorage {
                     crate::vec::f32_to_f16(kh, &mut d[ko..ko + hd]);
                     crate::vec::f32_to_f16(vh, &mut d[vo..vo + hd]);
                 }
-                Data::Q8 { codes, scales } => {
+                Data::Q8 { codes, scales, signs } => {
+                    let sg = &signs[layer * self.shape.kv_heads + h];
+                    let mut work = [0f32; ROTATED_MAX_DIM];
                     for (o, x) in [(ko, kh), (vo, vh)] {
-                        scales[o / hd] = q8_encode(x, &mut codes[o..o + hd]);
+                        let w = &mut work[..hd];
+                        w.copy_from_slice(x);
+                        crate::tq4::rotate(w, sg);
+                        scales[o / hd] = q8_encode(w, &mut codes[o..o + hd]);
                     }
                 }
                 Data::Tq4 { codes, scales, signs } => {
                     let sg = &signs[layer * self.shape.kv_heads + h];
-                    let mut work = [0f32; TQ4_MAX_DIM];
+                    let mut work = [0f32; ROTATED_MAX_DIM];
                     for (o, x) in [(ko, kh), (vo, vh)] {
                         let sc = crate::tq4::encode(x, sg, &mut codes[o / 2..(o + hd) / 2], &mut work[..hd]);
                         scales[o / hd] = half::f16::from_f32(sc).to_bits();
@@ -207,7 +223,7 @@ impl KvStorage {
         match &mut self.data {
             Data::F32(d) => d.copy_within(f..f + n, t),
             Data::F16(d) => d.copy_within(f..f + n, t),
-            Data::Q8 { codes, scales } => {
+            Data::Q8 { codes, scales, .. } => {
                 codes.copy_within(f..f + n, t);
                 scales.copy_within(fv..fv + nv, tv);
             }
@@ -226,11 +242,12 @@ impl KvStorage {
         match &self.data {
             Data::F32(d) => out.copy_from_slice(&d[o..o + hd]),
             Data::F16(d) => crate::vec::f16_to_f32(&d[o..o + hd], out),
-            Data::Q8 { codes, scales } => {
+            Data::Q8 { codes, scales, signs } => {
                 let s = half::f16::from_bits(scales[o / hd]).to_f32();
                 for (y, &c) in out.iter_mut().zip(&codes[o..o + hd]) {
                     *y = c as f32 * s;
                 }
+                crate::tq4::rotate_back(out, &signs[layer * self.shape.kv_heads + head]);
             }
             Data::Tq4 { codes, scales, signs } => {
                 let s = half::f16::from_bits(scales[o / hd]).to_f32();
@@ -240,8 +257,8 @@ impl KvStorage {
         }
     }
 
-    /// TQ4 only: the vector at (page, layer, head, slot) in the rotated
-    /// domain (`scale * levels`), without rotating it back.
+    /// Q8 and TQ4: the vector at (page, layer, head, slot) in the rotated
+    /// domain (`scale * codes` or `scale * levels`), not rotated back.
     #[inline]
     fn read_rotated(&self, page: u32, layer: usize, is_v: bool, head: usize, slot: usize, out: &mut [f32]) {
         let o = self.offset(page, layer, is_v, head, slot);
@@ -251,15 +268,21 @@ impl KvStorage {
                 let s = half::f16::from_bits(scales[o / hd]).to_f32();
                 crate::tq4::decode_rotated(&codes[o / 2..(o + hd) / 2], s, out);
             }
-            _ => unreachable!("read_rotated: TQ4 pages only"),
+            Data::Q8 { codes, scales, .. } => {
+                let s = half::f16::from_bits(scales[o / hd]).to_f32();
+                for (y, &c) in out.iter_mut().zip(&codes[o..o + hd]) {
+                    *y = c as f32 * s;
+                }
+            }
+            _ => unreachable!("read_rotated: Q8 and TQ4 pages only"),
         }
     }
 
-    /// TQ4 only: the rotation's signs for (layer, KV head).
-    fn tq4_signs(&self, layer: usize, head: usize) -> &[u64] {
+    /// Q8 and TQ4: the rotation's signs for (layer, KV head).
+    fn rotation(&self, layer: usize, head: usize) -> &[u64] {
         match &self.data {
-            Data::Tq4 { signs, .. } => &signs[layer * self.shape.kv_heads + head],
-            _ => unreachable!("tq4_signs: TQ4 pages only"),
+            Data::Tq4 { signs, .. } | Data::Q8 { signs, .. } => &signs[layer * self.shape.kv_heads + head],
+            _ => unreachable!("rotation: Q8 and TQ4 pages only"),
         }
     }
 }
@@ -352,19 +375,19 @@ pub fn attend_group(
         unsafe { x86::attend_group_f16(d, kv, layer, kv_head, query, q, scale, out, scores) };
         return;
     }
-    if kv.format == KvFormat::Tq4 {
-        return attend_group_tq4(kv, layer, kv_head, query, q, scale, out, scratch);
+    if matches!(kv.format, KvFormat::Q8 | KvFormat::Tq4) {
+        return attend_group_rotated(kv, layer, kv_head, query, q, scale, out, scratch);
     }
     attend_group_generic(kv, layer, kv_head, query, q, scale, out, scratch)
 }
 
-/// [`attend_group`] over TQ4 pages, in the rotated domain: each query head
+/// [`attend_group`] over Q8 and TQ4 pages, in the rotated domain: each query head
 /// is rotated once, scored against each key's `scale * levels` (never
 /// rotated back), and values are summed in the rotated domain and rotated
 /// back once per head at the end. Since the rotation is orthogonal this is
 /// attention over the stored vectors, up to rounding.
 #[allow(clippy::too_many_arguments)]
-fn attend_group_tq4(
+fn attend_group_rotated(
     kv: &KvStorage,
     layer: usize,
     kv_head: usize,
@@ -378,7 +401,7 @@ fn attend_group_tq4(
     let hd = kv.shape.head_dim;
     let group = q.len() / hd;
     let n = query.end - query.start;
-    let signs = kv.tq4_signs(layer, kv_head);
+    let signs = kv.rotation(layer, kv_head);
     let AttnScratch {
         scores,
         kv: kbuf,

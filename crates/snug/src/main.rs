@@ -5,6 +5,7 @@
 mod bench;
 mod calibration;
 mod chat;
+mod eval;
 mod progress;
 mod run;
 
@@ -44,6 +45,42 @@ enum Command {
     Bench(BenchArgs),
     /// Chat interactively; the KV cache is kept between turns.
     Chat(ChatArgs),
+    /// Evaluate a model on text.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+}
+
+#[derive(Subcommand)]
+enum EvalCommand {
+    /// Perplexity over a text file in windows (as llama-perplexity), and
+    /// with a compressed KV format its KL divergence and top-1 agreement
+    /// against F16 KV.
+    Ppl(EvalPplArgs),
+}
+
+#[derive(Args)]
+struct EvalPplArgs {
+    /// A model alias (pulled if needed) or a path to a GGUF file.
+    model: String,
+    /// The text file.
+    file: PathBuf,
+    /// KV cache format: f16, f32, q8 or tq4.
+    #[arg(long, default_value = "f16")]
+    kv: String,
+    /// Tokens per window; the second half of each is scored.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Rows per forward pass.
+    #[arg(long, default_value_t = 512)]
+    batch: usize,
+    /// Stop after this many windows.
+    #[arg(long)]
+    max_windows: Option<usize>,
+    #[arg(short = 't', long)]
+    threads: Option<usize>,
+    /// Print one JSON object: ppl, kl_vs_f16, top1_vs_f16, tokens, ...
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -215,6 +252,7 @@ fn main() -> ExitCode {
         Command::Run(a) => run::cmd_run(a),
         Command::Bench(a) => bench::cmd_bench(a),
         Command::Chat(a) => chat::cmd_chat(a),
+        Command::Eval(EvalCommand::Ppl(a)) => eval::cmd_eval_ppl(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -50,3 +50,14 @@ impl PullProgress for PullBar {
         }
     }
 }
+
+/// A bar of `len` steps labelled `what` (e.g. "windows"), for other long
+/// work.
+pub fn bar(len: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed} eta {eta}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(what.to_string());
+    bar
+}

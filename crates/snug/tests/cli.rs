@@ -469,3 +469,57 @@ fn chat_reuses_the_cache_across_turns() {
     assert_eq!(reused(turns[2]), 0, "after /reset nothing is reused");
     assert!(err.contains("[cache:"), "{err}");
 }
+
+#[test]
+fn eval_ppl_reports_perplexity_and_the_distance_from_f16_kv() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let dir = std::env::temp_dir().join(format!("snug-eval-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("text.txt");
+    // Real text where the system has it; any text works for the checks.
+    let body = std::fs::read_to_string("/usr/share/common-licenses/GPL-3")
+        .unwrap_or_else(|_| "The quick brown fox jumps over the lazy dog. ".repeat(200));
+    std::fs::write(&file, &body[..body.len().min(6000)]).unwrap();
+    let eval = |kv: &str| {
+        let out = snug()
+            .args(["eval", "ppl"])
+            .arg(&p)
+            .arg(&file)
+            .args(["--kv", kv, "--ctx", "64", "--max-windows", "3", "-t", "2", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let f16 = eval("f16");
+    assert_eq!(f16["tokens"], 3 * 31);
+    let ppl = f16["ppl"].as_f64().unwrap();
+    assert!(ppl > 1.0 && ppl < 1000.0, "{f16}");
+    assert_eq!(f16["kl_vs_f16"], 0.0);
+    for kv in ["q8", "tq4"] {
+        let v = eval(kv);
+        assert_eq!(v["tokens"], 3 * 31);
+        let kl = v["kl_vs_f16"].as_f64().unwrap();
+        let top1 = v["top1_vs_f16"].as_f64().unwrap();
+        assert!(kl > 0.0 && kl < 1.0, "{kv}: {v}");
+        assert!((0.5..=1.0).contains(&top1), "{kv}: {v}");
+    }
+    // Clear errors for a bad format and a text shorter than a window.
+    let out = snug()
+        .args(["eval", "ppl"])
+        .arg(&p)
+        .arg(&file)
+        .args(["--kv", "q3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && text(&out.stderr).contains("unknown KV format"));
+    let out = snug()
+        .args(["eval", "ppl"])
+        .arg(&p)
+        .arg(&file)
+        .args(["--ctx", "4096"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && text(&out.stderr).contains("fewer than one window"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
