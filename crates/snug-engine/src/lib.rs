@@ -35,7 +35,9 @@ pub struct EngineOptions {
     pub threads: usize,
     /// Most positions one sequence may hold.
     pub ctx: usize,
+    /// Format of the keys, and of the values unless `kv_format_v` says.
     pub kv_format: KvFormat,
+    pub kv_format_v: Option<KvFormat>,
     pub page_tokens: usize,
     /// Most rows in one forward pass (the prefill chunk).
     pub batch: usize,
@@ -49,6 +51,7 @@ impl Default for EngineOptions {
             threads: snug_kernels::pool::physical_cores(),
             ctx: 4096,
             kv_format: KvFormat::F16,
+            kv_format_v: None,
             page_tokens: 64,
             batch: 64,
             max_seqs: 1,
@@ -92,7 +95,12 @@ impl<'m> Engine<'m> {
             model,
             pool: ThreadPool::new(options.threads),
             pages: PagePool::new(n_pages, shape.page_tokens),
-            storage: KvStorage::new(shape, options.kv_format, n_pages),
+            storage: KvStorage::with_formats(
+                shape,
+                options.kv_format,
+                options.kv_format_v.unwrap_or(options.kv_format),
+                n_pages,
+            ),
             scratch: ForwardScratch::new(model, options.batch, options.ctx, options.threads),
             logits: Vec::new(),
             seqs: Vec::new(),
@@ -170,7 +178,7 @@ impl<'m> Engine<'m> {
 
     /// Bytes of KV storage, total and in use.
     pub fn kv_bytes(&self) -> (usize, usize) {
-        let per = self.storage.shape.page_bytes(self.storage.format);
+        let per = self.storage.page_bytes();
         (self.storage.bytes(), self.pages.used_pages() * per)
     }
 

@@ -166,7 +166,8 @@ fn output_is_identical_with_speculation_on_off_and_auto() {
 
 #[test]
 fn output_is_identical_with_speculation_on_and_off_over_compressed_kv() {
-    // The same gate with keys and values stored as Q8 and as TQ4: verify
+    // The same gate with keys and values stored as Q8, as TQ4, and as Q8
+    // keys with TQ4 values: verify
     // rows read the same compressed pages a plain step reads, so the bytes
     // must match here too.
     use snug_kernels::kv::KvFormat;
@@ -175,11 +176,16 @@ fn output_is_identical_with_speculation_on_and_off_over_compressed_kv() {
         let file = GgufFile::open(&path).unwrap();
         let model = Model::load(&file).unwrap();
         let tok = Tokenizer::from_gguf(&file).unwrap();
-        for format in [KvFormat::Q8, KvFormat::Tq4] {
+        for (format, format_v) in [
+            (KvFormat::Q8, KvFormat::Q8),
+            (KvFormat::Tq4, KvFormat::Tq4),
+            (KvFormat::Q8, KvFormat::Tq4),
+        ] {
             let mut engine = Engine::new(
                 &model,
                 EngineOptions {
                     kv_format: format,
+                    kv_format_v: Some(format_v),
                     ..options()
                 },
             );
@@ -190,7 +196,8 @@ fn output_is_identical_with_speculation_on_and_off_over_compressed_kv() {
                 for (name, params) in [("greedy", greedy()), ("sampled", sampled(7, false))] {
                     let off = run(&mut engine, seq, &tok, &ids, &params, Mode::Off, 40);
                     let on = run(&mut engine, seq, &tok, &ids, &params, Mode::On, 40);
-                    assert_same(&format!("{alias} {} {kind} {name}", format.name()), &off, &on);
+                    let what = format!("{alias} {}/{} {kind} {name}", format.name(), format_v.name());
+                    assert_same(&what, &off, &on);
                     drafted += on.0.stats.speculation.drafted;
                 }
                 engine.free_sequence(seq);

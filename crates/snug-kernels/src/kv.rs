@@ -73,23 +73,101 @@ fn rotation_signs(shape: &KvShape) -> Vec<Vec<u64>> {
         .collect()
 }
 
+/// One of the two arrays (keys, or values): vector `i` of the array is
+/// (page, layer, KV head, slot) in that order, `i = ((page * layers +
+/// layer) * kv_heads + head) * page_tokens + slot`.
 enum Data {
     F32(Vec<f32>),
     F16(Vec<u16>),
-    /// Codes of the rotated vector (`head_dim` per vector), f16 scales
-    /// (one per vector), and the rotation's signs per (layer, KV head).
+    /// Codes of the rotated vector (`head_dim` per vector) and f16 scales
+    /// (one per vector).
     Q8 {
         codes: Vec<i8>,
         scales: Vec<u16>,
-        signs: Vec<Vec<u64>>,
     },
-    /// Codes (`head_dim / 2` bytes per vector), f16 scales, and the
-    /// rotation's signs per (layer, KV head).
+    /// 4-bit codes (`head_dim / 2` bytes per vector) and f16 scales.
     Tq4 {
         codes: Vec<u8>,
         scales: Vec<u16>,
-        signs: Vec<Vec<u64>>,
     },
+}
+
+impl Data {
+    fn new(format: KvFormat, vectors: usize, hd: usize) -> Data {
+        let n = vectors * hd;
+        match format {
+            KvFormat::F32 => Data::F32(crate::vec::committed(0.0, n)),
+            KvFormat::F16 => Data::F16(crate::vec::committed(0, n)),
+            KvFormat::Q8 => Data::Q8 {
+                codes: crate::vec::committed(0, n),
+                scales: crate::vec::committed(0, vectors),
+            },
+            KvFormat::Tq4 => Data::Tq4 {
+                codes: crate::vec::committed(0, n / 2),
+                scales: crate::vec::committed(0, vectors),
+            },
+        }
+    }
+
+    /// Stores `x` as vector `i` (`signs`: the rotation of its layer and
+    /// head, for the rotated formats).
+    fn put(&mut self, i: usize, x: &[f32], signs: &[u64]) {
+        let hd = x.len();
+        let o = i * hd;
+        match self {
+            Data::F32(d) => d[o..o + hd].copy_from_slice(x),
+            Data::F16(d) => crate::vec::f32_to_f16(x, &mut d[o..o + hd]),
+            Data::Q8 { codes, scales } => {
+                let mut work = [0f32; ROTATED_MAX_DIM];
+                let w = &mut work[..hd];
+                w.copy_from_slice(x);
+                crate::tq4::rotate(w, signs);
+                scales[i] = q8_encode(w, &mut codes[o..o + hd]);
+            }
+            Data::Tq4 { codes, scales } => {
+                let mut work = [0f32; ROTATED_MAX_DIM];
+                let sc = crate::tq4::encode(x, signs, &mut codes[o / 2..(o + hd) / 2], &mut work[..hd]);
+                scales[i] = half::f16::from_f32(sc).to_bits();
+            }
+        }
+    }
+
+    /// Copies vectors `from..from + n` to `to..`.
+    fn copy(&mut self, from: usize, to: usize, n: usize, hd: usize) {
+        let (f, t, e) = (from * hd, to * hd, n * hd);
+        match self {
+            Data::F32(d) => d.copy_within(f..f + e, t),
+            Data::F16(d) => d.copy_within(f..f + e, t),
+            Data::Q8 { codes, scales } => {
+                codes.copy_within(f..f + e, t);
+                scales.copy_within(from..from + n, to);
+            }
+            Data::Tq4 { codes, scales } => {
+                codes.copy_within(f / 2..(f + e) / 2, t / 2);
+                scales.copy_within(from..from + n, to);
+            }
+        }
+    }
+
+    /// Vector `i` as stored: for Q8 and TQ4 still in the rotated domain.
+    fn get_rotated(&self, i: usize, out: &mut [f32]) {
+        let hd = out.len();
+        let o = i * hd;
+        match self {
+            Data::F32(d) => out.copy_from_slice(&d[o..o + hd]),
+            Data::F16(d) => crate::vec::f16_to_f32(&d[o..o + hd], out),
+            Data::Q8 { codes, scales } => {
+                let s = half::f16::from_bits(scales[i]).to_f32();
+                for (y, &c) in out.iter_mut().zip(&codes[o..o + hd]) {
+                    *y = c as f32 * s;
+                }
+            }
+            Data::Tq4 { codes, scales } => {
+                let s = half::f16::from_bits(scales[i]).to_f32();
+                crate::tq4::decode_rotated(&codes[o / 2..(o + hd) / 2], s, out);
+            }
+        }
+    }
 }
 
 /// Shape of the cache.
@@ -112,7 +190,7 @@ impl KvShape {
         self.layers * 2 * self.kv_heads * self.page_tokens
     }
 
-    /// Bytes a page takes in `format`.
+    /// Bytes a page takes with keys and values in `format`.
     pub fn page_bytes(&self, format: KvFormat) -> usize {
         self.page_vectors() * format.vector_bytes(self.head_dim)
     }
@@ -121,40 +199,47 @@ impl KvShape {
 /// The KV pages.
 pub struct KvStorage {
     pub shape: KvShape,
+    /// Format of the keys.
     pub format: KvFormat,
+    /// Format of the values.
+    pub format_v: KvFormat,
     n_pages: usize,
-    data: Data,
+    k: Data,
+    v: Data,
+    /// The rotation's signs per (layer, KV head), for Q8 and TQ4.
+    signs: Vec<Vec<u64>>,
 }
 
 impl KvStorage {
+    /// Storage with keys and values in one format.
     pub fn new(shape: KvShape, format: KvFormat, n_pages: usize) -> KvStorage {
-        assert!(
-            format.supports_head_dim(shape.head_dim),
-            "KV format {} cannot store head size {}",
-            format.name(),
-            shape.head_dim
-        );
-        let n = shape.page_elems() * n_pages;
-        let nv = shape.page_vectors() * n_pages;
-        let data = match format {
-            KvFormat::F32 => Data::F32(crate::vec::committed(0.0, n)),
-            KvFormat::F16 => Data::F16(crate::vec::committed(0, n)),
-            KvFormat::Q8 => Data::Q8 {
-                codes: crate::vec::committed(0, n),
-                scales: crate::vec::committed(0, nv),
-                signs: rotation_signs(&shape),
-            },
-            KvFormat::Tq4 => Data::Tq4 {
-                codes: crate::vec::committed(0, n / 2),
-                scales: crate::vec::committed(0, nv),
-                signs: rotation_signs(&shape),
-            },
-        };
+        KvStorage::with_formats(shape, format, format, n_pages)
+    }
+
+    /// Storage with keys in `format_k` and values in `format_v`.
+    pub fn with_formats(shape: KvShape, format_k: KvFormat, format_v: KvFormat, n_pages: usize) -> KvStorage {
+        for f in [format_k, format_v] {
+            assert!(
+                f.supports_head_dim(shape.head_dim),
+                "KV format {} cannot store head size {}",
+                f.name(),
+                shape.head_dim
+            );
+        }
+        let half = shape.page_vectors() / 2 * n_pages;
+        let rotated = |f| matches!(f, KvFormat::Q8 | KvFormat::Tq4);
         KvStorage {
             shape,
-            format,
+            format: format_k,
+            format_v,
             n_pages,
-            data,
+            k: Data::new(format_k, half, shape.head_dim),
+            v: Data::new(format_v, half, shape.head_dim),
+            signs: if rotated(format_k) || rotated(format_v) {
+                rotation_signs(&shape)
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -162,128 +247,84 @@ impl KvStorage {
         self.n_pages
     }
 
-    pub fn bytes(&self) -> usize {
-        self.shape.page_bytes(self.format) * self.n_pages
+    /// Bytes of one page (keys and values of every layer).
+    pub fn page_bytes(&self) -> usize {
+        let half = self.shape.page_vectors() / 2;
+        half * (self.format.vector_bytes(self.shape.head_dim) + self.format_v.vector_bytes(self.shape.head_dim))
     }
 
-    /// Offset of (page, layer, K or V, kv head, slot).
+    pub fn bytes(&self) -> usize {
+        self.page_bytes() * self.n_pages
+    }
+
+    /// Index of (page, layer, KV head, slot) in the key or the value array.
     #[inline]
-    fn offset(&self, page: u32, layer: usize, is_v: bool, head: usize, slot: usize) -> usize {
+    fn vector(&self, page: u32, layer: usize, head: usize, slot: usize) -> usize {
         let s = &self.shape;
-        let per_kv = s.kv_heads * s.page_tokens * s.head_dim;
-        (page as usize * s.layers + layer) * 2 * per_kv
-            + usize::from(is_v) * per_kv
-            + (head * s.page_tokens + slot) * s.head_dim
+        ((page as usize * s.layers + layer) * s.kv_heads + head) * s.page_tokens + slot
+    }
+
+    /// Element offset of (page, layer, K or V, kv head, slot) in its array.
+    #[inline]
+    fn offset(&self, page: u32, layer: usize, _is_v: bool, head: usize, slot: usize) -> usize {
+        self.vector(page, layer, head, slot) * self.shape.head_dim
+    }
+
+    fn signs_of(&self, layer: usize, head: usize) -> &[u64] {
+        self.signs.get(layer * self.shape.kv_heads + head).map_or(&[], |v| v)
     }
 
     /// Stores one position's keys and values (`kv_heads * head_dim` each).
     pub fn write(&mut self, layer: usize, page: u32, slot: usize, k: &[f32], v: &[f32]) {
         let hd = self.shape.head_dim;
         for h in 0..self.shape.kv_heads {
-            let ko = self.offset(page, layer, false, h, slot);
-            let vo = self.offset(page, layer, true, h, slot);
-            let (kh, vh) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
-            match &mut self.data {
-                Data::F32(d) => {
-                    d[ko..ko + hd].copy_from_slice(kh);
-                    d[vo..vo + hd].copy_from_slice(vh);
-                }
-                Data::F16(d) => {
-                    crate::vec::f32_to_f16(kh, &mut d[ko..ko + hd]);
-                    crate::vec::f32_to_f16(vh, &mut d[vo..vo + hd]);
-                }
-                Data::Q8 { codes, scales, signs } => {
-                    let sg = &signs[layer * self.shape.kv_heads + h];
-                    let mut work = [0f32; ROTATED_MAX_DIM];
-                    for (o, x) in [(ko, kh), (vo, vh)] {
-                        let w = &mut work[..hd];
-                        w.copy_from_slice(x);
-                        crate::tq4::rotate(w, sg);
-                        scales[o / hd] = q8_encode(w, &mut codes[o..o + hd]);
-                    }
-                }
-                Data::Tq4 { codes, scales, signs } => {
-                    let sg = &signs[layer * self.shape.kv_heads + h];
-                    let mut work = [0f32; ROTATED_MAX_DIM];
-                    for (o, x) in [(ko, kh), (vo, vh)] {
-                        let sc = crate::tq4::encode(x, sg, &mut codes[o / 2..(o + hd) / 2], &mut work[..hd]);
-                        scales[o / hd] = half::f16::from_f32(sc).to_bits();
-                    }
-                }
-            }
+            let i = self.vector(page, layer, h, slot);
+            let signs = self.signs.get(layer * self.shape.kv_heads + h).map_or(&[][..], |v| v);
+            self.k.put(i, &k[h * hd..(h + 1) * hd], signs);
+            self.v.put(i, &v[h * hd..(h + 1) * hd], signs);
         }
     }
 
     /// Copies page `from` over page `to`.
     pub fn copy_page(&mut self, from: u32, to: u32) {
-        let n = self.shape.page_elems();
-        let (f, t) = (from as usize * n, to as usize * n);
-        let nv = self.shape.page_vectors();
-        let (fv, tv) = (from as usize * nv, to as usize * nv);
-        match &mut self.data {
-            Data::F32(d) => d.copy_within(f..f + n, t),
-            Data::F16(d) => d.copy_within(f..f + n, t),
-            Data::Q8 { codes, scales, .. } => {
-                codes.copy_within(f..f + n, t);
-                scales.copy_within(fv..fv + nv, tv);
-            }
-            Data::Tq4 { codes, scales, .. } => {
-                codes.copy_within(f / 2..(f + n) / 2, t / 2);
-                scales.copy_within(fv..fv + nv, tv);
-            }
+        let n = self.shape.page_vectors() / 2;
+        let hd = self.shape.head_dim;
+        self.k.copy(from as usize * n, to as usize * n, n, hd);
+        self.v.copy(from as usize * n, to as usize * n, n, hd);
+    }
+
+    fn data(&self, is_v: bool) -> &Data {
+        if is_v {
+            &self.v
+        } else {
+            &self.k
+        }
+    }
+
+    fn format_of(&self, is_v: bool) -> KvFormat {
+        if is_v {
+            self.format_v
+        } else {
+            self.format
         }
     }
 
     /// Key or value vector at (page, layer, head, slot), as f32 into `out`.
     #[inline]
     fn read(&self, page: u32, layer: usize, is_v: bool, head: usize, slot: usize, out: &mut [f32]) {
-        let o = self.offset(page, layer, is_v, head, slot);
-        let hd = self.shape.head_dim;
-        match &self.data {
-            Data::F32(d) => out.copy_from_slice(&d[o..o + hd]),
-            Data::F16(d) => crate::vec::f16_to_f32(&d[o..o + hd], out),
-            Data::Q8 { codes, scales, signs } => {
-                let s = half::f16::from_bits(scales[o / hd]).to_f32();
-                for (y, &c) in out.iter_mut().zip(&codes[o..o + hd]) {
-                    *y = c as f32 * s;
-                }
-                crate::tq4::rotate_back(out, &signs[layer * self.shape.kv_heads + head]);
-            }
-            Data::Tq4 { codes, scales, signs } => {
-                let s = half::f16::from_bits(scales[o / hd]).to_f32();
-                crate::tq4::decode_rotated(&codes[o / 2..(o + hd) / 2], s, out);
-                crate::tq4::rotate_back(out, &signs[layer * self.shape.kv_heads + head]);
-            }
+        self.read_rotated(page, layer, is_v, head, slot, out);
+        if matches!(self.format_of(is_v), KvFormat::Q8 | KvFormat::Tq4) {
+            crate::tq4::rotate_back(out, self.signs_of(layer, head));
         }
     }
 
-    /// Q8 and TQ4: the vector at (page, layer, head, slot) in the rotated
-    /// domain (`scale * codes` or `scale * levels`), not rotated back.
+    /// The vector at (page, layer, head, slot) as stored: for Q8 and TQ4 in
+    /// the rotated domain (`scale * codes` or `scale * levels`), not
+    /// rotated back.
     #[inline]
     fn read_rotated(&self, page: u32, layer: usize, is_v: bool, head: usize, slot: usize, out: &mut [f32]) {
-        let o = self.offset(page, layer, is_v, head, slot);
-        let hd = self.shape.head_dim;
-        match &self.data {
-            Data::Tq4 { codes, scales, .. } => {
-                let s = half::f16::from_bits(scales[o / hd]).to_f32();
-                crate::tq4::decode_rotated(&codes[o / 2..(o + hd) / 2], s, out);
-            }
-            Data::Q8 { codes, scales, .. } => {
-                let s = half::f16::from_bits(scales[o / hd]).to_f32();
-                for (y, &c) in out.iter_mut().zip(&codes[o..o + hd]) {
-                    *y = c as f32 * s;
-                }
-            }
-            _ => unreachable!("read_rotated: Q8 and TQ4 pages only"),
-        }
-    }
-
-    /// Q8 and TQ4: the rotation's signs for (layer, KV head).
-    fn rotation(&self, layer: usize, head: usize) -> &[u64] {
-        match &self.data {
-            Data::Tq4 { signs, .. } | Data::Q8 { signs, .. } => &signs[layer * self.shape.kv_heads + head],
-            _ => unreachable!("rotation: Q8 and TQ4 pages only"),
-        }
+        let i = self.vector(page, layer, head, slot);
+        self.data(is_v).get_rotated(i, out);
     }
 }
 
@@ -365,27 +406,31 @@ pub fn attend_group(
     scratch: &mut AttnScratch,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if let (Data::F16(d), true) = (
-        &kv.data,
+    if let (Data::F16(dk), Data::F16(dv), true) = (
+        &kv.k,
+        &kv.v,
         crate::cpu::simd() >= crate::cpu::Simd::Avx2 && q.len() / kv.shape.head_dim <= 8,
     ) {
         let n = query.end - query.start;
         let scores = &mut scratch.scores[..q.len() / kv.shape.head_dim * n];
         // SAFETY: AVX2, FMA and F16C are present (checked by `simd`).
-        unsafe { x86::attend_group_f16(d, kv, layer, kv_head, query, q, scale, out, scores) };
+        unsafe { x86::attend_group_f16(dk, dv, kv, layer, kv_head, query, q, scale, out, scores) };
         return;
     }
-    if matches!(kv.format, KvFormat::Q8 | KvFormat::Tq4) {
+    let rotated = |f| matches!(f, KvFormat::Q8 | KvFormat::Tq4);
+    if rotated(kv.format) || rotated(kv.format_v) {
         return attend_group_rotated(kv, layer, kv_head, query, q, scale, out, scratch);
     }
     attend_group_generic(kv, layer, kv_head, query, q, scale, out, scratch)
 }
 
-/// [`attend_group`] over Q8 and TQ4 pages, in the rotated domain: each query head
-/// is rotated once, scored against each key's `scale * levels` (never
-/// rotated back), and values are summed in the rotated domain and rotated
-/// back once per head at the end. Since the rotation is orthogonal this is
-/// attention over the stored vectors, up to rounding.
+/// [`attend_group`] where keys or values are Q8 or TQ4, in the rotated
+/// domain: over rotated keys each query head is rotated once and scored
+/// against each key as stored (never rotated back); rotated values are
+/// summed as stored and the sum rotated back once per head at the end.
+/// Since the rotation is orthogonal this is attention over the stored
+/// vectors, up to rounding. Keys or values in F16 or F32 are read as they
+/// are.
 #[allow(clippy::too_many_arguments)]
 fn attend_group_rotated(
     kv: &KvStorage,
@@ -401,7 +446,9 @@ fn attend_group_rotated(
     let hd = kv.shape.head_dim;
     let group = q.len() / hd;
     let n = query.end - query.start;
-    let signs = kv.rotation(layer, kv_head);
+    let signs = kv.signs_of(layer, kv_head);
+    let k_rot = matches!(kv.format, KvFormat::Q8 | KvFormat::Tq4);
+    let v_rot = matches!(kv.format_v, KvFormat::Q8 | KvFormat::Tq4);
     let AttnScratch {
         scores,
         kv: kbuf,
@@ -409,8 +456,10 @@ fn attend_group_rotated(
     } = scratch;
     let (scores, qr) = (&mut scores[..group * n], &mut rotated[..group * hd]);
     qr.copy_from_slice(q);
-    for g in 0..group {
-        crate::tq4::rotate(&mut qr[g * hd..(g + 1) * hd], signs);
+    if k_rot {
+        for g in 0..group {
+            crate::tq4::rotate(&mut qr[g * hd..(g + 1) * hd], signs);
+        }
     }
     for (i, p) in (query.start..query.end).enumerate() {
         kv.read_rotated(query.pages[p / pt], layer, false, kv_head, p % pt, kbuf);
@@ -428,8 +477,10 @@ fn attend_group_rotated(
             crate::vec::axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
         }
     }
-    for g in 0..group {
-        crate::tq4::rotate_back(&mut out[g * hd..(g + 1) * hd], signs);
+    if v_rot {
+        for g in 0..group {
+            crate::tq4::rotate_back(&mut out[g * hd..(g + 1) * hd], signs);
+        }
     }
 }
 
@@ -542,6 +593,27 @@ mod tests {
         assert!(rel(&tq4, &exact) < 0.15, "tq4 {}", rel(&tq4, &exact));
         let q8 = attend(KvFormat::Q8, false);
         assert!(rel(&q8, &exact) < 0.01, "q8 {}", rel(&q8, &exact));
+        // Keys and values in different formats: each part read as stored.
+        for (fk, fv) in [
+            (KvFormat::Q8, KvFormat::Tq4),
+            (KvFormat::F16, KvFormat::Tq4),
+            (KvFormat::Tq4, KvFormat::F32),
+        ] {
+            let mut kv = KvStorage::with_formats(shape, fk, fv, 4);
+            assert_eq!(
+                kv.page_bytes(),
+                shape.page_vectors() / 2 * (fk.vector_bytes(hd) + fv.vector_bytes(hd))
+            );
+            for (p, (k, v)) in rows.iter().enumerate() {
+                kv.write(1, pages[p / 16], p % 16, k, v);
+            }
+            let mut s = AttnScratch::new(64, hd, group);
+            let (mut a, mut b) = (vec![0f32; group * hd], vec![0f32; group * hd]);
+            attend_group(&kv, 1, 1, &query, &q, 0.09, &mut a, &mut s);
+            attend_group_generic(&kv, 1, 1, &query, &q, 0.09, &mut b, &mut s);
+            assert!(rel(&a, &b) < 1e-5, "{fk:?}/{fv:?}");
+            assert!(rel(&a, &exact) < 0.15, "{fk:?}/{fv:?}: {}", rel(&a, &exact));
+        }
         // Copy-on-write copies of compressed pages keep their contents.
         for format in [KvFormat::Q8, KvFormat::Tq4] {
             let mut kv = KvStorage::new(shape, format, 4);
@@ -634,7 +706,8 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn group_f16<const G: usize>(
-        d: &[u16],
+        dk: &[u16],
+        dv: &[u16],
         kv: &KvStorage,
         layer: usize,
         kv_head: usize,
@@ -649,7 +722,7 @@ mod x86 {
         let n = query.end - query.start;
         for (i, p) in (query.start..query.end).enumerate() {
             let o = kv.offset(query.pages[p / pt], layer, false, kv_head, p % pt);
-            let k = d[o..o + hd].as_ptr();
+            let k = dk[o..o + hd].as_ptr();
             let mut a0 = [_mm256_setzero_ps(); G];
             let mut a1 = [_mm256_setzero_ps(); G];
             for c in (0..hd).step_by(16) {
@@ -675,7 +748,7 @@ mod x86 {
             let mut o1 = [_mm256_setzero_ps(); G];
             for (i, p) in (query.start..query.end).enumerate() {
                 let o = kv.offset(query.pages[p / pt], layer, true, kv_head, p % pt);
-                let v = d.as_ptr().add(o + c);
+                let v = dv.as_ptr().add(o + c);
                 let v0 = _mm256_cvtph_ps(_mm_loadu_si128(v as *const __m128i));
                 let v1 = _mm256_cvtph_ps(_mm_loadu_si128(v.add(8) as *const __m128i));
                 for g in 0..G {
@@ -694,7 +767,8 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn attend_group_f16(
-        d: &[u16],
+        dk: &[u16],
+        dv: &[u16],
         kv: &KvStorage,
         layer: usize,
         kv_head: usize,
@@ -707,14 +781,14 @@ mod x86 {
         let hd = kv.shape.head_dim;
         debug_assert_eq!(hd % 16, 0);
         match q.len() / hd {
-            1 => group_f16::<1>(d, kv, layer, kv_head, query, q, scale, out, scores),
-            2 => group_f16::<2>(d, kv, layer, kv_head, query, q, scale, out, scores),
-            3 => group_f16::<3>(d, kv, layer, kv_head, query, q, scale, out, scores),
-            4 => group_f16::<4>(d, kv, layer, kv_head, query, q, scale, out, scores),
-            5 => group_f16::<5>(d, kv, layer, kv_head, query, q, scale, out, scores),
-            6 => group_f16::<6>(d, kv, layer, kv_head, query, q, scale, out, scores),
-            7 => group_f16::<7>(d, kv, layer, kv_head, query, q, scale, out, scores),
-            8 => group_f16::<8>(d, kv, layer, kv_head, query, q, scale, out, scores),
+            1 => group_f16::<1>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+            2 => group_f16::<2>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+            3 => group_f16::<3>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+            4 => group_f16::<4>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+            5 => group_f16::<5>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+            6 => group_f16::<6>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+            7 => group_f16::<7>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+            8 => group_f16::<8>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
             g => unreachable!("attention: {g} query heads per KV head take the generic path"),
         }
     }

@@ -22,6 +22,15 @@ use snug_model::{EncodeOptions, Tokenizer};
 
 use crate::{open_model, progress, EvalPplArgs};
 
+/// `tq4`, or `q8/tq4` for keys and values in different formats.
+fn kv_name(k: KvFormat, v: KvFormat) -> String {
+    if k == v {
+        k.name().to_string()
+    } else {
+        format!("{}/{}", k.name(), v.name())
+    }
+}
+
 /// Log-softmax of `row` (f64 sums, fixed order).
 fn log_softmax(row: &[f32], out: &mut Vec<f64>) {
     let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
@@ -60,20 +69,13 @@ fn window_logits(engine: &mut Engine, tokens: &[u32], first: usize, batch: usize
 }
 
 pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
-    let kv = KvFormat::parse(&a.kv).with_context(|| format!("unknown KV format {:?} (f16, f32, q8 or tq4)", a.kv))?;
     let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
     if a.ctx < 4 || !a.ctx.is_multiple_of(2) {
         bail!("--ctx must be an even number of at least 4");
     }
     let file = open_model(&a.model)?;
     let model = Model::load(&file)?;
-    if !kv.supports_head_dim(model.config.head_dim) {
-        bail!(
-            "KV format {} cannot store this model's head size {}",
-            kv.name(),
-            model.config.head_dim
-        );
-    }
+    let (kv, kv_v) = crate::run::kv_formats(&a.kv, a.kv_k.as_deref(), a.kv_v.as_deref(), &model)?;
     if a.ctx > model.config.context_length {
         bail!(
             "--ctx {} is over the model's context of {}",
@@ -99,16 +101,18 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
         bail!("the text has {} tokens, fewer than one window of {}", ids.len(), a.ctx);
     }
     let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
-    let options = |format| EngineOptions {
+    let options = |k, v| EngineOptions {
         threads,
         ctx: a.ctx,
         batch: a.batch.min(a.ctx),
         max_seqs: 1,
-        kv_format: format,
+        kv_format: k,
+        kv_format_v: Some(v),
         ..EngineOptions::default()
     };
-    let mut engine = Engine::new(&model, options(kv));
-    let mut reference = (kv != KvFormat::F16).then(|| Engine::new(&model, options(KvFormat::F16)));
+    let mut engine = Engine::new(&model, options(kv, kv_v));
+    let f16 = KvFormat::F16;
+    let mut reference = (kv != f16 || kv_v != f16).then(|| Engine::new(&model, options(f16, f16)));
     let vocab = model.config.vocab;
     let first = a.ctx / 2;
     let (mut nll, mut kl, mut agree, mut scored) = (0f64, 0f64, 0usize, 0usize);
@@ -152,7 +156,7 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
             serde_json::json!({
                 "model": a.model,
                 "file": a.file,
-                "kv": kv.name(),
+                "kv": kv_name(kv, kv_v),
                 "ctx": a.ctx,
                 "windows": windows,
                 "tokens": scored,
@@ -165,7 +169,7 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
     } else {
         println!(
             "kv {}: perplexity {ppl:.4} over {scored} tokens ({windows} windows of {}); vs f16 KV: KL {kl_mean:.6}, top-1 agreement {:.2}%",
-            kv.name(),
+            kv_name(kv, kv_v),
             a.ctx,
             100.0 * top1
         );

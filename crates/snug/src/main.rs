@@ -67,6 +67,12 @@ struct EvalPplArgs {
     /// KV cache format: f16, f32, q8 or tq4.
     #[arg(long, default_value = "f16")]
     kv: String,
+    /// Format of the keys only (overrides --kv for keys).
+    #[arg(long)]
+    kv_k: Option<String>,
+    /// Format of the values only (overrides --kv for values).
+    #[arg(long)]
+    kv_v: Option<String>,
     /// Tokens per window; the second half of each is scored.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
@@ -158,6 +164,12 @@ struct GenArgs {
     /// of f16).
     #[arg(long, default_value = "f16")]
     kv: String,
+    /// Format of the keys only (overrides --kv for keys).
+    #[arg(long)]
+    kv_k: Option<String>,
+    /// Format of the values only (overrides --kv for values).
+    #[arg(long)]
+    kv_v: Option<String>,
     /// Speculative decoding from prompt lookup: on, off, or auto (drafts
     /// when this machine's measured verify cost and the acceptance so far
     /// promise a gain). The output is the same either way.

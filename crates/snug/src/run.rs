@@ -75,20 +75,26 @@ pub fn append_metrics(g: &GenArgs, model: &str, gen: &Generation) -> Result<()> 
     Ok(())
 }
 
-pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
-    let kv_format = match KvFormat::parse(&g.kv) {
-        Some(f) => f,
-        None => bail!("unknown KV format {:?} (f16, f32, q8 or tq4)", g.kv),
-    };
-    if !kv_format.supports_head_dim(model.config.head_dim) {
-        bail!(
+/// The key and value formats from `--kv` and its per-part overrides,
+/// checked against the model's head size.
+pub fn kv_formats(kv: &str, k: Option<&str>, v: Option<&str>, model: &Model) -> Result<(KvFormat, KvFormat)> {
+    let parse = |name: &str| match KvFormat::parse(name) {
+        Some(f) if f.supports_head_dim(model.config.head_dim) => Ok(f),
+        Some(f) => bail!(
             "KV format {} cannot store this model's head size {}",
-            kv_format.name(),
+            f.name(),
             model.config.head_dim
-        );
-    }
+        ),
+        None => bail!("unknown KV format {name:?} (f16, f32, q8 or tq4)"),
+    };
+    Ok((parse(k.unwrap_or(kv))?, parse(v.unwrap_or(kv))?))
+}
+
+pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
+    let (kv_format, kv_format_v) = kv_formats(&g.kv, g.kv_k.as_deref(), g.kv_v.as_deref(), model)?;
     let mut o = EngineOptions {
         kv_format,
+        kv_format_v: Some(kv_format_v),
         ..EngineOptions::default()
     };
     if let Some(t) = g.threads {

@@ -481,11 +481,17 @@ fn eval_ppl_reports_perplexity_and_the_distance_from_f16_kv() {
         .unwrap_or_else(|_| "The quick brown fox jumps over the lazy dog. ".repeat(200));
     std::fs::write(&file, &body[..body.len().min(6000)]).unwrap();
     let eval = |kv: &str| {
+        // "k/v" sets keys and values apart.
+        let parts: Vec<String> = match kv.split_once('/') {
+            Some((k, v)) => vec!["--kv-k".into(), k.into(), "--kv-v".into(), v.into()],
+            None => vec!["--kv".into(), kv.into()],
+        };
         let out = snug()
             .args(["eval", "ppl"])
             .arg(&p)
             .arg(&file)
-            .args(["--kv", kv, "--ctx", "64", "--max-windows", "3", "-t", "2", "--json"])
+            .args(&parts)
+            .args(["--ctx", "64", "--max-windows", "3", "-t", "2", "--json"])
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out.stderr));
@@ -496,9 +502,10 @@ fn eval_ppl_reports_perplexity_and_the_distance_from_f16_kv() {
     let ppl = f16["ppl"].as_f64().unwrap();
     assert!(ppl > 1.0 && ppl < 1000.0, "{f16}");
     assert_eq!(f16["kl_vs_f16"], 0.0);
-    for kv in ["q8", "tq4"] {
+    for kv in ["q8", "tq4", "q8/tq4"] {
         let v = eval(kv);
         assert_eq!(v["tokens"], 3 * 31);
+        assert_eq!(v["kv"], kv);
         let kl = v["kl_vs_f16"].as_f64().unwrap();
         let top1 = v["top1_vs_f16"].as_f64().unwrap();
         assert!(kl > 0.0 && kl < 1.0, "{kv}: {v}");
