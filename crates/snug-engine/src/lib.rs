@@ -29,6 +29,17 @@ pub enum EngineError {
     EmptyPrompt,
 }
 
+/// Bytes of one KV page (every layer's keys and values for
+/// `options.page_tokens` positions) for `model` in the options' formats.
+pub fn kv_page_bytes(model: &Model, options: &EngineOptions) -> usize {
+    let c = &model.config;
+    let fv = options.kv_format_v.unwrap_or(options.kv_format);
+    c.layers
+        * c.kv_heads
+        * options.page_tokens.max(1)
+        * (options.kv_format.vector_bytes(c.head_dim) + fv.vector_bytes(c.head_dim))
+}
+
 /// How the engine is sized.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -43,6 +54,10 @@ pub struct EngineOptions {
     pub batch: usize,
     /// Sequences the KV pool is sized for (each up to `ctx`).
     pub max_seqs: usize,
+    /// Bytes the KV page pool may take. When `max_seqs` contexts of `ctx`
+    /// would need more, the pool is this size and `ctx` shrinks to what
+    /// each sequence can hold in it.
+    pub kv_budget: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -55,6 +70,7 @@ impl Default for EngineOptions {
             page_tokens: 64,
             batch: 64,
             max_seqs: 1,
+            kv_budget: None,
         }
     }
 }
@@ -90,7 +106,15 @@ impl<'m> Engine<'m> {
             head_dim: c.head_dim,
             page_tokens: options.page_tokens.max(1),
         };
-        let n_pages = options.max_seqs.max(1) * options.ctx.div_ceil(shape.page_tokens);
+        let seqs = options.max_seqs.max(1);
+        let mut n_pages = seqs * options.ctx.div_ceil(shape.page_tokens);
+        if let Some(budget) = options.kv_budget {
+            let fit = (budget / kv_page_bytes(model, &options).max(1)).max(seqs);
+            if fit < n_pages {
+                n_pages = fit;
+                options.ctx = options.ctx.min(n_pages / seqs * shape.page_tokens);
+            }
+        }
         Engine {
             model,
             pool: ThreadPool::new(options.threads),

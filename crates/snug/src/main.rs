@@ -170,6 +170,10 @@ struct GenArgs {
     /// Format of the values only (overrides --kv for values).
     #[arg(long)]
     kv_v: Option<String>,
+    /// Most bytes the KV cache may take (e.g. 256MiB, 1G); the context
+    /// shrinks to what fits.
+    #[arg(long)]
+    kv_budget: Option<String>,
     /// Speculative decoding from prompt lookup: on, off, or auto (drafts
     /// when this machine's measured verify cost and the acceptance so far
     /// promise a gain). The output is the same either way.
@@ -547,4 +551,45 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A byte count: a number with an optional unit (k, M, G for powers of
+/// 1000; KiB, MiB, GiB for powers of 1024; B for bytes).
+fn parse_size(text: &str) -> Result<usize> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("not a size: {text:?} (e.g. 256MiB, 1G, 500000000)"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => bail!("unknown size unit in {text:?} (B, k, M, G, KiB, MiB, GiB)"),
+    };
+    let v = n * mult;
+    if !v.is_finite() || v < 1.0 || v > usize::MAX as f64 {
+        bail!("size {text:?} is out of range");
+    }
+    Ok(v as usize)
+}
+
+#[cfg(test)]
+mod size_tests {
+    #[test]
+    fn sizes_parse_with_units_and_bad_ones_are_errors() {
+        use super::parse_size;
+        assert_eq!(parse_size("256MiB").unwrap(), 256 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1_000_000_000);
+        assert_eq!(parse_size("1.5k").unwrap(), 1500);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("0").is_err());
+    }
 }

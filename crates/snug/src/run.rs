@@ -107,6 +107,18 @@ pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
     if o.ctx == 0 {
         bail!("--ctx must be at least 1");
     }
+    if let Some(b) = &g.kv_budget {
+        let budget = crate::parse_size(b)?;
+        let page = snug_engine::kv_page_bytes(model, &o);
+        if budget < page {
+            bail!(
+                "--kv-budget {b} is smaller than one KV page ({} for {} positions in these formats)",
+                crate::human_bytes(page as u64),
+                o.page_tokens
+            );
+        }
+        o.kv_budget = Some(budget);
+    }
     if o.ctx > model.config.context_length {
         eprintln!(
             "note: --ctx {} exceeds the model's context length {}; using {}",

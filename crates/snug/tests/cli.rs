@@ -530,3 +530,57 @@ fn eval_ppl_reports_perplexity_and_the_distance_from_f16_kv() {
     assert!(!out.status.success() && text(&out.stderr).contains("fewer than one window"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_kv_budget_caps_the_pool_and_the_context() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let run = |kv: &str| {
+        let out = snug()
+            .arg("run")
+            .arg(&p)
+            .args([
+                "-p",
+                "Once upon a time",
+                "-n",
+                "2000",
+                "--json",
+                "-t",
+                "2",
+                "--speculate",
+                "off",
+            ])
+            .args(["--kv", kv, "--kv-budget", "4MiB"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let mut held = Vec::new();
+    for kv in ["f16", "tq4"] {
+        let v = run(kv);
+        let reserved = v["stats"]["ledger"]["kv_reserved_bytes"].as_u64().unwrap();
+        assert!(reserved <= 4 << 20, "{kv}: {reserved} bytes reserved");
+        // The context shrinks to the pages that fit; generation stops
+        // there with `length`, never with an error.
+        assert_eq!(v["finish_reason"], "length", "{kv}: {v}");
+        let tokens = v["prompt_tokens"].as_u64().unwrap() + v["token_ids"].as_array().unwrap().len() as u64;
+        assert!(tokens < 2000, "{kv}: {tokens} tokens held");
+        held.push(tokens);
+    }
+    // TQ4's pages are about a quarter of F16's: about four times the context.
+    assert!(held[1] >= 3 * held[0], "{held:?}");
+    let out = snug()
+        .arg("run")
+        .arg(&p)
+        .args(["-p", "x", "--kv-budget", "12 parsecs"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && text(&out.stderr).contains("size unit"));
+    let out = snug()
+        .arg("run")
+        .arg(&p)
+        .args(["-p", "x", "--kv-budget", "100k"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && text(&out.stderr).contains("smaller than one KV page"));
+}
