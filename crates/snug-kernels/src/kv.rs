@@ -442,50 +442,12 @@ fn attend_group_rotated(
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
-    let pt = kv.shape.page_tokens;
-    let hd = kv.shape.head_dim;
-    let group = q.len() / hd;
-    let n = query.end - query.start;
-    let signs = kv.signs_of(layer, kv_head);
-    let k_rot = matches!(kv.format, KvFormat::Q8 | KvFormat::Tq4);
-    let v_rot = matches!(kv.format_v, KvFormat::Q8 | KvFormat::Tq4);
-    let AttnScratch {
-        scores,
-        kv: kbuf,
-        rotated,
-    } = scratch;
-    let (scores, qr) = (&mut scores[..group * n], &mut rotated[..group * hd]);
-    qr.copy_from_slice(q);
-    if k_rot {
-        for g in 0..group {
-            crate::tq4::rotate(&mut qr[g * hd..(g + 1) * hd], signs);
-        }
-    }
-    for (i, p) in (query.start..query.end).enumerate() {
-        kv.read_rotated(query.pages[p / pt], layer, false, kv_head, p % pt, kbuf);
-        for g in 0..group {
-            scores[g * n + i] = crate::dot::dot_f32(&qr[g * hd..(g + 1) * hd], kbuf) * scale;
-        }
-    }
-    for g in 0..group {
-        softmax_row(&mut scores[g * n..(g + 1) * n]);
-    }
-    out.fill(0.0);
-    for (i, p) in (query.start..query.end).enumerate() {
-        kv.read_rotated(query.pages[p / pt], layer, true, kv_head, p % pt, kbuf);
-        for g in 0..group {
-            crate::vec::axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
-        }
-    }
-    if v_rot {
-        for g in 0..group {
-            crate::tq4::rotate_back(&mut out[g * hd..(g + 1) * hd], signs);
-        }
-    }
+    attend_group_read(kv, layer, kv_head, query, q, scale, out, scratch, true)
 }
 
-/// [`attend_group`] through `read`, `dot_f32` and `axpy`: the reference the
-/// fused F16 path is tested against.
+/// [`attend_group`] through `read` (every vector decoded back to its own
+/// domain), `dot_f32` and `axpy`: the reference the fused F16 path and the
+/// rotated-domain path are tested against.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group_generic(
     kv: &KvStorage,
@@ -497,15 +459,55 @@ pub fn attend_group_generic(
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
+    attend_group_read(kv, layer, kv_head, query, q, scale, out, scratch, false)
+}
+
+/// Both of the above: scores in position order, softmax, values summed in
+/// position order; `rotated_domain` reads Q8 and TQ4 parts as stored, with
+/// the query rotated for keys and the sum rotated back for values.
+#[allow(clippy::too_many_arguments)]
+fn attend_group_read(
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+    rotated_domain: bool,
+) {
     let pt = kv.shape.page_tokens;
     let hd = kv.shape.head_dim;
     let group = q.len() / hd;
     let n = query.end - query.start;
-    let (scores, kbuf) = (&mut scratch.scores[..group * n], &mut scratch.kv);
-    for (i, p) in (query.start..query.end).enumerate() {
-        kv.read(query.pages[p / pt], layer, false, kv_head, p % pt, kbuf);
+    let signs = kv.signs_of(layer, kv_head);
+    let rotated = |f| rotated_domain && matches!(f, KvFormat::Q8 | KvFormat::Tq4);
+    let (k_rot, v_rot) = (rotated(kv.format), rotated(kv.format_v));
+    let read = |is_v: bool, p: usize, buf: &mut [f32]| {
+        let (page, slot) = (query.pages[p / pt], p % pt);
+        if rotated_domain {
+            kv.read_rotated(page, layer, is_v, kv_head, slot, buf)
+        } else {
+            kv.read(page, layer, is_v, kv_head, slot, buf)
+        }
+    };
+    let AttnScratch {
+        scores,
+        kv: kbuf,
+        rotated: qr,
+    } = scratch;
+    let (scores, qr) = (&mut scores[..group * n], &mut qr[..group * hd]);
+    qr.copy_from_slice(q);
+    if k_rot {
         for g in 0..group {
-            scores[g * n + i] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
+            crate::tq4::rotate(&mut qr[g * hd..(g + 1) * hd], signs);
+        }
+    }
+    for (i, p) in (query.start..query.end).enumerate() {
+        read(false, p, kbuf);
+        for g in 0..group {
+            scores[g * n + i] = crate::dot::dot_f32(&qr[g * hd..(g + 1) * hd], kbuf) * scale;
         }
     }
     for g in 0..group {
@@ -513,9 +515,14 @@ pub fn attend_group_generic(
     }
     out.fill(0.0);
     for (i, p) in (query.start..query.end).enumerate() {
-        kv.read(query.pages[p / pt], layer, true, kv_head, p % pt, kbuf);
+        read(true, p, kbuf);
         for g in 0..group {
             crate::vec::axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
+        }
+    }
+    if v_rot {
+        for g in 0..group {
+            crate::tq4::rotate_back(&mut out[g * hd..(g + 1) * hd], signs);
         }
     }
 }

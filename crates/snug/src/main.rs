@@ -50,6 +50,22 @@ enum Command {
     Eval(EvalCommand),
 }
 
+/// The KV cache's formats.
+#[derive(Args)]
+struct KvArgs {
+    /// KV cache format: f16, f32, q8 (int8 of the rotated vector and a
+    /// scale, 51-52% of f16) or tq4 (4-bit codes of the rotated vector and
+    /// a scale, 25-27% of f16).
+    #[arg(long, default_value = "f16")]
+    kv: String,
+    /// Format of the keys only (overrides --kv for keys).
+    #[arg(long)]
+    kv_k: Option<String>,
+    /// Format of the values only (overrides --kv for values).
+    #[arg(long)]
+    kv_v: Option<String>,
+}
+
 #[derive(Subcommand)]
 enum EvalCommand {
     /// Perplexity over a text file in windows (as llama-perplexity), and
@@ -64,15 +80,8 @@ struct EvalPplArgs {
     model: String,
     /// The text file.
     file: PathBuf,
-    /// KV cache format: f16, f32, q8 or tq4.
-    #[arg(long, default_value = "f16")]
-    kv: String,
-    /// Format of the keys only (overrides --kv for keys).
-    #[arg(long)]
-    kv_k: Option<String>,
-    /// Format of the values only (overrides --kv for values).
-    #[arg(long)]
-    kv_v: Option<String>,
+    #[command(flatten)]
+    cache: KvArgs,
     /// Tokens per window; the second half of each is scored.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
@@ -159,17 +168,8 @@ struct GenArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// KV cache format: f16, f32, q8 (int8 and a scale per vector, 53% of
-    /// f16) or tq4 (4-bit codes of the rotated vector and a scale, 25-27%
-    /// of f16).
-    #[arg(long, default_value = "f16")]
-    kv: String,
-    /// Format of the keys only (overrides --kv for keys).
-    #[arg(long)]
-    kv_k: Option<String>,
-    /// Format of the values only (overrides --kv for values).
-    #[arg(long)]
-    kv_v: Option<String>,
+    #[command(flatten)]
+    cache: KvArgs,
     /// Most bytes the KV cache may take (e.g. 256MiB, 1G); the context
     /// shrinks to what fits.
     #[arg(long)]

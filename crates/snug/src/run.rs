@@ -91,7 +91,7 @@ pub fn kv_formats(kv: &str, k: Option<&str>, v: Option<&str>, model: &Model) -> 
 }
 
 pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
-    let (kv_format, kv_format_v) = kv_formats(&g.kv, g.kv_k.as_deref(), g.kv_v.as_deref(), model)?;
+    let (kv_format, kv_format_v) = kv_formats(&g.cache.kv, g.cache.kv_k.as_deref(), g.cache.kv_v.as_deref(), model)?;
     let mut o = EngineOptions {
         kv_format,
         kv_format_v: Some(kv_format_v),
