@@ -419,30 +419,10 @@ pub fn attend_group(
     }
     let rotated = |f| matches!(f, KvFormat::Q8 | KvFormat::Tq4);
     if rotated(kv.format) || rotated(kv.format_v) {
-        return attend_group_rotated(kv, layer, kv_head, query, q, scale, out, scratch);
+        // Rotated parts are read as stored: see `attend_group_read`.
+        return attend_group_read(kv, layer, kv_head, query, q, scale, out, scratch, true);
     }
     attend_group_generic(kv, layer, kv_head, query, q, scale, out, scratch)
-}
-
-/// [`attend_group`] where keys or values are Q8 or TQ4, in the rotated
-/// domain: over rotated keys each query head is rotated once and scored
-/// against each key as stored (never rotated back); rotated values are
-/// summed as stored and the sum rotated back once per head at the end.
-/// Since the rotation is orthogonal this is attention over the stored
-/// vectors, up to rounding. Keys or values in F16 or F32 are read as they
-/// are.
-#[allow(clippy::too_many_arguments)]
-fn attend_group_rotated(
-    kv: &KvStorage,
-    layer: usize,
-    kv_head: usize,
-    query: &AttnQuery,
-    q: &[f32],
-    scale: f32,
-    out: &mut [f32],
-    scratch: &mut AttnScratch,
-) {
-    attend_group_read(kv, layer, kv_head, query, q, scale, out, scratch, true)
 }
 
 /// [`attend_group`] through `read` (every vector decoded back to its own
@@ -462,9 +442,13 @@ pub fn attend_group_generic(
     attend_group_read(kv, layer, kv_head, query, q, scale, out, scratch, false)
 }
 
-/// Both of the above: scores in position order, softmax, values summed in
-/// position order; `rotated_domain` reads Q8 and TQ4 parts as stored, with
-/// the query rotated for keys and the sum rotated back for values.
+/// Scores in position order, softmax, values summed in position order.
+/// With `rotated_domain`, Q8 and TQ4 parts are read as stored, in the
+/// rotated domain: for rotated keys each query head is rotated once and
+/// scored against the keys as stored; rotated values are summed as stored
+/// and the sum rotated back once per head. Since the rotation is
+/// orthogonal this is attention over the stored vectors, up to rounding.
+/// Without it, every vector is decoded back first (the reference).
 #[allow(clippy::too_many_arguments)]
 fn attend_group_read(
     kv: &KvStorage,

@@ -215,7 +215,7 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                     }
                     let mut p = 256;
                     if five {
-                        let h = u32::from_le_bytes(b[qh_at..qh_at + 4].try_into().unwrap());
+                        let h = u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
                         copy(o, p, lane, &q5_high_bits(h).to_le_bytes());
                         p += 64;
                     }
@@ -226,7 +226,8 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                 }
                 GgmlType::Q8_0 => {
                     for t in 0..8 {
-                        let w = u32::from_le_bytes(b[2 + 4 * t..6 + 4 * t].try_into().unwrap()) ^ 0x8080_8080;
+                        let at = 2 + 4 * t;
+                        let w = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) ^ 0x8080_8080;
                         copy(o, 64 * t, lane, &w.to_le_bytes());
                     }
                     o[512 + 2 * lane..512 + 2 * lane + 2].copy_from_slice(&b[0..2]);

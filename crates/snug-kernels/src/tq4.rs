@@ -22,7 +22,7 @@
 //! density above, integrated numerically in f64 on a fine grid (see
 //! [`codebook`]).
 
-use std::sync::Mutex;
+use std::sync::OnceLock;
 
 /// Levels of the codebook.
 pub const LEVELS: usize = 16;
@@ -48,15 +48,12 @@ pub fn supports_dim(d: usize) -> bool {
 /// Means are integrals of `x (1 - x²)^((d-3)/2)` over the cell, computed by
 /// the trapezoid rule on 2^16 + 1 points of [-1, 1], in f64.
 pub fn codebook(d: usize) -> &'static [f32; LEVELS] {
-    type Books = Mutex<Vec<(usize, &'static [f32; LEVELS])>>;
-    static BOOKS: Books = Mutex::new(Vec::new());
-    let mut b = BOOKS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(&(_, c)) = b.iter().find(|(dd, _)| *dd == d) {
-        return c;
-    }
-    let c: &'static [f32; LEVELS] = Box::leak(Box::new(derive_codebook(d)));
-    b.push((d, c));
-    c
+    // One slot per supported dimension (powers of two 4..=4096), filled on
+    // first use; later calls read it without a lock (attention asks for
+    // the codebook once per stored vector it reads).
+    static BOOKS: [OnceLock<[f32; LEVELS]>; 11] = [const { OnceLock::new() }; 11];
+    assert!(supports_dim(d), "tq4: dimension {d} is not a power of two in 4..=4096");
+    BOOKS[d.trailing_zeros() as usize - 2].get_or_init(|| derive_codebook(d))
 }
 
 fn derive_codebook(d: usize) -> [f32; LEVELS] {
