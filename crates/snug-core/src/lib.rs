@@ -8,6 +8,7 @@ pub mod draft;
 pub mod ledger;
 pub mod pages;
 pub mod speculate;
+pub mod twins;
 
 pub use alloc::CountingAlloc;
 pub use ledger::Ledger;

@@ -23,6 +23,8 @@ pub type PageId = u32;
 pub enum PagesError {
     #[error("KV cache full: {needed} more pages needed, {free} free of {total}")]
     OutOfPages { needed: usize, free: usize, total: usize },
+    #[error("KV exact window full: {needed} more twin pages needed, {free} free of {total}")]
+    OutOfTwins { needed: usize, free: usize, total: usize },
 }
 
 /// The pool: reference counts and a free list.

@@ -3,11 +3,16 @@
 //! a sentence: make room in the page tables (plain bookkeeping), run the
 //! forward over the rows, keep the logits.
 
+pub mod calibrate;
 pub mod generate;
 pub mod sampling;
 
+use std::sync::Arc;
+
+use snug_core::twins::{TwinPool, Twins, KEEP};
 use snug_core::{PagePool, PageTable, PagesError};
 use snug_kernels::kv::{KvFormat, KvShape, KvStorage};
+use snug_kernels::kvbasis::KeyBasis;
 use snug_kernels::pool::ThreadPool;
 use snug_model::arch::{BatchRow, ForwardScratch, KvView, Model};
 
@@ -56,8 +61,13 @@ pub struct EngineOptions {
     pub max_seqs: usize,
     /// Bytes the KV page pool may take. When `max_seqs` contexts of `ctx`
     /// would need more, the pool is this size and `ctx` shrinks to what
-    /// each sequence can hold in it.
+    /// each sequence can hold in it. The exact window's twin pages come
+    /// out of it first.
     pub kv_budget: Option<usize>,
+    /// What TQ4 keys are coded relative to (see
+    /// [`snug_kernels::kvbasis`]; [`calibrate::key_basis`] makes one).
+    /// Without it TQ4 keys are coded as they are.
+    pub key_basis: Option<Arc<KeyBasis>>,
 }
 
 impl Default for EngineOptions {
@@ -67,10 +77,11 @@ impl Default for EngineOptions {
             ctx: 4096,
             kv_format: KvFormat::F16,
             kv_format_v: None,
-            page_tokens: 64,
+            page_tokens: 32,
             batch: 64,
             max_seqs: 1,
             kv_budget: None,
+            key_basis: None,
         }
     }
 }
@@ -78,6 +89,36 @@ impl Default for EngineOptions {
 struct Sequence {
     table: PageTable,
     tokens: Vec<u32>,
+    twins: Twins,
+}
+
+/// Twin pages an engine keeps for its exact window (lossy formats only):
+/// page 0 and the newest [`KEEP`] pages of every sequence, plus the pages
+/// one prefill chunk spans.
+fn twin_pages(options: &EngineOptions) -> usize {
+    let pt = options.page_tokens.max(1);
+    options.max_seqs.max(1) * (KEEP + 2) + options.batch.max(1).div_ceil(pt) + 1
+}
+
+fn is_lossy(options: &EngineOptions) -> bool {
+    let v = options.kv_format_v.unwrap_or(options.kv_format);
+    [options.kv_format, v]
+        .iter()
+        .any(|f| matches!(f, KvFormat::Q8 | KvFormat::Tq4))
+}
+
+/// Bytes of the exact window's twin pages (F16, every layer) for `model`.
+pub fn kv_twin_bytes(model: &Model, options: &EngineOptions) -> usize {
+    if !is_lossy(options) {
+        return 0;
+    }
+    let c = &model.config;
+    twin_pages(options)
+        * c.layers
+        * c.kv_heads
+        * options.page_tokens.max(1)
+        * 2
+        * KvFormat::F16.vector_bytes(c.head_dim)
 }
 
 /// The engine over one model.
@@ -86,6 +127,7 @@ pub struct Engine<'m> {
     pub options: EngineOptions,
     pool: ThreadPool,
     pages: PagePool,
+    twin_pool: TwinPool,
     storage: KvStorage,
     scratch: ForwardScratch,
     logits: Vec<f32>,
@@ -109,22 +151,30 @@ impl<'m> Engine<'m> {
         let seqs = options.max_seqs.max(1);
         let mut n_pages = seqs * options.ctx.div_ceil(shape.page_tokens);
         if let Some(budget) = options.kv_budget {
+            let budget = budget.saturating_sub(kv_twin_bytes(model, &options));
             let fit = (budget / kv_page_bytes(model, &options).max(1)).max(seqs);
             if fit < n_pages {
                 n_pages = fit;
                 options.ctx = options.ctx.min(n_pages / seqs * shape.page_tokens);
             }
         }
+        let twins = if is_lossy(&options) { twin_pages(&options) } else { 0 };
+        let mut storage = KvStorage::with_formats(
+            shape,
+            options.kv_format,
+            options.kv_format_v.unwrap_or(options.kv_format),
+            n_pages,
+        )
+        .with_twins(twins);
+        if let Some(b) = &options.key_basis {
+            storage = storage.with_key_basis(b.clone());
+        }
         Engine {
             model,
             pool: ThreadPool::new(options.threads),
             pages: PagePool::new(n_pages, shape.page_tokens),
-            storage: KvStorage::with_formats(
-                shape,
-                options.kv_format,
-                options.kv_format_v.unwrap_or(options.kv_format),
-                n_pages,
-            ),
+            twin_pool: TwinPool::new(twins),
+            storage,
             scratch: ForwardScratch::new(model, options.batch, options.ctx, options.threads),
             logits: Vec::new(),
             seqs: Vec::new(),
@@ -138,6 +188,7 @@ impl<'m> Engine<'m> {
         let s = Sequence {
             table: PageTable::new(),
             tokens: Vec::new(),
+            twins: Twins::new(),
         };
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
@@ -174,18 +225,41 @@ impl<'m> Engine<'m> {
     pub fn free_sequence(&mut self, id: SeqId) {
         if let Some(Some(mut s)) = self.seqs.get_mut(id).map(Option::take) {
             s.table.release(&mut self.pages);
+            s.twins.release(&mut self.twin_pool);
         }
     }
 
-    /// Keeps the first `len` positions of a sequence (rollback).
+    /// Keeps the first `len` positions of a sequence (rollback). With an
+    /// exact window, a truncation deep enough that the last, partly filled
+    /// page lost its twin recomputes that page's positions (fewer than a
+    /// page), which rebuilds the twin bit for bit.
     pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<(), EngineError> {
+        let pt = self.storage.shape.page_tokens;
         let s = self
             .seqs
             .get_mut(id)
             .and_then(Option::as_mut)
             .ok_or(EngineError::NoSequence(id))?;
+        let len = len.min(s.tokens.len());
         s.table.truncate(&mut self.pages, len);
-        s.tokens.truncate(len);
+        let redo = match s.twins.truncate(&mut self.twin_pool, len, pt) {
+            Some(page) => {
+                let start = page * pt;
+                let redo = s.tokens[start..len].to_vec();
+                s.table.truncate(&mut self.pages, start);
+                s.tokens.truncate(start);
+                s.twins.truncate(&mut self.twin_pool, start, pt);
+                redo
+            }
+            None => {
+                s.tokens.truncate(len);
+                Vec::new()
+            }
+        };
+        if !redo.is_empty() {
+            let rows: Vec<(SeqId, u32, bool)> = redo.iter().map(|&t| (id, t, false)).collect();
+            self.step(&rows)?;
+        }
         Ok(())
     }
 
@@ -194,16 +268,30 @@ impl<'m> Engine<'m> {
         let s = self.seq(id)?;
         let tokens = s.tokens.clone();
         let table = s.table.clone();
+        let parent_twins = s.twins.clone();
+        let (twins, copies) = parent_twins.fork(&mut self.twin_pool)?;
+        for (from, to) in copies {
+            self.storage.copy_twin(from, to);
+        }
         let table = table.fork(&mut self.pages);
         let new = self.create_sequence();
-        self.seqs[new] = Some(Sequence { table, tokens });
+        self.seqs[new] = Some(Sequence { table, tokens, twins });
         Ok(new)
     }
 
-    /// Bytes of KV storage, total and in use.
+    /// Bytes of KV storage, total and in use (pages only; the exact
+    /// window is [`Engine::kv_exact_window_bytes`]).
     pub fn kv_bytes(&self) -> (usize, usize) {
         let per = self.storage.page_bytes();
         (self.storage.bytes(), self.pages.used_pages() * per)
+    }
+
+    /// Bytes of the exact window: twin pages (total and in use) plus the
+    /// key basis and its tables.
+    pub fn kv_exact_window_bytes(&self) -> (usize, usize) {
+        let total = self.storage.exact_window_bytes();
+        let free = self.twin_pool.free() * self.storage.twin_page_bytes();
+        (total, total - free)
     }
 
     /// Bytes of forward scratch.
@@ -249,6 +337,28 @@ impl<'m> Engine<'m> {
                 total: self.pages.total_pages(),
             }));
         }
+        let pt = self.storage.shape.page_tokens;
+        let lossy = self.storage.is_lossy();
+        if lossy {
+            // Twins are handed out chunk by chunk and the ones a chunk no
+            // longer needs returned after it, so the most held at once is
+            // what the first chunk of each sequence takes.
+            let twins: usize = gains
+                .iter()
+                .map(|&(id, n)| {
+                    let s = self.seqs[id].as_ref().expect("checked above");
+                    let lo = s.tokens.len();
+                    s.twins.needed(lo, lo + n.min(self.options.batch) - 1, pt)
+                })
+                .sum();
+            if twins > self.twin_pool.free() {
+                return Err(EngineError::Pages(PagesError::OutOfTwins {
+                    needed: twins,
+                    free: self.twin_pool.free(),
+                    total: self.twin_pool.total(),
+                }));
+            }
+        }
         // Apply: grow the tables, copying shared pages first.
         let mut batch_rows = Vec::with_capacity(rows.len());
         let mut seq_index: Vec<SeqId> = Vec::new();
@@ -270,18 +380,49 @@ impl<'m> Engine<'m> {
                 logits: want,
             });
         }
-        let tables: Vec<&[u32]> = seq_index
-            .iter()
-            .map(|&id| self.seqs[id].as_ref().expect("checked").table.pages())
-            .collect();
-        let mut view = KvView {
-            storage: &mut self.storage,
-            pages: &tables,
-        };
         self.logits.clear();
         for chunk in batch_rows.chunks(self.options.batch) {
+            // Each sequence's rows in this chunk, in position order.
+            let spans: Vec<Option<(usize, usize)>> = (0..seq_index.len())
+                .map(|si| {
+                    let mut pos = chunk.iter().filter(|r| r.seq == si).map(|r| r.pos);
+                    let lo = pos.next()?;
+                    Some((lo, pos.next_back().unwrap_or(lo)))
+                })
+                .collect();
+            if lossy {
+                for (si, span) in spans.iter().enumerate() {
+                    if let Some((lo, hi)) = *span {
+                        let s = self.seqs[seq_index[si]].as_mut().expect("checked above");
+                        let stale = s.twins.prepare(&mut self.twin_pool, lo, hi, pt)?;
+                        assert!(stale.is_empty(), "a page read exactly lost its twin");
+                    }
+                }
+            }
+            let seqs: Vec<&Sequence> = seq_index
+                .iter()
+                .map(|&id| self.seqs[id].as_ref().expect("checked"))
+                .collect();
+            let tables: Vec<&[u32]> = seqs.iter().map(|s| s.table.pages()).collect();
+            let twins: Vec<&[u32]> = seqs
+                .iter()
+                .map(|s| if lossy { s.twins.as_slice() } else { &[] })
+                .collect();
+            let mut view = KvView {
+                storage: &mut self.storage,
+                pages: &tables,
+                twins: &twins,
+            };
             self.model
                 .forward(chunk, &mut view, &mut self.scratch, &self.pool, &mut self.logits);
+            if lossy {
+                for (si, span) in spans.iter().enumerate() {
+                    if let Some((_, hi)) = *span {
+                        let s = self.seqs[seq_index[si]].as_mut().expect("checked above");
+                        s.twins.settle(&mut self.twin_pool, hi + 1, pt);
+                    }
+                }
+            }
         }
         Ok(&self.logits)
     }

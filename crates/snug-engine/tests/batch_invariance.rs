@@ -4,6 +4,7 @@
 //! batch. Checked on all four real models.
 
 use snug_engine::{Engine, EngineOptions, SeqId};
+use snug_kernels::kv::KvFormat;
 use snug_model::arch::Model;
 use snug_model::testing::{model_path, MODELS};
 use snug_model::{EncodeOptions, GgufFile, Tokenizer};
@@ -45,6 +46,23 @@ fn options() -> EngineOptions {
     }
 }
 
+/// Options with keys and values in TQ4, keys in the model's calibrated
+/// basis, and an exact window.
+fn tq4_options(model: &Model, tok: &Tokenizer) -> EngineOptions {
+    let ids = tok.encode(
+        snug_engine::calibrate::TEXT,
+        EncodeOptions {
+            add_special: true,
+            parse_special: false,
+        },
+    );
+    EngineOptions {
+        kv_format: KvFormat::Tq4,
+        key_basis: Some(snug_engine::calibrate::key_basis(model, &ids, 2).unwrap()),
+        ..options()
+    }
+}
+
 #[test]
 fn chunking_never_changes_a_rows_logits() {
     for alias in MODELS {
@@ -55,6 +73,14 @@ fn chunking_never_changes_a_rows_logits() {
         let mut ids = tok.encode(PROMPT, EncodeOptions::default());
         ids.truncate(37);
         assert_eq!(ids.len(), 37, "{alias}: prompt too short");
+        // TQ4 pages with the exact window: which pages a row reads from
+        // twins depends on its position alone.
+        let mut engine = Engine::new(&model, tq4_options(&model, &tok));
+        let whole = logits_by_chunks(&mut engine, &ids, &[37]);
+        for chunks in [&[1, 7, 29][..], &[16, 5, 16], &[1; 37]] {
+            let other = logits_by_chunks(&mut engine, &ids, chunks);
+            assert!(whole == other, "{alias}: TQ4, chunks {chunks:?} differ from one chunk");
+        }
         let mut engine = Engine::new(&model, options());
         let whole = logits_by_chunks(&mut engine, &ids, &[37]);
         let split = logits_by_chunks(&mut engine, &ids, &[1, 7, 29]);
@@ -179,4 +205,33 @@ fn rollback_and_fork_reproduce_the_same_logits() {
     let from_fork = bits(engine.feed(f, &ids[25..27]).unwrap());
     let from_orig = bits(engine.feed(s, &ids[25..27]).unwrap());
     assert_eq!(from_fork, from_orig);
+}
+
+#[test]
+fn a_deep_rollback_over_tq4_rebuilds_the_exact_window_bit_for_bit() {
+    // Truncating far back leaves the partly filled last page without its
+    // F16 twin; the engine recomputes that page's positions. What follows
+    // must be what a sequence that never went further computes.
+    for alias in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
+        let Some(path) = model_path(alias) else { continue };
+        let file = GgufFile::open(&path).unwrap();
+        let model = Model::load(&file).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let ids = tok.encode(&format!("{PROMPT} {PROMPT}"), EncodeOptions::default());
+        assert!(ids.len() > 100, "{alias}: prompt too short");
+        let mut engine = Engine::new(&model, tq4_options(&model, &tok));
+        let fresh = engine.create_sequence();
+        engine.feed(fresh, &ids[..41]).unwrap();
+        let want = bits(engine.feed(fresh, &ids[41..45]).unwrap());
+        let s = engine.create_sequence();
+        engine.feed(s, &ids[..100]).unwrap();
+        engine.truncate(s, 41).unwrap();
+        assert_eq!(engine.tokens(s).unwrap(), &ids[..41]);
+        assert_eq!(bits(engine.feed(s, &ids[41..45]).unwrap()), want, "{alias}");
+        // A fork gets copies of the twins and continues alike.
+        let f = engine.fork(s).unwrap();
+        let a = bits(engine.feed(f, &ids[45..47]).unwrap());
+        let b = bits(engine.feed(s, &ids[45..47]).unwrap());
+        assert_eq!(a, b, "{alias}: fork");
+    }
 }

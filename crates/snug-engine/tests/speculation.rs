@@ -181,11 +181,21 @@ fn output_is_identical_with_speculation_on_and_off_over_compressed_kv() {
             (KvFormat::Tq4, KvFormat::Tq4),
             (KvFormat::Q8, KvFormat::Tq4),
         ] {
+            let calibration = tok.encode(
+                snug_engine::calibrate::TEXT,
+                EncodeOptions {
+                    add_special: true,
+                    parse_special: false,
+                },
+            );
+            let key_basis =
+                (format == KvFormat::Tq4).then(|| snug_engine::calibrate::key_basis(&model, &calibration, 2).unwrap());
             let mut engine = Engine::new(
                 &model,
                 EngineOptions {
                     kv_format: format,
                     kv_format_v: Some(format_v),
+                    key_basis,
                     ..options()
                 },
             );

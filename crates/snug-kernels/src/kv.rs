@@ -11,6 +11,21 @@
 //! and attention for one KV head scans one contiguous run per page. Which
 //! page holds which position is the caller's business (`snug-core` page
 //! tables); attention receives the page list of each sequence.
+//!
+//! **Exact window.** With a lossy format (Q8 or TQ4) the engine also keeps
+//! *twin* pages: F16 copies of a sequence's first page and of its newest
+//! pages, written beside the coded form. A query at position `p` reads its
+//! sequence's page 0 and its own page (the one holding `p`) from their
+//! twins, every other page coded. Attention in small models leans on
+//! exactly those tokens (the first token takes 20–70% of many heads'
+//! attention, and recent tokens much of the rest), so keeping them exact
+//! cuts the error coding adds to attention severalfold, for a fixed number
+//! of pages per sequence. Which pages are read exact depends on the query's
+//! position alone, so results stay batch-invariant; and an own page's twin
+//! can always be rebuilt bit for bit by recomputing its positions, which
+//! read nothing exact but page 0 and that page.
+
+use crate::kvbasis::{KeyBasis, OffsetTables};
 
 /// How keys and values are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,6 +80,9 @@ impl KvFormat {
 /// Largest head size Q8 and TQ4 pages take (their encoders' scratch is on
 /// the stack).
 const ROTATED_MAX_DIM: usize = 1024;
+
+/// Marks a page without a twin in [`AttnQuery::twins`].
+pub const NO_TWIN: u32 = u32::MAX;
 
 /// The random-sign rotation's signs for every (layer, KV head).
 fn rotation_signs(shape: &KvShape) -> Vec<Vec<u64>> {
@@ -196,6 +214,18 @@ impl KvShape {
     }
 }
 
+/// Where one position's keys and values go.
+#[derive(Clone, Copy, Debug)]
+pub struct KvSlot {
+    pub page: u32,
+    pub slot: usize,
+    /// The position in its sequence (TQ4 keys are coded relative to the
+    /// offset rotated to it).
+    pub pos: usize,
+    /// The page's twin, which gets an F16 copy.
+    pub twin: Option<u32>,
+}
+
 /// The KV pages.
 pub struct KvStorage {
     pub shape: KvShape,
@@ -208,6 +238,12 @@ pub struct KvStorage {
     v: Data,
     /// The rotation's signs per (layer, KV head), for Q8 and TQ4.
     signs: Vec<Vec<u64>>,
+    /// F16 twin pages (same layout as pages).
+    n_twins: usize,
+    twin_k: Data,
+    twin_v: Data,
+    /// The key basis of TQ4 keys and its scoring tables.
+    basis: Option<(std::sync::Arc<KeyBasis>, OffsetTables)>,
 }
 
 impl KvStorage {
@@ -240,7 +276,69 @@ impl KvStorage {
             } else {
                 Vec::new()
             },
+            n_twins: 0,
+            twin_k: Data::F16(Vec::new()),
+            twin_v: Data::F16(Vec::new()),
+            basis: None,
         }
+    }
+
+    /// Whether either part is stored lossily (Q8 or TQ4): then the engine
+    /// keeps an exact window in twin pages.
+    pub fn is_lossy(&self) -> bool {
+        [self.format, self.format_v]
+            .iter()
+            .any(|f| matches!(f, KvFormat::Q8 | KvFormat::Tq4))
+    }
+
+    /// Adds `n` F16 twin pages.
+    pub fn with_twins(mut self, n: usize) -> KvStorage {
+        let half = self.shape.page_vectors() / 2 * n;
+        self.n_twins = n;
+        self.twin_k = Data::new(KvFormat::F16, half, self.shape.head_dim);
+        self.twin_v = Data::new(KvFormat::F16, half, self.shape.head_dim);
+        self
+    }
+
+    /// Codes TQ4 keys relative to `basis` (ignored for other key formats).
+    pub fn with_key_basis(mut self, basis: std::sync::Arc<KeyBasis>) -> KvStorage {
+        let s = &self.shape;
+        assert!(
+            basis.layers == s.layers && basis.kv_heads == s.kv_heads && basis.head_dim == s.head_dim,
+            "key basis shape differs from the cache's"
+        );
+        if self.format == KvFormat::Tq4 {
+            let tables = OffsetTables::new(&basis, s.page_tokens, self.n_pages);
+            self.basis = Some((basis, tables));
+        }
+        self
+    }
+
+    /// The key basis TQ4 keys are coded in, if any.
+    pub fn key_basis(&self) -> Option<&KeyBasis> {
+        self.basis.as_ref().map(|(b, _)| &**b)
+    }
+
+    pub fn n_twins(&self) -> usize {
+        self.n_twins
+    }
+
+    /// Bytes of one twin page.
+    pub fn twin_page_bytes(&self) -> usize {
+        self.shape.page_bytes(KvFormat::F16)
+    }
+
+    /// Bytes of the twins, the key basis and its tables.
+    pub fn exact_window_bytes(&self) -> usize {
+        self.n_twins * self.twin_page_bytes() + self.basis.as_ref().map_or(0, |(b, t)| b.bytes() + t.bytes())
+    }
+
+    /// Copies twin `from` over twin `to`.
+    pub fn copy_twin(&mut self, from: u32, to: u32) {
+        let n = self.shape.page_vectors() / 2;
+        let hd = self.shape.head_dim;
+        self.twin_k.copy(from as usize * n, to as usize * n, n, hd);
+        self.twin_v.copy(from as usize * n, to as usize * n, n, hd);
     }
 
     pub fn n_pages(&self) -> usize {
@@ -274,14 +372,29 @@ impl KvStorage {
         self.signs.get(layer * self.shape.kv_heads + head).map_or(&[], |v| v)
     }
 
-    /// Stores one position's keys and values (`kv_heads * head_dim` each).
-    pub fn write(&mut self, layer: usize, page: u32, slot: usize, k: &[f32], v: &[f32]) {
+    /// Stores one position's keys and values (`kv_heads * head_dim` each),
+    /// and their F16 copy in the page's twin if it has one.
+    pub fn write(&mut self, layer: usize, at: KvSlot, k: &[f32], v: &[f32]) {
         let hd = self.shape.head_dim;
+        let mut coded = [0f32; ROTATED_MAX_DIM];
         for h in 0..self.shape.kv_heads {
-            let i = self.vector(page, layer, h, slot);
+            let i = self.vector(at.page, layer, h, at.slot);
             let signs = self.signs.get(layer * self.shape.kv_heads + h).map_or(&[][..], |v| v);
-            self.k.put(i, &k[h * hd..(h + 1) * hd], signs);
-            self.v.put(i, &v[h * hd..(h + 1) * hd], signs);
+            let (kh, vh) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+            match &self.basis {
+                Some((b, _)) => {
+                    let x = &mut coded[..hd];
+                    b.to_coded(layer, h, at.pos, kh, x);
+                    self.k.put(i, x, signs);
+                }
+                None => self.k.put(i, kh, signs),
+            }
+            self.v.put(i, vh, signs);
+            if let Some(t) = at.twin {
+                let j = self.vector(t, layer, h, at.slot);
+                self.twin_k.put(j, kh, &[]);
+                self.twin_v.put(j, vh, &[]);
+            }
         }
     }
 
@@ -309,13 +422,26 @@ impl KvStorage {
         }
     }
 
-    /// Key or value vector at (page, layer, head, slot), as f32 into `out`.
+    /// Key or value vector at (page, layer, head, slot), decoded to f32
+    /// into `out` (`pos`: its position, which the key basis needs).
     #[inline]
-    fn read(&self, page: u32, layer: usize, is_v: bool, head: usize, slot: usize, out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn read(&self, page: u32, layer: usize, is_v: bool, head: usize, slot: usize, pos: usize, out: &mut [f32]) {
         self.read_rotated(page, layer, is_v, head, slot, out);
         if matches!(self.format_of(is_v), KvFormat::Q8 | KvFormat::Tq4) {
             crate::tq4::rotate_back(out, self.signs_of(layer, head));
         }
+        if let (false, Some((b, _))) = (is_v, &self.basis) {
+            let mut work = [0f32; ROTATED_MAX_DIM];
+            b.from_coded(layer, head, pos, out, &mut work[..out.len()]);
+        }
+    }
+
+    /// The twin's copy of the vector at (twin, layer, head, slot).
+    #[inline]
+    fn read_twin(&self, twin: u32, layer: usize, is_v: bool, head: usize, slot: usize, out: &mut [f32]) {
+        let i = self.vector(twin, layer, head, slot);
+        if is_v { &self.twin_v } else { &self.twin_k }.get_rotated(i, out);
     }
 
     /// The vector at (page, layer, head, slot) as stored: for Q8 and TQ4 in
@@ -361,9 +487,32 @@ fn softmax_row(row: &mut [f32]) {
 pub struct AttnQuery<'a> {
     /// The sequence's pages, in position order.
     pub pages: &'a [u32],
+    /// The twin of each page ([`NO_TWIN`] where none); empty when the
+    /// cache keeps no exact window.
+    pub twins: &'a [u32],
     /// Keys at positions `start..end` are attended to.
     pub start: usize,
     pub end: usize,
+}
+
+impl AttnQuery<'_> {
+    /// The twin that page `index` of the sequence is read from, for this
+    /// query (at position `end - 1`): page 0 and the query's own page, when
+    /// the cache keeps an exact window.
+    #[inline]
+    pub fn exact(&self, index: usize, page_tokens: usize) -> Option<u32> {
+        if self.twins.is_empty() {
+            return None;
+        }
+        let own = (self.end - 1) / page_tokens;
+        if index == 0 || index == own {
+            let t = self.twins[index];
+            assert!(t != NO_TWIN, "page {index} of the exact window has no twin");
+            Some(t)
+        } else {
+            None
+        }
+    }
 }
 
 /// Scratch for one thread's attention: scores of a group of query heads
@@ -373,6 +522,14 @@ pub struct AttnScratch {
     pub scores: Vec<f32>,
     pub kv: Vec<f32>,
     pub rotated: Vec<f32>,
+    /// Rotated-domain value sums of the group.
+    pub acc: Vec<f32>,
+    /// The key offset's per-pair terms of the group, and their shift to a
+    /// page.
+    pub xy: Vec<f32>,
+    pub shifted: Vec<f32>,
+    /// The key offset's unrotated part, per head.
+    pub c0: Vec<f32>,
 }
 
 impl AttnScratch {
@@ -383,6 +540,10 @@ impl AttnScratch {
             scores: crate::vec::committed(0.0, ctx * group.max(1)),
             kv: crate::vec::committed(0.0, head_dim),
             rotated: crate::vec::committed(0.0, head_dim * group.max(1)),
+            acc: crate::vec::committed(0.0, head_dim * group.max(1)),
+            xy: crate::vec::committed(0.0, head_dim * group.max(1)),
+            shifted: crate::vec::committed(0.0, head_dim * group.max(1)),
+            c0: crate::vec::committed(0.0, group.max(1)),
         }
     }
 }
@@ -417,6 +578,13 @@ pub fn attend_group(
         unsafe { x86::attend_group_f16(dk, dv, kv, layer, kv_head, query, q, scale, out, scores) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if x86_tq4::takes(kv, q.len() / kv.shape.head_dim) {
+        // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C are present (`takes`
+        // checked `simd`).
+        unsafe { x86_tq4::attend_group_tq4(kv, layer, kv_head, query, q, scale, out, scratch) };
+        return;
+    }
     let rotated = |f| matches!(f, KvFormat::Q8 | KvFormat::Tq4);
     if rotated(kv.format) || rotated(kv.format_v) {
         // Rotated parts are read as stored: see `attend_group_read`.
@@ -443,12 +611,15 @@ pub fn attend_group_generic(
 }
 
 /// Scores in position order, softmax, values summed in position order.
-/// With `rotated_domain`, Q8 and TQ4 parts are read as stored, in the
-/// rotated domain: for rotated keys each query head is rotated once and
-/// scored against the keys as stored; rotated values are summed as stored
-/// and the sum rotated back once per head. Since the rotation is
-/// orthogonal this is attention over the stored vectors, up to rounding.
-/// Without it, every vector is decoded back first (the reference).
+/// Pages of the exact window are read from their twins. With
+/// `rotated_domain`, Q8 and TQ4 parts are read as stored, in the rotated
+/// domain: for rotated keys each query head is divided by the key basis'
+/// weights and rotated once, scored against the keys as stored, and the
+/// key offset's part `q·rope(m, p)` added from the offset tables; rotated
+/// values are summed as stored and the sum rotated back once per head.
+/// Since the rotation is orthogonal this is attention over the stored
+/// vectors, up to rounding. Without it, every vector is decoded back first
+/// (the reference).
 #[allow(clippy::too_many_arguments)]
 fn attend_group_read(
     kv: &KvStorage,
@@ -468,45 +639,102 @@ fn attend_group_read(
     let signs = kv.signs_of(layer, kv_head);
     let rotated = |f| rotated_domain && matches!(f, KvFormat::Q8 | KvFormat::Tq4);
     let (k_rot, v_rot) = (rotated(kv.format), rotated(kv.format_v));
-    let read = |is_v: bool, p: usize, buf: &mut [f32]| {
-        let (page, slot) = (query.pages[p / pt], p % pt);
-        if rotated_domain {
-            kv.read_rotated(page, layer, is_v, kv_head, slot, buf)
-        } else {
-            kv.read(page, layer, is_v, kv_head, slot, buf)
-        }
-    };
     let AttnScratch {
         scores,
         kv: kbuf,
         rotated: qr,
+        acc,
+        xy,
+        shifted,
+        c0,
     } = scratch;
-    let (scores, qr) = (&mut scores[..group * n], &mut qr[..group * hd]);
+    let (scores, qr, acc) = (&mut scores[..group * n], &mut qr[..group * hd], &mut acc[..group * hd]);
     qr.copy_from_slice(q);
+    // The key offset's scoring terms (rotated-domain TQ4 keys with a basis).
+    let offset = match (&kv.basis, k_rot) {
+        (Some((b, tables)), true) => {
+            let trig = tables.trig(layer);
+            for g in 0..group {
+                c0[g] = trig.prepare(
+                    &q[g * hd..(g + 1) * hd],
+                    b.offset(layer, kv_head),
+                    &mut xy[g * hd..(g + 1) * hd],
+                );
+            }
+            Some((trig, b.weight(layer, kv_head)))
+        }
+        _ => None,
+    };
     if k_rot {
         for g in 0..group {
-            crate::tq4::rotate(&mut qr[g * hd..(g + 1) * hd], signs);
+            let qg = &mut qr[g * hd..(g + 1) * hd];
+            if let Some((_, w)) = offset {
+                qg.iter_mut().zip(w).for_each(|(x, &w)| *x /= w);
+            }
+            crate::tq4::rotate(qg, signs);
         }
     }
+    let mut shifted_page = usize::MAX;
     for (i, p) in (query.start..query.end).enumerate() {
-        read(false, p, kbuf);
+        let (index, slot) = (p / pt, p % pt);
+        if let Some(t) = query.exact(index, pt) {
+            kv.read_twin(t, layer, false, kv_head, slot, kbuf);
+            for g in 0..group {
+                scores[g * n + i] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
+            }
+            continue;
+        }
+        let page = query.pages[index];
+        if !rotated_domain {
+            kv.read(page, layer, false, kv_head, slot, p, kbuf);
+            for g in 0..group {
+                scores[g * n + i] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
+            }
+            continue;
+        }
+        kv.read_rotated(page, layer, false, kv_head, slot, kbuf);
+        if let Some((trig, _)) = offset {
+            if shifted_page != index {
+                for g in 0..group {
+                    trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
+                }
+                shifted_page = index;
+            }
+        }
         for g in 0..group {
-            scores[g * n + i] = crate::dot::dot_f32(&qr[g * hd..(g + 1) * hd], kbuf) * scale;
+            let mut sc = crate::dot::dot_f32(&qr[g * hd..(g + 1) * hd], kbuf);
+            if let Some((trig, _)) = offset {
+                sc += c0[g] + trig.at(&shifted[g * hd..(g + 1) * hd], slot);
+            }
+            scores[g * n + i] = sc * scale;
         }
     }
     for g in 0..group {
         softmax_row(&mut scores[g * n..(g + 1) * n]);
     }
     out.fill(0.0);
+    acc.fill(0.0);
     for (i, p) in (query.start..query.end).enumerate() {
-        read(true, p, kbuf);
+        let (index, slot) = (p / pt, p % pt);
+        let sums: &mut [f32] = if let Some(t) = query.exact(index, pt) {
+            kv.read_twin(t, layer, true, kv_head, slot, kbuf);
+            &mut *out
+        } else if v_rot {
+            kv.read_rotated(query.pages[index], layer, true, kv_head, slot, kbuf);
+            &mut *acc
+        } else {
+            kv.read(query.pages[index], layer, true, kv_head, slot, p, kbuf);
+            &mut *out
+        };
         for g in 0..group {
-            crate::vec::axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
+            crate::vec::axpy(&mut sums[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
         }
     }
     if v_rot {
         for g in 0..group {
-            crate::tq4::rotate_back(&mut out[g * hd..(g + 1) * hd], signs);
+            let a = &mut acc[g * hd..(g + 1) * hd];
+            crate::tq4::rotate_back(a, signs);
+            crate::ops::add(&mut out[g * hd..(g + 1) * hd], a);
         }
     }
 }
@@ -514,6 +742,16 @@ fn attend_group_read(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Where position `p` of a sequence with 16-position `pages` goes.
+    fn slot_at(pages: &[u32], p: usize) -> KvSlot {
+        KvSlot {
+            page: pages[p / 16],
+            slot: p % 16,
+            pos: p,
+            twin: None,
+        }
+    }
 
     #[test]
     fn compressed_pages_are_small_and_attention_on_them_is_close() {
@@ -551,13 +789,14 @@ mod tests {
         let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 0.5).collect();
         let query = AttnQuery {
             pages: &pages,
+            twins: &[],
             start: 0,
             end: 40,
         };
         let attend = |format: KvFormat, generic: bool| {
             let mut kv = KvStorage::new(shape, format, 4);
             for (p, (k, v)) in rows.iter().enumerate() {
-                kv.write(1, pages[p / 16], p % 16, k, v);
+                kv.write(1, slot_at(&pages, p), k, v);
             }
             let mut s = AttnScratch::new(64, hd, group);
             let mut out = vec![0f32; group * hd];
@@ -596,7 +835,7 @@ mod tests {
                 shape.page_vectors() / 2 * (fk.vector_bytes(hd) + fv.vector_bytes(hd))
             );
             for (p, (k, v)) in rows.iter().enumerate() {
-                kv.write(1, pages[p / 16], p % 16, k, v);
+                kv.write(1, slot_at(&pages, p), k, v);
             }
             let mut s = AttnScratch::new(64, hd, group);
             let (mut a, mut b) = (vec![0f32; group * hd], vec![0f32; group * hd]);
@@ -609,14 +848,130 @@ mod tests {
         for format in [KvFormat::Q8, KvFormat::Tq4] {
             let mut kv = KvStorage::new(shape, format, 4);
             for (p, (k, v)) in rows.iter().enumerate().take(16) {
-                kv.write(0, 2, p, k, v);
+                kv.write(
+                    0,
+                    KvSlot {
+                        page: 2,
+                        slot: p,
+                        pos: p,
+                        twin: None,
+                    },
+                    k,
+                    v,
+                );
             }
             kv.copy_page(2, 1);
             let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
             for slot in [0, 7, 15] {
-                kv.read(2, 0, true, 1, slot, &mut a);
-                kv.read(1, 0, true, 1, slot, &mut b);
+                kv.read(2, 0, true, 1, slot, slot, &mut a);
+                kv.read(1, 0, true, 1, slot, slot, &mut b);
                 assert_eq!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn tq4_attention_with_a_key_basis_and_twins_matches_the_reference() {
+        // TQ4 keys coded in a basis with offsets and uneven weights, an
+        // exact window in twins, every group size of the vector kernel:
+        // the fast path, the rotated-domain reference and decoding every
+        // vector agree to rounding, and all are close to F32 attention.
+        use crate::kvbasis::KeyBasis;
+        use crate::ops::{Rope, RopeLayout};
+        use std::sync::Arc;
+        for (hd, layout) in [
+            (64, RopeLayout::Adjacent),
+            (128, RopeLayout::Halves),
+            (256, RopeLayout::Halves),
+        ] {
+            for group in [1, 3, 8] {
+                let shape = KvShape {
+                    layers: 2,
+                    kv_heads: 2,
+                    head_dim: hd,
+                    page_tokens: 16,
+                };
+                let mut x = 0x9e37_79b9u32 ^ (hd * 7 + group) as u32;
+                let mut rnd = move || {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    (x % 2000) as f32 / 1000.0 - 1.0
+                };
+                let ropes = vec![Rope::new(layout, hd, 10000.0); 2];
+                let mut basis = KeyBasis::identity(2, 2, hd, ropes.clone());
+                for (i, m) in basis.offset.iter_mut().enumerate() {
+                    *m = if i % 5 == 0 { 4.0 } else { 0.3 * ((i % 7) as f32 - 3.0) };
+                }
+                for (i, w) in basis.weight.iter_mut().enumerate() {
+                    let pair = match layout {
+                        RopeLayout::Adjacent => (i % hd) / 2,
+                        RopeLayout::Halves => (i % hd) % (hd / 2),
+                    };
+                    *w = 0.5 + (pair % 4) as f32 * 0.4;
+                }
+                let basis = Arc::new(basis);
+                let pages = [4u32, 1, 6, 0, 2];
+                let twins = [3u32, NO_TWIN, NO_TWIN, NO_TWIN, 0];
+                let end = 70;
+                let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..end)
+                    .map(|p| {
+                        let mut k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+                        for h in 0..2 {
+                            let mut m = vec![0f32; hd];
+                            basis.offset_at(1, h, p, &mut m);
+                            k[h * hd..(h + 1) * hd].iter_mut().zip(&m).for_each(|(a, b)| *a += b);
+                        }
+                        (k, (0..2 * hd).map(|_| rnd()).collect())
+                    })
+                    .collect();
+                let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 0.4).collect();
+                let fill = |kv: &mut KvStorage, with_twins: bool| {
+                    for (p, (k, v)) in rows.iter().enumerate() {
+                        let idx = p / 16;
+                        let twin = (with_twins && twins[idx] != NO_TWIN).then_some(twins[idx]);
+                        let at = KvSlot {
+                            page: pages[idx],
+                            slot: p % 16,
+                            pos: p,
+                            twin,
+                        };
+                        kv.write(1, at, k, v);
+                    }
+                };
+                let mut exact = KvStorage::new(shape, KvFormat::F32, 8);
+                fill(&mut exact, false);
+                let mut kv = KvStorage::new(shape, KvFormat::Tq4, 8)
+                    .with_twins(4)
+                    .with_key_basis(basis.clone());
+                fill(&mut kv, true);
+                let rel = |a: &[f32], b: &[f32]| {
+                    let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+                    let n: f32 = b.iter().map(|y| y * y).sum();
+                    (d / n).sqrt()
+                };
+                for (start, twinned) in [(0, true), (0, false), (20, true)] {
+                    let query = AttnQuery {
+                        pages: &pages,
+                        twins: if twinned { &twins } else { &[] },
+                        start,
+                        end,
+                    };
+                    let mut s = AttnScratch::new(80, hd, group);
+                    let mut fast = vec![0f32; group * hd];
+                    let mut slow = vec![0f32; group * hd];
+                    let mut want = vec![0f32; group * hd];
+                    attend_group(&kv, 1, 1, &query, &q, 0.1, &mut fast, &mut s);
+                    attend_group_read(&kv, 1, 1, &query, &q, 0.1, &mut slow, &mut s, true);
+                    attend_group_generic(&kv, 1, 1, &query, &q, 0.1, &mut want, &mut s);
+                    let what = format!("hd {hd}, group {group}, from {start}, twins {twinned}");
+                    assert!(rel(&fast, &want) < 1e-4, "{what}: fast {}", rel(&fast, &want));
+                    assert!(rel(&slow, &want) < 1e-4, "{what}: rotated {}", rel(&slow, &want));
+                    let plain = AttnQuery { twins: &[], ..query };
+                    let mut truth = vec![0f32; group * hd];
+                    attend_group(&exact, 1, 1, &plain, &q, 0.1, &mut truth, &mut s);
+                    assert!(rel(&fast, &truth) < 0.15, "{what}: vs f32 {}", rel(&fast, &truth));
+                }
             }
         }
     }
@@ -645,12 +1000,13 @@ mod tests {
                 for p in 0..60 {
                     let k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
                     let v: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
-                    kv.write(1, pages[p / 16], p % 16, &k, &v);
+                    kv.write(1, slot_at(&pages, p), &k, &v);
                 }
                 let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 3.0).collect();
                 for (start, end) in [(0, 1), (0, 60), (13, 47)] {
                     let query = AttnQuery {
                         pages: &pages,
+                        twins: &[],
                         start,
                         end,
                     };
@@ -781,6 +1137,232 @@ mod x86 {
             7 => group_f16::<7>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
             8 => group_f16::<8>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
             g => unreachable!("attention: {g} query heads per KV head take the generic path"),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86_tq4 {
+    //! Attention over TQ4 keys and values with AVX-512: codes are looked up
+    //! in the 16-level codebook held in one register (`vpermps`), 16
+    //! coordinates at a time, and consumed in place; nothing is decoded to
+    //! memory. The 16 coordinates of a block come out of its 8 code bytes
+    //! as the low nibbles then the high nibbles (coordinates 0, 2, .., 14,
+    //! then 1, 3, .., 15), so the rotated queries and the rotated value sums
+    //! are kept in that order and put back in order once per head. Pages of
+    //! the exact window are read from their F16 twins against the plain
+    //! query. The same operations as `attend_group_read` in another order:
+    //! tested against it to rounding.
+
+    use std::arch::x86_64::*;
+
+    use super::{softmax_row, AttnQuery, AttnScratch, Data, KvStorage};
+
+    /// Position in the nibble order of coordinate `e` of a 16-block.
+    #[inline(always)]
+    fn lane(e: usize) -> usize {
+        (e % 16) / 2 + 8 * (e % 2) + 16 * (e / 16)
+    }
+
+    /// The 16 levels of one 8-byte block of codes.
+    #[inline(always)]
+    unsafe fn levels(codes: *const u8, book: __m512) -> __m512 {
+        let x = _mm_loadl_epi64(codes as *const __m128i);
+        let m = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(x, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)), book)
+    }
+
+    #[inline(always)]
+    fn f16(bits: u16) -> f32 {
+        half::f16::from_bits(bits).to_f32()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn group_tq4<const G: usize>(
+        kv: &KvStorage,
+        layer: usize,
+        kv_head: usize,
+        query: &AttnQuery,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) {
+        let (Data::Tq4 { codes: ck, scales: sk }, Data::Tq4 { codes: cv, scales: sv }) = (&kv.k, &kv.v) else {
+            unreachable!("TQ4 kernel on other formats")
+        };
+        let (tk, tv): (&[u16], &[u16]) = match (&kv.twin_k, &kv.twin_v) {
+            (Data::F16(a), Data::F16(b)) => (a, b),
+            _ => (&[], &[]),
+        };
+        let pt = kv.shape.page_tokens;
+        let hd = kv.shape.head_dim;
+        let chunks = hd / 16;
+        let n = query.end - query.start;
+        let signs = kv.signs_of(layer, kv_head);
+        let book = _mm512_loadu_ps(crate::tq4::codebook(hd).as_ptr());
+        let AttnScratch {
+            scores,
+            kv: tmp,
+            rotated: qr,
+            acc,
+            xy,
+            shifted,
+            c0,
+        } = scratch;
+        let scores = &mut scores[..G * n];
+        let offset = kv.basis.as_ref().map(|(b, t)| (b, t.trig(layer)));
+        for g in 0..G {
+            let qg = &q[g * hd..(g + 1) * hd];
+            tmp.copy_from_slice(qg);
+            if let Some((b, trig)) = offset {
+                tmp.iter_mut().zip(b.weight(layer, kv_head)).for_each(|(x, &w)| *x /= w);
+                c0[g] = trig.prepare(qg, b.offset(layer, kv_head), &mut xy[g * hd..(g + 1) * hd]);
+            }
+            crate::tq4::rotate(tmp, signs);
+            for (e, &x) in tmp.iter().enumerate() {
+                qr[g * hd + lane(e)] = x;
+            }
+        }
+        let np = hd / 2;
+        let mut shifted_page = usize::MAX;
+        for (i, p) in (query.start..query.end).enumerate() {
+            let (index, slot) = (p / pt, p % pt);
+            let mut a = [_mm512_setzero_ps(); G];
+            if let Some(t) = query.exact(index, pt) {
+                let k = tk.as_ptr().add(kv.vector(t, layer, kv_head, slot) * hd);
+                for c in 0..chunks {
+                    let x = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(c * 16) as *const __m256i));
+                    for (g, ag) in a.iter_mut().enumerate() {
+                        *ag = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(g * hd + c * 16)), x, *ag);
+                    }
+                }
+                for (g, ag) in a.iter().enumerate() {
+                    *scores.get_unchecked_mut(g * n + i) = _mm512_reduce_add_ps(*ag) * scale;
+                }
+                continue;
+            }
+            let vi = kv.vector(query.pages[index], layer, kv_head, slot);
+            let codes = ck.as_ptr().add(vi * hd / 2);
+            for c in 0..chunks {
+                let x = levels(codes.add(c * 8), book);
+                for (g, ag) in a.iter_mut().enumerate() {
+                    *ag = _mm512_fmadd_ps(_mm512_loadu_ps(qr.as_ptr().add(g * hd + c * 16)), x, *ag);
+                }
+            }
+            let s = f16(sk[vi]);
+            match offset {
+                Some((_, trig)) => {
+                    if shifted_page != index {
+                        for g in 0..G {
+                            trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
+                        }
+                        shifted_page = index;
+                    }
+                    let (cs, sn) = (
+                        trig.within_cos.as_ptr().add(slot * np),
+                        trig.within_sin.as_ptr().add(slot * np),
+                    );
+                    for (g, ag) in a.iter().enumerate() {
+                        let xy = shifted.as_ptr().add(g * hd);
+                        let mut o = _mm512_setzero_ps();
+                        for j in (0..np).step_by(16) {
+                            o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(j)), _mm512_loadu_ps(cs.add(j)), o);
+                            o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(np + j)), _mm512_loadu_ps(sn.add(j)), o);
+                        }
+                        let sc = _mm512_reduce_add_ps(*ag) * s + (c0[g] + _mm512_reduce_add_ps(o));
+                        *scores.get_unchecked_mut(g * n + i) = sc * scale;
+                    }
+                }
+                None => {
+                    for (g, ag) in a.iter().enumerate() {
+                        *scores.get_unchecked_mut(g * n + i) = _mm512_reduce_add_ps(*ag) * s * scale;
+                    }
+                }
+            }
+        }
+        for g in 0..G {
+            softmax_row(&mut scores[g * n..(g + 1) * n]);
+        }
+        // Values: 16 coordinates at a time over every position, the coded
+        // ones into rotated sums, the twins' into the output.
+        for c in 0..chunks {
+            let mut ar = [_mm512_setzero_ps(); G];
+            let mut ap = [_mm512_setzero_ps(); G];
+            for (i, p) in (query.start..query.end).enumerate() {
+                let (index, slot) = (p / pt, p % pt);
+                if let Some(t) = query.exact(index, pt) {
+                    let v = tv.as_ptr().add(kv.vector(t, layer, kv_head, slot) * hd + c * 16);
+                    let x = _mm512_cvtph_ps(_mm256_loadu_si256(v as *const __m256i));
+                    for (g, apg) in ap.iter_mut().enumerate() {
+                        *apg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * n + i)), x, *apg);
+                    }
+                    continue;
+                }
+                let vi = kv.vector(query.pages[index], layer, kv_head, slot);
+                let x = levels(cv.as_ptr().add(vi * hd / 2 + c * 8), book);
+                let s = f16(sv[vi]);
+                for (g, arg) in ar.iter_mut().enumerate() {
+                    *arg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * n + i) * s), x, *arg);
+                }
+            }
+            for g in 0..G {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(g * hd + c * 16), ar[g]);
+                _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + c * 16), ap[g]);
+            }
+        }
+        for g in 0..G {
+            for (e, t) in tmp.iter_mut().enumerate() {
+                *t = acc[g * hd + lane(e)];
+            }
+            crate::tq4::rotate_back(tmp, signs);
+            crate::ops::add(&mut out[g * hd..(g + 1) * hd], tmp);
+        }
+    }
+
+    /// Whether the kernel takes this cache and group: TQ4 keys and values,
+    /// whole 16-blocks, whole 16-blocks of rotary pairs, up to 8 heads.
+    pub(super) fn takes(kv: &KvStorage, group: usize) -> bool {
+        let hd = kv.shape.head_dim;
+        matches!((&kv.k, &kv.v), (Data::Tq4 { .. }, Data::Tq4 { .. }))
+            && crate::cpu::simd() >= crate::cpu::Simd::Avx512Vnni
+            && (1..=8).contains(&group)
+            && hd.is_multiple_of(16)
+            && hd <= super::ROTATED_MAX_DIM
+            && kv.basis.as_ref().is_none_or(|(_, t)| {
+                (0..kv.shape.layers).all(|l| {
+                    let tr = t.trig(l);
+                    tr.pairs.len() == hd / 2 && tr.fixed.is_empty()
+                })
+            })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group_tq4(
+        kv: &KvStorage,
+        layer: usize,
+        kv_head: usize,
+        query: &AttnQuery,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) {
+        let hd = kv.shape.head_dim;
+        match q.len() / hd {
+            1 => group_tq4::<1>(kv, layer, kv_head, query, q, scale, out, scratch),
+            2 => group_tq4::<2>(kv, layer, kv_head, query, q, scale, out, scratch),
+            3 => group_tq4::<3>(kv, layer, kv_head, query, q, scale, out, scratch),
+            4 => group_tq4::<4>(kv, layer, kv_head, query, q, scale, out, scratch),
+            5 => group_tq4::<5>(kv, layer, kv_head, query, q, scale, out, scratch),
+            6 => group_tq4::<6>(kv, layer, kv_head, query, q, scale, out, scratch),
+            7 => group_tq4::<7>(kv, layer, kv_head, query, q, scale, out, scratch),
+            8 => group_tq4::<8>(kv, layer, kv_head, query, q, scale, out, scratch),
+            g => unreachable!("TQ4 attention: {g} query heads per KV head take the generic path"),
         }
     }
 }

@@ -16,6 +16,7 @@
 pub mod cpu;
 pub mod dot;
 pub mod kv;
+pub mod kvbasis;
 pub mod matmul;
 pub mod ops;
 pub mod panel;

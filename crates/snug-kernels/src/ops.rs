@@ -47,6 +47,19 @@ impl Rope {
         Rope { layout, inv_freq }
     }
 
+    /// The rotated pairs of a head of `d` elements: (first index, second
+    /// index, inverse frequency), in the order [`Rope::apply`] visits them.
+    pub fn pairs(&self, d: usize) -> Vec<(usize, usize, f32)> {
+        self.inv_freq
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| match self.layout {
+                RopeLayout::Adjacent => (2 * i, 2 * i + 1, f),
+                RopeLayout::Halves => (i, i + d / 2, f),
+            })
+            .collect()
+    }
+
     /// Rotates one head vector (`head.len()` = head dim) for position `pos`.
     pub fn apply(&self, head: &mut [f32], pos: usize) {
         let d = head.len();

@@ -72,17 +72,21 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
-    let mut engine = Engine::new(
-        &model,
-        EngineOptions {
-            threads,
-            ctx: max_need.max(1),
-            batch: a.batch,
-            // A base context and one fork of it.
-            max_seqs: 2,
-            ..Default::default()
-        },
-    );
+    let (kv, kv_v) = crate::run::kv_formats(&a.cache.kv, a.cache.kv_k.as_deref(), a.cache.kv_v.as_deref(), &model)?;
+    let mut options = EngineOptions {
+        threads,
+        ctx: max_need.max(1),
+        batch: a.batch,
+        // A base context and one fork of it.
+        max_seqs: 2,
+        kv_format: kv,
+        kv_format_v: Some(kv_v),
+        page_tokens: crate::run::kv_page(&a.cache)?,
+        ..Default::default()
+    };
+    crate::run::add_key_basis(&mut options, &model, &snug_model::Tokenizer::from_gguf(&file)?)?;
+    let kv_name = crate::eval::kv_name(kv, kv_v);
+    let mut engine = Engine::new(&model, options);
     let mut rows: Vec<Row> = Vec::new();
     for &d in &depths {
         for &n in &pp {
@@ -141,7 +145,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             .iter()
             .map(|r| {
                 serde_json::json!({
-                    "model": name, "test": r.test, "depth": r.depth, "threads": threads,
+                    "model": name, "test": r.test, "depth": r.depth, "threads": threads, "kv": kv_name,
                     "simd": simd().name(), "tok_s_median": median(&r.samples),
                     "tok_s_stddev": stddev(&r.samples), "samples": r.samples,
                 })
@@ -150,8 +154,8 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!("| model | threads | simd | test | t/s (median of {}) |", a.reps);
-    println!("| --- | ---: | --- | ---: | ---: |");
+    println!("| model | threads | simd | kv | test | t/s (median of {}) |", a.reps);
+    println!("| --- | ---: | --- | --- | ---: | ---: |");
     for r in &rows {
         let test = if r.depth > 0 {
             format!("{} @ d{}", r.test, r.depth)
@@ -159,7 +163,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             r.test.clone()
         };
         println!(
-            "| {name} | {threads} | {} | {test} | {:.2} ± {:.2} |",
+            "| {name} | {threads} | {} | {kv_name} | {test} | {:.2} ± {:.2} |",
             simd().name(),
             median(&r.samples),
             stddev(&r.samples)

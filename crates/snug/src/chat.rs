@@ -27,7 +27,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     }
     let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("").to_string();
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("").to_string();
-    let mut engine = Engine::new(&model, engine_options(&a.gen, &model)?);
+    let mut engine = Engine::new(&model, engine_options(&a.gen, &model, &tok)?);
     let speculate = crate::run::speculate_mode(&a.gen)?;
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
         .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));

@@ -23,7 +23,7 @@ use snug_model::{EncodeOptions, Tokenizer};
 use crate::{open_model, progress, EvalPplArgs};
 
 /// `tq4`, or `q8/tq4` for keys and values in different formats.
-fn kv_name(k: KvFormat, v: KvFormat) -> String {
+pub fn kv_name(k: KvFormat, v: KvFormat) -> String {
     if k == v {
         k.name().to_string()
     } else {
@@ -101,6 +101,7 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
         bail!("the text has {} tokens, fewer than one window of {}", ids.len(), a.ctx);
     }
     let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
+    let page_tokens = crate::run::kv_page(&a.cache)?;
     let options = |k, v| EngineOptions {
         threads,
         ctx: a.ctx,
@@ -108,14 +109,17 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
         max_seqs: 1,
         kv_format: k,
         kv_format_v: Some(v),
+        page_tokens,
         ..EngineOptions::default()
     };
-    let mut engine = Engine::new(&model, options(kv, kv_v));
+    let mut tested = options(kv, kv_v);
+    crate::run::add_key_basis(&mut tested, &model, &tok)?;
+    let mut engine = Engine::new(&model, tested);
     let f16 = KvFormat::F16;
     let mut reference = (kv != f16 || kv_v != f16).then(|| Engine::new(&model, options(f16, f16)));
     let vocab = model.config.vocab;
     let first = a.ctx / 2;
-    let (mut nll, mut kl, mut agree, mut scored) = (0f64, 0f64, 0usize, 0usize);
+    let (mut nll, mut nll_f16, mut kl, mut agree, mut scored) = (0f64, 0f64, 0f64, 0usize, 0usize);
     let (mut lp, mut lq) = (Vec::new(), Vec::new());
     let bar = progress::bar(windows as u64, "windows");
     let t0 = Instant::now();
@@ -136,6 +140,7 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
             if let Some(b) = &base {
                 let brow = &b[j * vocab..(j + 1) * vocab];
                 log_softmax(brow, &mut lp);
+                nll_f16 -= lp[next];
                 kl += lp.iter().zip(&lq).map(|(&p, &q)| p.exp() * (p - q)).sum::<f64>();
                 agree += usize::from(argmax(brow) == argmax(row));
             }
@@ -145,10 +150,14 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let ppl = (nll / scored as f64).exp();
-    let (kl_mean, top1) = if reference.is_some() {
-        (kl / scored as f64, agree as f64 / scored as f64)
+    let (kl_mean, top1, ppl_f16) = if reference.is_some() {
+        (
+            kl / scored as f64,
+            agree as f64 / scored as f64,
+            (nll_f16 / scored as f64).exp(),
+        )
     } else {
-        (0.0, 1.0)
+        (0.0, 1.0, ppl)
     };
     if a.json {
         println!(
@@ -161,6 +170,8 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
                 "windows": windows,
                 "tokens": scored,
                 "ppl": ppl,
+                "ppl_f16": ppl_f16,
+                "delta_ppl": ppl / ppl_f16 - 1.0,
                 "kl_vs_f16": kl_mean,
                 "top1_vs_f16": top1,
                 "seconds": t0.elapsed().as_secs_f64(),
@@ -168,9 +179,10 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
         );
     } else {
         println!(
-            "kv {}: perplexity {ppl:.4} over {scored} tokens ({windows} windows of {}); vs f16 KV: KL {kl_mean:.6}, top-1 agreement {:.2}%",
+            "kv {}: perplexity {ppl:.4} over {scored} tokens ({windows} windows of {}); vs f16 KV: perplexity {ppl_f16:.4} ({:+.2}%), KL {kl_mean:.6}, top-1 agreement {:.2}%",
             kv_name(kv, kv_v),
             a.ctx,
+            100.0 * (ppl / ppl_f16 - 1.0),
             100.0 * top1
         );
     }

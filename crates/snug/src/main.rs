@@ -64,6 +64,11 @@ struct KvArgs {
     /// Format of the values only (overrides --kv for values).
     #[arg(long)]
     kv_v: Option<String>,
+    /// Positions per KV page. With q8 or tq4, a sequence's first page and
+    /// the page each new token falls in are also kept in F16 (the exact
+    /// window).
+    #[arg(long, default_value_t = 32)]
+    kv_page: usize,
 }
 
 #[derive(Subcommand)]
@@ -135,6 +140,8 @@ struct BenchArgs {
     /// Output: md or json.
     #[arg(short = 'o', long, default_value = "md")]
     output: String,
+    #[command(flatten)]
+    cache: KvArgs,
 }
 
 #[derive(Args)]

@@ -90,11 +90,38 @@ pub fn kv_formats(kv: &str, k: Option<&str>, v: Option<&str>, model: &Model) -> 
     Ok((parse(k.unwrap_or(kv))?, parse(v.unwrap_or(kv))?))
 }
 
-pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
+/// `--kv-page`, checked.
+pub fn kv_page(a: &crate::KvArgs) -> Result<usize> {
+    if !(1..=4096).contains(&a.kv_page) {
+        bail!("--kv-page must be 1 to 4096 positions");
+    }
+    Ok(a.kv_page)
+}
+
+/// Gives TQ4 keys their key basis: one prefill of the calibration text
+/// (see `snug_engine::calibrate`).
+pub fn add_key_basis(o: &mut EngineOptions, model: &Model, tok: &Tokenizer) -> Result<()> {
+    if o.kv_format != KvFormat::Tq4 {
+        return Ok(());
+    }
+    let ids = tok.encode(
+        snug_engine::calibrate::TEXT,
+        EncodeOptions {
+            add_special: true,
+            parse_special: false,
+        },
+    );
+    o.key_basis =
+        Some(snug_engine::calibrate::key_basis(model, &ids, o.threads).context("calibrating the TQ4 key basis")?);
+    Ok(())
+}
+
+pub fn engine_options(g: &GenArgs, model: &Model, tok: &Tokenizer) -> Result<EngineOptions> {
     let (kv_format, kv_format_v) = kv_formats(&g.cache.kv, g.cache.kv_k.as_deref(), g.cache.kv_v.as_deref(), model)?;
     let mut o = EngineOptions {
         kv_format,
         kv_format_v: Some(kv_format_v),
+        page_tokens: kv_page(&g.cache)?,
         ..EngineOptions::default()
     };
     if let Some(t) = g.threads {
@@ -125,6 +152,7 @@ pub fn engine_options(g: &GenArgs, model: &Model) -> Result<EngineOptions> {
             o.ctx, model.config.context_length, model.config.context_length
         );
     }
+    add_key_basis(&mut o, model, tok)?;
     Ok(o)
 }
 
@@ -160,7 +188,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     let (path, file) = open_model_at(&a.model)?;
     let model = Model::load(&file)?;
     let tok = Tokenizer::from_gguf(&file)?;
-    let opts = engine_options(&a.gen, &model)?;
+    let opts = engine_options(&a.gen, &model, &tok)?;
     let ids = prompt_tokens(&tok, &file, &prompt, a.chat)?;
     if ids.is_empty() {
         bail!("the prompt is empty");

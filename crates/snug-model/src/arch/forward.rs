@@ -8,7 +8,8 @@
 //! that row alone in a fixed order; the bits of a row's logits and KV
 //! therefore do not depend on the batch.
 
-use snug_kernels::kv::{attend_group, AttnQuery, AttnScratch, KvStorage};
+use snug_kernels::kv::{attend_group, AttnQuery, AttnScratch, KvSlot, KvStorage, NO_TWIN};
+use snug_kernels::kvbasis::KeyStats;
 use snug_kernels::matmul::{matmul, MatmulScratch, Weight};
 use snug_kernels::ops::{add, gelu_mul, rms_norm, silu_mul, Rope};
 use snug_kernels::pool::ThreadPool;
@@ -34,6 +35,9 @@ pub struct BatchRow {
 pub struct KvView<'a> {
     pub storage: &'a mut KvStorage,
     pub pages: &'a [&'a [u32]],
+    /// Per sequence, each page's twin ([`snug_kernels::kv::NO_TWIN`] where
+    /// none); empty slices when the cache keeps no exact window.
+    pub twins: &'a [&'a [u32]],
 }
 
 /// Buffers for a forward pass, sized once for the largest batch.
@@ -52,6 +56,9 @@ pub struct ForwardScratch {
     attn_threads: Vec<std::sync::Mutex<AttnScratch>>,
     mm: MatmulScratch,
     ropes: Vec<Rope>, // [global, local]
+    /// Sums of pre-RoPE keys and of queries, gathered while set (the key
+    /// basis' calibration); position 0 is left out.
+    pub probe: Option<KeyStats>,
 }
 
 impl ForwardScratch {
@@ -81,6 +88,7 @@ impl ForwardScratch {
                 Rope::new(c.rope_layout, c.rope_dim, c.rope_base),
                 Rope::new(c.rope_layout, c.rope_dim, c.rope_base_local),
             ],
+            probe: None,
         }
     }
 
@@ -96,7 +104,14 @@ impl ForwardScratch {
             .iter()
             .map(|m| {
                 let s = m.lock().unwrap_or_else(|e| e.into_inner());
-                (s.scores.capacity() + s.kv.capacity()) * 4
+                (s.scores.capacity()
+                    + s.kv.capacity()
+                    + s.rotated.capacity()
+                    + s.acc.capacity()
+                    + s.xy.capacity()
+                    + s.shifted.capacity()
+                    + s.c0.capacity())
+                    * 4
             })
             .sum();
         f(&self.x)
@@ -166,6 +181,18 @@ fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
 }
 
 impl Model<'_> {
+    /// Each layer's rotary embedding (Gemma 3's local layers have their
+    /// own base).
+    pub fn layer_ropes(&self) -> Vec<Rope> {
+        let c = &self.config;
+        (0..c.layers)
+            .map(|l| {
+                let base = if c.is_local(l) { c.rope_base_local } else { c.rope_base };
+                Rope::new(c.rope_layout, c.rope_dim, base)
+            })
+            .collect()
+    }
+
     /// Runs `rows` through the model, writing each row's keys and values
     /// into `kv`, and appends the logits of the rows that ask for them, in
     /// order, to `logits` (`vocab` floats each).
@@ -218,6 +245,13 @@ impl Model<'_> {
             if let Some(kn) = layer.k_norm {
                 rms_norm(&mut s.k[..n * kvd], kn, c.rms_eps);
             }
+            if let Some(probe) = &mut s.probe {
+                for (r, row) in rows.iter().enumerate() {
+                    if row.pos > 0 {
+                        probe.add_keys(l, &s.k[r * kvd..(r + 1) * kvd]);
+                    }
+                }
+            }
             let rope = &s.ropes[usize::from(c.is_local(l))];
             for (r, row) in rows.iter().enumerate() {
                 for head in s.q[r * qd..(r + 1) * qd].chunks_exact_mut(hd) {
@@ -226,15 +260,25 @@ impl Model<'_> {
                 for head in s.k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd) {
                     rope.apply(head, row.pos);
                 }
-                let pages = kv.pages[row.seq];
+                if let (Some(probe), true) = (&mut s.probe, row.pos > 0) {
+                    probe.add_queries(l, &s.q[r * qd..(r + 1) * qd]);
+                }
                 let pt = kv.storage.shape.page_tokens;
-                kv.storage.write(
-                    l,
-                    pages[row.pos / pt],
-                    row.pos % pt,
-                    &s.k[r * kvd..(r + 1) * kvd],
-                    &s.v[r * kvd..(r + 1) * kvd],
-                );
+                let index = row.pos / pt;
+                let twin = kv
+                    .twins
+                    .get(row.seq)
+                    .and_then(|t| t.get(index))
+                    .copied()
+                    .filter(|&t| t != NO_TWIN);
+                let at = KvSlot {
+                    page: kv.pages[row.seq][index],
+                    slot: row.pos % pt,
+                    pos: row.pos,
+                    twin,
+                };
+                kv.storage
+                    .write(l, at, &s.k[r * kvd..(r + 1) * kvd], &s.v[r * kvd..(r + 1) * kvd]);
             }
             trace("Qcur_rope", l, nl, &s.q[..n * qd]);
             trace("Kcur_rope", l, nl, &s.k[..n * kvd]);
@@ -320,6 +364,7 @@ impl Model<'_> {
             let row = rows[r];
             let query = AttnQuery {
                 pages: kv.pages[row.seq],
+                twins: kv.twins.get(row.seq).copied().unwrap_or(&[]),
                 start: c.window_start(layer, row.pos),
                 end: row.pos + 1,
             };
