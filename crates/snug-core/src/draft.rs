@@ -39,6 +39,14 @@ pub struct PromptLookup {
 
 impl PromptLookup {
     /// An empty index for n-grams of `min_n..=max_n` tokens.
+    /// Heap bytes held (token history, n-gram maps, rollback log).
+    pub fn bytes(&self) -> usize {
+        let map = |m: &HashMap<u128, u32>| m.capacity() * (std::mem::size_of::<(u128, u32)>() + 1);
+        self.tokens.capacity() * 4
+            + self.latest.iter().map(map).sum::<usize>()
+            + self.replaced.iter().map(|r| r.capacity() * 4).sum::<usize>()
+    }
+
     pub fn new(min_n: usize, max_n: usize) -> PromptLookup {
         assert!(
             1 <= min_n && min_n <= max_n && max_n <= MAX_N,

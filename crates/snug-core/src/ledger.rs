@@ -1,13 +1,16 @@
 //! The memory ledger: where every resident byte of a run goes.
 //!
 //! ```text
-//! total = runtime + weights (resident) + KV (reserved) + scratch + other heap
+//! total = runtime + weights (resident) + KV (reserved) + KV exact window
+//!       + speculation state + scratch + other heap
 //! ```
 //!
 //! `runtime` is the process's resident size before the model is opened
 //! (program text, libraries, thread stacks); weights are the pages of the
 //! mapped model file that are resident (`mincore`); KV pages and scratch are
-//! allocated whole and written at start, so reserved is resident; "other
+//! allocated whole and written at start, so reserved is resident; the KV
+//! exact window is the F16 twin pages and key basis of lossy formats; the
+//! speculation state is the drafter's n-gram index at its largest; "other
 //! heap" is the rest of the counted heap's peak (tokenizer, logits, token
 //! lists). The total is checked against the measured peak resident size.
 
@@ -20,6 +23,10 @@ pub struct Ledger {
     pub kv_reserved: u64,
     pub kv_used: u64,
     pub scratch: u64,
+    /// Twin pages and key basis of a lossy KV format.
+    pub kv_exact: u64,
+    /// The drafter's index (speculative decoding).
+    pub speculation: u64,
     pub heap_other: u64,
 }
 
@@ -42,13 +49,30 @@ impl Ledger {
             kv_reserved,
             kv_used,
             scratch,
+            kv_exact: 0,
+            speculation: 0,
             heap_other: heap_peak.saturating_sub(kv_reserved + scratch),
         }
     }
 
+    /// Moves the exact window's and the speculation state's bytes (heap
+    /// allocations too) out of "other heap" onto their own lines.
+    pub fn with_exact_and_speculation(mut self, kv_exact: u64, speculation: u64) -> Ledger {
+        self.heap_other = self.heap_other.saturating_sub(kv_exact + speculation);
+        self.kv_exact = kv_exact;
+        self.speculation = speculation;
+        self
+    }
+
     /// The bytes the ledger says are resident.
     pub fn total(&self) -> u64 {
-        self.runtime + self.weights_resident + self.kv_reserved + self.scratch + self.heap_other
+        self.runtime
+            + self.weights_resident
+            + self.kv_reserved
+            + self.kv_exact
+            + self.speculation
+            + self.scratch
+            + self.heap_other
     }
 
     /// `total / measured`: 1.0 when the ledger matches a measured resident
@@ -74,5 +98,10 @@ mod tests {
         // A heap peak below the engine's buffers (not possible in a real run)
         // does not underflow.
         assert_eq!(Ledger::from_heap_peak(0, 0, 0, 40, 0, 8, 10).heap_other, 0);
+        // The exact window and the drafter come out of other heap: the
+        // total stays the same.
+        let m = l.with_exact_and_speculation(7, 3);
+        assert_eq!((m.heap_other, m.kv_exact, m.speculation), (2, 7, 3));
+        assert_eq!(m.total(), l.total());
     }
 }

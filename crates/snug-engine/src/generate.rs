@@ -88,6 +88,8 @@ pub struct SpecStats {
     pub fallbacks: usize,
     pub verify_ms: f64,
     pub decode_ms: f64,
+    /// Bytes the drafter's index held at its largest.
+    pub state_bytes: usize,
 }
 
 /// The result of a generation.
@@ -251,6 +253,7 @@ impl Engine<'_> {
             let mut matched = 0;
             if req.speculate != Mode::Off && room > 0 {
                 drafter.sync(&history);
+                spec.state_bytes = spec.state_bytes.max(drafter.bytes());
                 let (found, n) = drafter.draft_match(room.min(policy.max_draft));
                 let available = found.len();
                 matched = n;

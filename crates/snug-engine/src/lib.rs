@@ -175,7 +175,13 @@ impl<'m> Engine<'m> {
             pages: PagePool::new(n_pages, shape.page_tokens),
             twin_pool: TwinPool::new(twins),
             storage,
-            scratch: ForwardScratch::new(model, options.batch, options.ctx, options.threads),
+            scratch: ForwardScratch::new(
+                model,
+                options.batch,
+                if is_lossy(&options) { 0 } else { options.ctx },
+                options.threads,
+                shape.page_tokens,
+            ),
             logits: Vec::new(),
             seqs: Vec::new(),
             spec_costs: None,
@@ -284,6 +290,12 @@ impl<'m> Engine<'m> {
     pub fn kv_bytes(&self) -> (usize, usize) {
         let per = self.storage.page_bytes();
         (self.storage.bytes(), self.pages.used_pages() * per)
+    }
+
+    /// Positions the KV page pool holds in all (every page, every
+    /// sequence).
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.pages.total_pages() * self.storage.shape.page_tokens
     }
 
     /// Bytes of the exact window: twin pages (total and in use) plus the

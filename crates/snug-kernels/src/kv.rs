@@ -530,20 +530,26 @@ pub struct AttnScratch {
     pub shifted: Vec<f32>,
     /// The key offset's unrotated part, per head.
     pub c0: Vec<f32>,
+    /// Running maximum and sum of exponentials per head (attention over
+    /// lossy pages, page by page).
+    pub run: Vec<f32>,
 }
 
 impl AttnScratch {
-    /// For contexts up to `ctx` positions and up to `group` query heads per
-    /// KV head.
-    pub fn new(ctx: usize, head_dim: usize, group: usize) -> AttnScratch {
+    /// For up to `group` query heads per KV head and contexts up to `ctx`
+    /// positions over F16 or F32 pages. Attention over lossy pages (Q8,
+    /// TQ4) goes page by page and needs only `page_tokens` scores a head,
+    /// whatever the context: pass `ctx = 0` for a cache in those formats.
+    pub fn new(ctx: usize, head_dim: usize, group: usize, page_tokens: usize) -> AttnScratch {
         AttnScratch {
-            scores: crate::vec::committed(0.0, ctx * group.max(1)),
+            scores: crate::vec::committed(0.0, ctx.max(page_tokens) * group.max(1)),
             kv: crate::vec::committed(0.0, head_dim),
             rotated: crate::vec::committed(0.0, head_dim * group.max(1)),
             acc: crate::vec::committed(0.0, head_dim * group.max(1)),
             xy: crate::vec::committed(0.0, head_dim * group.max(1)),
             shifted: crate::vec::committed(0.0, head_dim * group.max(1)),
             c0: crate::vec::committed(0.0, group.max(1)),
+            run: crate::vec::committed(0.0, 2 * group.max(1)),
         }
     }
 }
@@ -585,17 +591,17 @@ pub fn attend_group(
         unsafe { x86_tq4::attend_group_tq4(kv, layer, kv_head, query, q, scale, out, scratch) };
         return;
     }
-    let rotated = |f| matches!(f, KvFormat::Q8 | KvFormat::Tq4);
-    if rotated(kv.format) || rotated(kv.format_v) {
-        // Rotated parts are read as stored: see `attend_group_read`.
-        return attend_group_read(kv, layer, kv_head, query, q, scale, out, scratch, true);
+    if kv.is_lossy() {
+        // Rotated parts are read as stored: see `attend_group_online`.
+        return attend_group_online(kv, layer, kv_head, query, q, scale, out, scratch);
     }
     attend_group_generic(kv, layer, kv_head, query, q, scale, out, scratch)
 }
 
 /// [`attend_group`] through `read` (every vector decoded back to its own
-/// domain), `dot_f32` and `axpy`: the reference the fused F16 path and the
-/// rotated-domain path are tested against.
+/// domain), `dot_f32` and `axpy`, with the whole row of scores softmaxed
+/// at once: the reference the fused F16 path (bitwise) and the lossy
+/// paths (to rounding) are tested against.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group_generic(
     kv: &KvStorage,
@@ -607,21 +613,23 @@ pub fn attend_group_generic(
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
-    attend_group_read(kv, layer, kv_head, query, q, scale, out, scratch, false)
+    attend_group_decoded(kv, layer, kv_head, query, q, scale, out, scratch)
 }
 
-/// Scores in position order, softmax, values summed in position order.
-/// Pages of the exact window are read from their twins. With
-/// `rotated_domain`, Q8 and TQ4 parts are read as stored, in the rotated
-/// domain: for rotated keys each query head is divided by the key basis'
-/// weights and rotated once, scored against the keys as stored, and the
-/// key offset's part `q·rope(m, p)` added from the offset tables; rotated
-/// values are summed as stored and the sum rotated back once per head.
-/// Since the rotation is orthogonal this is attention over the stored
-/// vectors, up to rounding. Without it, every vector is decoded back first
-/// (the reference).
+/// Attention over lossy pages, page by page with a running softmax, in
+/// the rotated domain: the scalar form of the TQ4 vector kernel and the
+/// path of every other lossy combination. Per page: the page's scores
+/// (twins of the exact window against the plain query; coded keys against
+/// the query divided by the key basis' weights and rotated once, plus the
+/// offset's part `q·rope(m, p)` from the offset tables), then per head a
+/// new running maximum (sums so far scaled by `exp(old - new)` when it
+/// grows), the page's `exp(score - max)` added to the running sum, and its
+/// values added: coded ones as stored (rotated), twins' plain. At the end
+/// the rotated sums are rotated back once, added, and divided by the sum.
+/// Scratch holds one page of scores, whatever the context; every
+/// operation's order is fixed by the position range and the page size.
 #[allow(clippy::too_many_arguments)]
-fn attend_group_read(
+pub fn attend_group_online(
     kv: &KvStorage,
     layer: usize,
     kv_head: usize,
@@ -630,14 +638,12 @@ fn attend_group_read(
     scale: f32,
     out: &mut [f32],
     scratch: &mut AttnScratch,
-    rotated_domain: bool,
 ) {
     let pt = kv.shape.page_tokens;
     let hd = kv.shape.head_dim;
     let group = q.len() / hd;
-    let n = query.end - query.start;
     let signs = kv.signs_of(layer, kv_head);
-    let rotated = |f| rotated_domain && matches!(f, KvFormat::Q8 | KvFormat::Tq4);
+    let rotated = |f| matches!(f, KvFormat::Q8 | KvFormat::Tq4);
     let (k_rot, v_rot) = (rotated(kv.format), rotated(kv.format_v));
     let AttnScratch {
         scores,
@@ -647,10 +653,11 @@ fn attend_group_read(
         xy,
         shifted,
         c0,
+        run,
     } = scratch;
-    let (scores, qr, acc) = (&mut scores[..group * n], &mut qr[..group * hd], &mut acc[..group * hd]);
+    let (qr, acc) = (&mut qr[..group * hd], &mut acc[..group * hd]);
+    let (maxes, sums) = run[..2 * group].split_at_mut(group);
     qr.copy_from_slice(q);
-    // The key offset's scoring terms (rotated-domain TQ4 keys with a basis).
     let offset = match (&kv.basis, k_rot) {
         (Some((b, tables)), true) => {
             let trig = tables.trig(layer);
@@ -674,67 +681,129 @@ fn attend_group_read(
             crate::tq4::rotate(qg, signs);
         }
     }
-    let mut shifted_page = usize::MAX;
-    for (i, p) in (query.start..query.end).enumerate() {
-        let (index, slot) = (p / pt, p % pt);
-        if let Some(t) = query.exact(index, pt) {
-            kv.read_twin(t, layer, false, kv_head, slot, kbuf);
-            for g in 0..group {
-                scores[g * n + i] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
-            }
-            continue;
-        }
+    out.fill(0.0);
+    acc.fill(0.0);
+    maxes.fill(f32::NEG_INFINITY);
+    sums.fill(0.0);
+    let mut p = query.start;
+    while p < query.end {
+        let (index, first) = (p / pt, p % pt);
+        let last = (pt - 1).min(query.end - 1 - index * pt);
+        let len = last + 1 - first;
+        let exact = query.exact(index, pt);
         let page = query.pages[index];
-        if !rotated_domain {
-            kv.read(page, layer, false, kv_head, slot, p, kbuf);
+        if let (Some((trig, _)), None) = (offset, exact) {
             for g in 0..group {
-                scores[g * n + i] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
+                trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
             }
-            continue;
         }
-        kv.read_rotated(page, layer, false, kv_head, slot, kbuf);
-        if let Some((trig, _)) = offset {
-            if shifted_page != index {
+        for (t, slot) in (first..=last).enumerate() {
+            if let Some(tw) = exact {
+                kv.read_twin(tw, layer, false, kv_head, slot, kbuf);
                 for g in 0..group {
-                    trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
+                    scores[g * pt + t] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
                 }
-                shifted_page = index;
+            } else if k_rot {
+                kv.read_rotated(page, layer, false, kv_head, slot, kbuf);
+                for g in 0..group {
+                    let mut sc = crate::dot::dot_f32(&qr[g * hd..(g + 1) * hd], kbuf);
+                    if let Some((trig, _)) = offset {
+                        sc += c0[g] + trig.at(&shifted[g * hd..(g + 1) * hd], slot);
+                    }
+                    scores[g * pt + t] = sc * scale;
+                }
+            } else {
+                kv.read(page, layer, false, kv_head, slot, index * pt + slot, kbuf);
+                for g in 0..group {
+                    scores[g * pt + t] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
+                }
             }
         }
         for g in 0..group {
-            let mut sc = crate::dot::dot_f32(&qr[g * hd..(g + 1) * hd], kbuf);
-            if let Some((trig, _)) = offset {
-                sc += c0[g] + trig.at(&shifted[g * hd..(g + 1) * hd], slot);
+            let s = &mut scores[g * pt..g * pt + len];
+            let grown = s.iter().fold(maxes[g], |m, &v| m.max(v));
+            if grown > maxes[g] {
+                let c = crate::ops::exp_fixed(maxes[g] - grown);
+                sums[g] *= c;
+                out[g * hd..(g + 1) * hd].iter_mut().for_each(|x| *x *= c);
+                acc[g * hd..(g + 1) * hd].iter_mut().for_each(|x| *x *= c);
+                maxes[g] = grown;
             }
-            scores[g * n + i] = sc * scale;
+            for v in s.iter_mut() {
+                *v = crate::ops::exp_fixed(*v - grown);
+                sums[g] += *v;
+            }
+        }
+        for (t, slot) in (first..=last).enumerate() {
+            let into: &mut [f32] = if let Some(tw) = exact {
+                kv.read_twin(tw, layer, true, kv_head, slot, kbuf);
+                &mut *out
+            } else if v_rot {
+                kv.read_rotated(page, layer, true, kv_head, slot, kbuf);
+                &mut *acc
+            } else {
+                kv.read(page, layer, true, kv_head, slot, index * pt + slot, kbuf);
+                &mut *out
+            };
+            for g in 0..group {
+                crate::vec::axpy(&mut into[g * hd..(g + 1) * hd], scores[g * pt + t], kbuf);
+            }
+        }
+        p = index * pt + last + 1;
+    }
+    for g in 0..group {
+        let o = &mut out[g * hd..(g + 1) * hd];
+        if v_rot {
+            let a = &mut acc[g * hd..(g + 1) * hd];
+            crate::tq4::rotate_back(a, signs);
+            crate::ops::add(o, a);
+        }
+        let inv = 1.0 / sums[g];
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// Scores in position order, softmax, values summed in position order,
+/// every vector decoded back to its own domain first (pages of the exact
+/// window read from their twins): the reference.
+#[allow(clippy::too_many_arguments)]
+fn attend_group_decoded(
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    let pt = kv.shape.page_tokens;
+    let hd = kv.shape.head_dim;
+    let group = q.len() / hd;
+    let n = query.end - query.start;
+    let read = |is_v: bool, p: usize, buf: &mut [f32]| {
+        let (index, slot) = (p / pt, p % pt);
+        match query.exact(index, pt) {
+            Some(t) => kv.read_twin(t, layer, is_v, kv_head, slot, buf),
+            None => kv.read(query.pages[index], layer, is_v, kv_head, slot, p, buf),
+        }
+    };
+    let AttnScratch { scores, kv: kbuf, .. } = scratch;
+    let scores = &mut scores[..group * n];
+    for (i, p) in (query.start..query.end).enumerate() {
+        read(false, p, kbuf);
+        for g in 0..group {
+            scores[g * n + i] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
         }
     }
     for g in 0..group {
         softmax_row(&mut scores[g * n..(g + 1) * n]);
     }
     out.fill(0.0);
-    acc.fill(0.0);
     for (i, p) in (query.start..query.end).enumerate() {
-        let (index, slot) = (p / pt, p % pt);
-        let sums: &mut [f32] = if let Some(t) = query.exact(index, pt) {
-            kv.read_twin(t, layer, true, kv_head, slot, kbuf);
-            &mut *out
-        } else if v_rot {
-            kv.read_rotated(query.pages[index], layer, true, kv_head, slot, kbuf);
-            &mut *acc
-        } else {
-            kv.read(query.pages[index], layer, true, kv_head, slot, p, kbuf);
-            &mut *out
-        };
+        read(true, p, kbuf);
         for g in 0..group {
-            crate::vec::axpy(&mut sums[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
-        }
-    }
-    if v_rot {
-        for g in 0..group {
-            let a = &mut acc[g * hd..(g + 1) * hd];
-            crate::tq4::rotate_back(a, signs);
-            crate::ops::add(&mut out[g * hd..(g + 1) * hd], a);
+            crate::vec::axpy(&mut out[g * hd..(g + 1) * hd], scores[g * n + i], kbuf);
         }
     }
 }
@@ -798,7 +867,7 @@ mod tests {
             for (p, (k, v)) in rows.iter().enumerate() {
                 kv.write(1, slot_at(&pages, p), k, v);
             }
-            let mut s = AttnScratch::new(64, hd, group);
+            let mut s = AttnScratch::new(64, hd, group, 16);
             let mut out = vec![0f32; group * hd];
             if generic {
                 attend_group_generic(&kv, 1, 1, &query, &q, 0.09, &mut out, &mut s);
@@ -837,7 +906,7 @@ mod tests {
             for (p, (k, v)) in rows.iter().enumerate() {
                 kv.write(1, slot_at(&pages, p), k, v);
             }
-            let mut s = AttnScratch::new(64, hd, group);
+            let mut s = AttnScratch::new(64, hd, group, 16);
             let (mut a, mut b) = (vec![0f32; group * hd], vec![0f32; group * hd]);
             attend_group(&kv, 1, 1, &query, &q, 0.09, &mut a, &mut s);
             attend_group_generic(&kv, 1, 1, &query, &q, 0.09, &mut b, &mut s);
@@ -957,12 +1026,15 @@ mod tests {
                         start,
                         end,
                     };
-                    let mut s = AttnScratch::new(80, hd, group);
+                    // Lossy pages need one page of scores, whatever the
+                    // context: no scratch for the other 54 positions.
+                    let mut small = AttnScratch::new(0, hd, group, 16);
+                    let mut s = AttnScratch::new(80, hd, group, 16);
                     let mut fast = vec![0f32; group * hd];
                     let mut slow = vec![0f32; group * hd];
                     let mut want = vec![0f32; group * hd];
-                    attend_group(&kv, 1, 1, &query, &q, 0.1, &mut fast, &mut s);
-                    attend_group_read(&kv, 1, 1, &query, &q, 0.1, &mut slow, &mut s, true);
+                    attend_group(&kv, 1, 1, &query, &q, 0.1, &mut fast, &mut small);
+                    attend_group_online(&kv, 1, 1, &query, &q, 0.1, &mut slow, &mut small);
                     attend_group_generic(&kv, 1, 1, &query, &q, 0.1, &mut want, &mut s);
                     let what = format!("hd {hd}, group {group}, from {start}, twins {twinned}");
                     assert!(rel(&fast, &want) < 1e-4, "{what}: fast {}", rel(&fast, &want));
@@ -1010,8 +1082,8 @@ mod tests {
                         start,
                         end,
                     };
-                    let mut s1 = AttnScratch::new(64, hd, group);
-                    let mut s2 = AttnScratch::new(64, hd, group);
+                    let mut s1 = AttnScratch::new(64, hd, group, 16);
+                    let mut s2 = AttnScratch::new(64, hd, group, 16);
                     let (mut a, mut b) = (vec![0f32; group * hd], vec![0f32; group * hd]);
                     attend_group(&kv, 1, 1, &query, &q, 0.125, &mut a, &mut s1);
                     attend_group_generic(&kv, 1, 1, &query, &q, 0.125, &mut b, &mut s2);
@@ -1156,7 +1228,7 @@ mod x86_tq4 {
 
     use std::arch::x86_64::*;
 
-    use super::{softmax_row, AttnQuery, AttnScratch, Data, KvStorage};
+    use super::{AttnQuery, AttnScratch, Data, KvStorage};
 
     /// Position in the nibble order of coordinate `e` of a 16-block.
     #[inline(always)]
@@ -1174,9 +1246,39 @@ mod x86_tq4 {
         _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)), book)
     }
 
+    /// Sixteen lanes of [`crate::ops::exp_fixed`]'s exact operations.
     #[inline(always)]
-    fn f16(bits: u16) -> f32 {
-        half::f16::from_bits(bits).to_f32()
+    unsafe fn exp16(x: __m512) -> __m512 {
+        use crate::ops::{EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO};
+        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_C[7]);
+        for k in (0..7).rev() {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C[k]));
+        }
+        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+        _mm512_mul_ps(p, _mm512_castsi512_ps(e))
+    }
+
+    /// The first `k` of 16 lanes.
+    #[inline(always)]
+    fn lanes_mask(k: usize) -> __mmask16 {
+        if k >= 16 {
+            0xffff
+        } else {
+            ((1u32 << k) - 1) as __mmask16
+        }
+    }
+
+    /// An f16 scale to f32 (F16C).
+    #[inline(always)]
+    unsafe fn f16(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1201,7 +1303,6 @@ mod x86_tq4 {
         let pt = kv.shape.page_tokens;
         let hd = kv.shape.head_dim;
         let chunks = hd / 16;
-        let n = query.end - query.start;
         let signs = kv.signs_of(layer, kv_head);
         let book = _mm512_loadu_ps(crate::tq4::codebook(hd).as_ptr());
         let AttnScratch {
@@ -1212,8 +1313,8 @@ mod x86_tq4 {
             xy,
             shifted,
             c0,
+            run,
         } = scratch;
-        let scores = &mut scores[..G * n];
         let offset = kv.basis.as_ref().map(|(b, t)| (b, t.trig(layer)));
         for g in 0..G {
             let qg = &q[g * hd..(g + 1) * hd];
@@ -1228,98 +1329,168 @@ mod x86_tq4 {
             }
         }
         let np = hd / 2;
-        let mut shifted_page = usize::MAX;
-        for (i, p) in (query.start..query.end).enumerate() {
-            let (index, slot) = (p / pt, p % pt);
-            let mut a = [_mm512_setzero_ps(); G];
-            if let Some(t) = query.exact(index, pt) {
-                let k = tk.as_ptr().add(kv.vector(t, layer, kv_head, slot) * hd);
-                for c in 0..chunks {
-                    let x = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(c * 16) as *const __m256i));
-                    for (g, ag) in a.iter_mut().enumerate() {
-                        *ag = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(g * hd + c * 16)), x, *ag);
-                    }
-                }
-                for (g, ag) in a.iter().enumerate() {
-                    *scores.get_unchecked_mut(g * n + i) = _mm512_reduce_add_ps(*ag) * scale;
-                }
-                continue;
-            }
-            let vi = kv.vector(query.pages[index], layer, kv_head, slot);
-            let codes = ck.as_ptr().add(vi * hd / 2);
-            for c in 0..chunks {
-                let x = levels(codes.add(c * 8), book);
-                for (g, ag) in a.iter_mut().enumerate() {
-                    *ag = _mm512_fmadd_ps(_mm512_loadu_ps(qr.as_ptr().add(g * hd + c * 16)), x, *ag);
-                }
-            }
-            let s = f16(sk[vi]);
-            match offset {
-                Some((_, trig)) => {
-                    if shifted_page != index {
-                        for g in 0..G {
-                            trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
+        out.fill(0.0);
+        acc[..G * hd].fill(0.0);
+        let (maxes, sums) = run[..2 * G].split_at_mut(G);
+        maxes.fill(f32::NEG_INFINITY);
+        sums.fill(0.0);
+        // Page by page: a page's positions are consecutive vectors.
+        let mut p = query.start;
+        while p < query.end {
+            let (index, first) = (p / pt, p % pt);
+            let last = (pt - 1).min(query.end - 1 - index * pt);
+            let len = last + 1 - first;
+            let exact = query.exact(index, pt);
+            let base = match exact {
+                Some(t) => kv.vector(t, layer, kv_head, 0),
+                None => kv.vector(query.pages[index], layer, kv_head, 0),
+            };
+            // Scores of the page.
+            if exact.is_some() {
+                for (t, slot) in (first..=last).enumerate() {
+                    let k = tk.as_ptr().add((base + slot) * hd);
+                    let mut a = [_mm512_setzero_ps(); G];
+                    for c in 0..chunks {
+                        let x = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(c * 16) as *const __m256i));
+                        for (g, ag) in a.iter_mut().enumerate() {
+                            *ag = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(g * hd + c * 16)), x, *ag);
                         }
-                        shifted_page = index;
                     }
-                    let (cs, sn) = (
-                        trig.within_cos.as_ptr().add(slot * np),
-                        trig.within_sin.as_ptr().add(slot * np),
-                    );
                     for (g, ag) in a.iter().enumerate() {
-                        let xy = shifted.as_ptr().add(g * hd);
-                        let mut o = _mm512_setzero_ps();
-                        for j in (0..np).step_by(16) {
-                            o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(j)), _mm512_loadu_ps(cs.add(j)), o);
-                            o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(np + j)), _mm512_loadu_ps(sn.add(j)), o);
+                        *scores.get_unchecked_mut(g * pt + t) = _mm512_reduce_add_ps(*ag) * scale;
+                    }
+                }
+            } else {
+                if let Some((_, trig)) = offset {
+                    for g in 0..G {
+                        trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
+                    }
+                }
+                for (t, slot) in (first..=last).enumerate() {
+                    let vi = base + slot;
+                    let codes = ck.as_ptr().add(vi * hd / 2);
+                    let mut a = [_mm512_setzero_ps(); G];
+                    for c in 0..chunks {
+                        let x = levels(codes.add(c * 8), book);
+                        for (g, ag) in a.iter_mut().enumerate() {
+                            *ag = _mm512_fmadd_ps(_mm512_loadu_ps(qr.as_ptr().add(g * hd + c * 16)), x, *ag);
                         }
-                        let sc = _mm512_reduce_add_ps(*ag) * s + (c0[g] + _mm512_reduce_add_ps(o));
-                        *scores.get_unchecked_mut(g * n + i) = sc * scale;
                     }
-                }
-                None => {
-                    for (g, ag) in a.iter().enumerate() {
-                        *scores.get_unchecked_mut(g * n + i) = _mm512_reduce_add_ps(*ag) * s * scale;
+                    let s = _mm512_set1_ps(f16(*sk.get_unchecked(vi)));
+                    match offset {
+                        Some((_, trig)) => {
+                            // The offset's terms join the scaled dot in the
+                            // same register: one horizontal sum per head.
+                            let (cs, sn) = (
+                                trig.within_cos.as_ptr().add(slot * np),
+                                trig.within_sin.as_ptr().add(slot * np),
+                            );
+                            for (g, ag) in a.iter().enumerate() {
+                                let xy = shifted.as_ptr().add(g * hd);
+                                let mut o = _mm512_mul_ps(*ag, s);
+                                for j in (0..np).step_by(16) {
+                                    o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(j)), _mm512_loadu_ps(cs.add(j)), o);
+                                    o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(np + j)), _mm512_loadu_ps(sn.add(j)), o);
+                                }
+                                *scores.get_unchecked_mut(g * pt + t) = (_mm512_reduce_add_ps(o) + c0[g]) * scale;
+                            }
+                        }
+                        None => {
+                            for (g, ag) in a.iter().enumerate() {
+                                *scores.get_unchecked_mut(g * pt + t) =
+                                    _mm512_reduce_add_ps(_mm512_mul_ps(*ag, s)) * scale;
+                            }
+                        }
                     }
                 }
             }
-        }
-        for g in 0..G {
-            softmax_row(&mut scores[g * n..(g + 1) * n]);
-        }
-        // Values: 16 coordinates at a time over every position, the coded
-        // ones into rotated sums, the twins' into the output.
-        for c in 0..chunks {
-            let mut ar = [_mm512_setzero_ps(); G];
-            let mut ap = [_mm512_setzero_ps(); G];
-            for (i, p) in (query.start..query.end).enumerate() {
-                let (index, slot) = (p / pt, p % pt);
-                if let Some(t) = query.exact(index, pt) {
-                    let v = tv.as_ptr().add(kv.vector(t, layer, kv_head, slot) * hd + c * 16);
-                    let x = _mm512_cvtph_ps(_mm256_loadu_si256(v as *const __m256i));
-                    for (g, apg) in ap.iter_mut().enumerate() {
-                        *apg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * n + i)), x, *apg);
-                    }
-                    continue;
-                }
-                let vi = kv.vector(query.pages[index], layer, kv_head, slot);
-                let x = levels(cv.as_ptr().add(vi * hd / 2 + c * 8), book);
-                let s = f16(sv[vi]);
-                for (g, arg) in ar.iter_mut().enumerate() {
-                    *arg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * n + i) * s), x, *arg);
-                }
-            }
+            // Running softmax: rescale the sums so far if the maximum grew.
             for g in 0..G {
-                _mm512_storeu_ps(acc.as_mut_ptr().add(g * hd + c * 16), ar[g]);
-                _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + c * 16), ap[g]);
+                let sc = scores.as_mut_ptr().add(g * pt);
+                let mut mx = _mm512_set1_ps(maxes[g]);
+                for t in (0..len).step_by(16) {
+                    let m = lanes_mask(len - t);
+                    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, sc.add(t)));
+                }
+                let grown = _mm512_reduce_max_ps(mx);
+                if grown > maxes[g] {
+                    let c = crate::ops::exp_fixed(maxes[g] - grown);
+                    sums[g] *= c;
+                    let cv = _mm512_set1_ps(c);
+                    for arr in [&mut out[g * hd..(g + 1) * hd], &mut acc[g * hd..(g + 1) * hd]] {
+                        for ch in 0..chunks {
+                            let ptr = arr.as_mut_ptr().add(ch * 16);
+                            _mm512_storeu_ps(ptr, _mm512_mul_ps(_mm512_loadu_ps(ptr), cv));
+                        }
+                    }
+                    maxes[g] = grown;
+                }
+                let gv = _mm512_set1_ps(grown);
+                let mut total = _mm512_setzero_ps();
+                for t in (0..len).step_by(16) {
+                    let m = lanes_mask(len - t);
+                    let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc.add(t)), gv));
+                    _mm512_mask_storeu_ps(sc.add(t), m, e);
+                    total = _mm512_mask_add_ps(total, m, total, e);
+                }
+                sums[g] += _mm512_reduce_add_ps(total);
             }
+            // Coded values are `scale * level`: fold each position's scale
+            // into its weights once.
+            if exact.is_none() {
+                for t in 0..len {
+                    let s = f16(*sv.get_unchecked(base + first + t));
+                    for g in 0..G {
+                        *scores.get_unchecked_mut(g * pt + t) *= s;
+                    }
+                }
+            }
+            // Values of the page: twins' into the output, coded ones into
+            // the rotated sums.
+            for c in 0..chunks {
+                if exact.is_some() {
+                    let mut ap = [_mm512_setzero_ps(); G];
+                    for (g, apg) in ap.iter_mut().enumerate() {
+                        *apg = _mm512_loadu_ps(out.as_ptr().add(g * hd + c * 16));
+                    }
+                    for (t, slot) in (first..=last).enumerate() {
+                        let v = tv.as_ptr().add((base + slot) * hd + c * 16);
+                        let x = _mm512_cvtph_ps(_mm256_loadu_si256(v as *const __m256i));
+                        for (g, apg) in ap.iter_mut().enumerate() {
+                            *apg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * pt + t)), x, *apg);
+                        }
+                    }
+                    for (g, apg) in ap.iter().enumerate() {
+                        _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + c * 16), *apg);
+                    }
+                } else {
+                    let mut ar = [_mm512_setzero_ps(); G];
+                    for (g, arg) in ar.iter_mut().enumerate() {
+                        *arg = _mm512_loadu_ps(acc.as_ptr().add(g * hd + c * 16));
+                    }
+                    for (t, slot) in (first..=last).enumerate() {
+                        let vi = base + slot;
+                        let x = levels(cv.as_ptr().add(vi * hd / 2 + c * 8), book);
+                        for (g, arg) in ar.iter_mut().enumerate() {
+                            *arg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * pt + t)), x, *arg);
+                        }
+                    }
+                    for (g, arg) in ar.iter().enumerate() {
+                        _mm512_storeu_ps(acc.as_mut_ptr().add(g * hd + c * 16), *arg);
+                    }
+                }
+            }
+            p = index * pt + last + 1;
         }
         for g in 0..G {
             for (e, t) in tmp.iter_mut().enumerate() {
                 *t = acc[g * hd + lane(e)];
             }
             crate::tq4::rotate_back(tmp, signs);
-            crate::ops::add(&mut out[g * hd..(g + 1) * hd], tmp);
+            let o = &mut out[g * hd..(g + 1) * hd];
+            crate::ops::add(o, tmp);
+            let inv = 1.0 / sums[g];
+            o.iter_mut().for_each(|x| *x *= inv);
         }
     }
 

@@ -98,13 +98,13 @@ pub fn exp_fixed(x: f32) -> f32 {
     p * f32::from_bits(((n as i32 + 127) << 23) as u32)
 }
 
-const EXP_LO: f32 = -87.0;
-const EXP_HI: f32 = 88.0;
+pub(crate) const EXP_LO: f32 = -87.0;
+pub(crate) const EXP_HI: f32 = 88.0;
 /// `ln 2` split so that `n * LN2_HI` is exact for the `n` that occur.
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
+pub(crate) const LN2_HI: f32 = 0.693_359_4;
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
 /// `1 / k!` for k = 0..=7.
-const EXP_C: [f32; 8] = [
+pub(crate) const EXP_C: [f32; 8] = [
     1.0,
     1.0,
     0.5,

@@ -37,6 +37,8 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         messages.push(Message::new("system", sys));
     }
     let mut last_stats = None;
+    // The drafter's index at its largest over the turns so far.
+    let mut spec_bytes = 0;
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     eprintln!("{HELP}");
@@ -69,7 +71,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
                 if let Some(s) = &last_stats {
                     eprintln!("[last turn: {s}]");
                 }
-                let ledger = crate::run::ledger(&file, &engine);
+                let ledger = crate::run::ledger(&file, &engine, spec_bytes);
                 eprint!("{}", crate::run::ledger_text(&ledger, crate::run::peak_rss_bytes()));
                 continue;
             }
@@ -126,6 +128,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             g.stats.decode_tok_s,
             if g.context_full { "; context full" } else { "" }
         );
+        spec_bytes = spec_bytes.max(g.stats.speculation.state_bytes);
         last_stats = Some(format!(
             "prefill {:.1} tok/s, decode {:.1} tok/s, ttft {:.0} ms; {}",
             g.stats.prefill_tok_s,

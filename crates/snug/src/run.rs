@@ -224,7 +224,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     if g.context_full {
         eprintln!("note: stopped at the context limit of {} tokens", engine.options.ctx);
     }
-    let ledger = ledger(&file, &engine);
+    let ledger = ledger(&file, &engine, g.stats.speculation.state_bytes);
     let peak_rss = peak_rss_bytes();
     if a.json {
         let v = serde_json::json!({
@@ -239,6 +239,8 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
                 "prefill_tokens": g.stats.prefill_tokens,
                 "decode_tokens": g.stats.decode_tokens,
                 "peak_rss_bytes": peak_rss,
+                "ctx": engine.options.ctx,
+                "kv_capacity_tokens": engine.kv_capacity_tokens(),
                 "ledger": ledger_json(&ledger, peak_rss),
                 "speculation": g.stats.speculation,
             },
@@ -263,8 +265,9 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
 }
 
 /// The memory ledger of a run so far.
-pub fn ledger(file: &snug_model::GgufFile, engine: &Engine) -> Ledger {
+pub fn ledger(file: &snug_model::GgufFile, engine: &Engine, speculation_bytes: usize) -> Ledger {
     let (kv_reserved, kv_used) = engine.kv_bytes();
+    let (kv_exact, _) = engine.kv_exact_window_bytes();
     Ledger::from_heap_peak(
         *crate::RUNTIME_RSS.get().unwrap_or(&0),
         file.mapped_bytes(),
@@ -274,6 +277,7 @@ pub fn ledger(file: &snug_model::GgufFile, engine: &Engine) -> Ledger {
         engine.scratch_bytes() as u64,
         crate::HEAP.peak() as u64,
     )
+    .with_exact_and_speculation(kv_exact as u64, speculation_bytes as u64)
 }
 
 /// The ledger's `--json` object (field names are part of the output
@@ -285,6 +289,8 @@ pub fn ledger_json(l: &Ledger, peak_rss: u64) -> serde_json::Value {
         "weights_resident_bytes": l.weights_resident,
         "kv_reserved_bytes": l.kv_reserved,
         "kv_used_bytes": l.kv_used,
+        "kv_exact_window_bytes": l.kv_exact,
+        "speculation_state_bytes": l.speculation,
         "scratch_bytes": l.scratch,
         "heap_other_bytes": l.heap_other,
         "total_bytes": l.total(),
@@ -296,12 +302,14 @@ pub fn ledger_json(l: &Ledger, peak_rss: u64) -> serde_json::Value {
 pub fn ledger_text(l: &Ledger, peak_rss: u64) -> String {
     let h = crate::human_bytes;
     format!(
-        "memory: weights {} resident of {} mapped; KV {} reserved, {} used; scratch {}; other heap {}; runtime {}\n\
+        "memory: weights {} resident of {} mapped; KV {} reserved, {} used, exact window {}; speculation state {}; scratch {}; other heap {}; runtime {}\n\
          memory: ledger total {}, measured peak RSS {} ({:+.1}%)\n",
         h(l.weights_resident),
         h(l.weights_mapped),
         h(l.kv_reserved),
         h(l.kv_used),
+        h(l.kv_exact),
+        h(l.speculation),
         h(l.scratch),
         h(l.heap_other),
         h(l.runtime),

@@ -63,8 +63,10 @@ pub struct ForwardScratch {
 
 impl ForwardScratch {
     /// Scratch for batches of up to `max_rows` rows over contexts of up to
-    /// `max_ctx` positions, on `threads` threads.
-    pub fn new(model: &Model, max_rows: usize, max_ctx: usize, threads: usize) -> ForwardScratch {
+    /// `max_ctx` positions, on `threads` threads, with KV pages of
+    /// `page_tokens` positions. Attention over lossy KV pages needs no
+    /// scratch per position: pass `max_ctx = 0` for those.
+    pub fn new(model: &Model, max_rows: usize, max_ctx: usize, threads: usize, page_tokens: usize) -> ForwardScratch {
         let c = &model.config;
         let qd = c.heads * c.head_dim;
         let kvd = c.kv_heads * c.head_dim;
@@ -81,7 +83,9 @@ impl ForwardScratch {
             up: committed(0.0, max_rows * c.ff),
             sel: committed(0.0, max_rows * c.dim),
             attn_threads: (0..threads.max(1))
-                .map(|_| std::sync::Mutex::new(AttnScratch::new(max_ctx, c.head_dim, c.heads / c.kv_heads)))
+                .map(|_| {
+                    std::sync::Mutex::new(AttnScratch::new(max_ctx, c.head_dim, c.heads / c.kv_heads, page_tokens))
+                })
                 .collect(),
             mm: MatmulScratch::with_capacity(max_rows, c.ff.max(c.dim).max(qd)),
             ropes: vec![
@@ -110,7 +114,8 @@ impl ForwardScratch {
                     + s.acc.capacity()
                     + s.xy.capacity()
                     + s.shifted.capacity()
-                    + s.c0.capacity())
+                    + s.c0.capacity()
+                    + s.run.capacity())
                     * 4
             })
             .sum();
