@@ -107,6 +107,14 @@ fn is_lossy(options: &EngineOptions) -> bool {
         .any(|f| matches!(f, KvFormat::Q8 | KvFormat::Tq4))
 }
 
+/// Positions a KV budget of `budget` bytes holds in `options`' formats
+/// (after the exact window's twins, in whole pages), whatever the context
+/// limit.
+pub fn kv_budget_tokens(model: &Model, options: &EngineOptions, budget: usize) -> usize {
+    let pages = budget.saturating_sub(kv_twin_bytes(model, options)) / kv_page_bytes(model, options).max(1);
+    pages * options.page_tokens.max(1)
+}
+
 /// Bytes of the exact window's twin pages (F16, every layer) for `model`.
 pub fn kv_twin_bytes(model: &Model, options: &EngineOptions) -> usize {
     if !is_lossy(options) {

@@ -1265,6 +1265,29 @@ mod x86_tq4 {
         _mm512_mul_ps(p, _mm512_castsi512_ps(e))
     }
 
+    /// The horizontal sums of up to eight registers at once: halves added,
+    /// then pairs of registers folded together by `hadd`, so the sums
+    /// share their shuffles.
+    #[inline(always)]
+    unsafe fn hsums<const G: usize>(a: &[__m512; G]) -> [f32; 8] {
+        let mut y = [_mm256_setzero_ps(); 8];
+        for g in 0..G {
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a[g])));
+            y[g] = _mm256_add_ps(_mm512_castps512_ps256(a[g]), hi);
+        }
+        let h01 = _mm256_hadd_ps(y[0], y[1]);
+        let h23 = _mm256_hadd_ps(y[2], y[3]);
+        let h45 = _mm256_hadd_ps(y[4], y[5]);
+        let h67 = _mm256_hadd_ps(y[6], y[7]);
+        let h0123 = _mm256_hadd_ps(h01, h23);
+        let h4567 = _mm256_hadd_ps(h45, h67);
+        let lo = _mm256_permute2f128_ps::<0x20>(h0123, h4567);
+        let hi = _mm256_permute2f128_ps::<0x31>(h0123, h4567);
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
+        out
+    }
+
     /// The first `k` of 16 lanes.
     #[inline(always)]
     fn lanes_mask(k: usize) -> __mmask16 {
@@ -1356,8 +1379,9 @@ mod x86_tq4 {
                             *ag = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(g * hd + c * 16)), x, *ag);
                         }
                     }
-                    for (g, ag) in a.iter().enumerate() {
-                        *scores.get_unchecked_mut(g * pt + t) = _mm512_reduce_add_ps(*ag) * scale;
+                    let sums = hsums(&a);
+                    for (g, &sum) in sums.iter().take(G).enumerate() {
+                        *scores.get_unchecked_mut(g * pt + t) = sum * scale;
                     }
                 }
             } else {
@@ -1385,20 +1409,27 @@ mod x86_tq4 {
                                 trig.within_cos.as_ptr().add(slot * np),
                                 trig.within_sin.as_ptr().add(slot * np),
                             );
-                            for (g, ag) in a.iter().enumerate() {
+                            for (g, ag) in a.iter_mut().enumerate() {
                                 let xy = shifted.as_ptr().add(g * hd);
                                 let mut o = _mm512_mul_ps(*ag, s);
                                 for j in (0..np).step_by(16) {
                                     o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(j)), _mm512_loadu_ps(cs.add(j)), o);
                                     o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(np + j)), _mm512_loadu_ps(sn.add(j)), o);
                                 }
-                                *scores.get_unchecked_mut(g * pt + t) = (_mm512_reduce_add_ps(o) + c0[g]) * scale;
+                                *ag = o;
+                            }
+                            let sums = hsums(&a);
+                            for (g, &sum) in sums.iter().take(G).enumerate() {
+                                *scores.get_unchecked_mut(g * pt + t) = (sum + c0[g]) * scale;
                             }
                         }
                         None => {
-                            for (g, ag) in a.iter().enumerate() {
-                                *scores.get_unchecked_mut(g * pt + t) =
-                                    _mm512_reduce_add_ps(_mm512_mul_ps(*ag, s)) * scale;
+                            for ag in a.iter_mut() {
+                                *ag = _mm512_mul_ps(*ag, s);
+                            }
+                            let sums = hsums(&a);
+                            for (g, &sum) in sums.iter().take(G).enumerate() {
+                                *scores.get_unchecked_mut(g * pt + t) = sum * scale;
                             }
                         }
                     }

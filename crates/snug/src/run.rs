@@ -241,6 +241,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
                 "peak_rss_bytes": peak_rss,
                 "ctx": engine.options.ctx,
                 "kv_capacity_tokens": engine.kv_capacity_tokens(),
+                "kv_budget_tokens": engine.options.kv_budget.map(|b| snug_engine::kv_budget_tokens(&model, &engine.options, b)),
                 "ledger": ledger_json(&ledger, peak_rss),
                 "speculation": g.stats.speculation,
             },

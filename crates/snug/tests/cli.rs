@@ -534,7 +534,7 @@ fn eval_ppl_reports_perplexity_and_the_distance_from_f16_kv() {
 #[test]
 fn a_kv_budget_caps_the_pool_and_the_context() {
     let Some(p) = model_path("smollm2-135m") else { return };
-    let run = |kv: &str| {
+    let run = |kv: &str, budget: &str, n: &str| {
         let out = snug()
             .arg("run")
             .arg(&p)
@@ -542,32 +542,37 @@ fn a_kv_budget_caps_the_pool_and_the_context() {
                 "-p",
                 "Once upon a time",
                 "-n",
-                "2000",
+                n,
                 "--json",
                 "-t",
                 "2",
                 "--speculate",
                 "off",
             ])
-            .args(["--kv", kv, "--kv-budget", "4MiB"])
+            .args(["--kv", kv, "--kv-budget", budget])
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out.stderr));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
+    // A small budget: the context shrinks to the pages that fit, and
+    // generation stops there with `length`, never with an error.
+    let v = run("f16", "4MiB", "2000");
+    let reserved = v["stats"]["ledger"]["kv_reserved_bytes"].as_u64().unwrap();
+    assert!(reserved <= 4 << 20, "{reserved} bytes reserved");
+    assert_eq!(v["finish_reason"], "length", "{v}");
+    let tokens = v["prompt_tokens"].as_u64().unwrap() + v["token_ids"].as_array().unwrap().len() as u64;
+    assert!(tokens < 2000 && tokens as usize <= v["stats"]["kv_capacity_tokens"].as_u64().unwrap() as usize);
+    // At 64 MiB TQ4 holds over three times F16's positions, its exact
+    // window (F16 twin pages) included in the budget.
     let mut held = Vec::new();
     for kv in ["f16", "tq4"] {
-        let v = run(kv);
-        let reserved = v["stats"]["ledger"]["kv_reserved_bytes"].as_u64().unwrap();
-        assert!(reserved <= 4 << 20, "{kv}: {reserved} bytes reserved");
-        // The context shrinks to the pages that fit; generation stops
-        // there with `length`, never with an error.
-        assert_eq!(v["finish_reason"], "length", "{kv}: {v}");
-        let tokens = v["prompt_tokens"].as_u64().unwrap() + v["token_ids"].as_array().unwrap().len() as u64;
-        assert!(tokens < 2000, "{kv}: {tokens} tokens held");
-        held.push(tokens);
+        let v = run(kv, "64MiB", "4");
+        let l = &v["stats"]["ledger"];
+        let kv_bytes = l["kv_reserved_bytes"].as_u64().unwrap() + l["kv_exact_window_bytes"].as_u64().unwrap();
+        assert!(kv_bytes <= 64 << 20, "{kv}: {kv_bytes} bytes of KV");
+        held.push(v["stats"]["kv_budget_tokens"].as_u64().unwrap());
     }
-    // TQ4's pages are about a quarter of F16's: about four times the context.
     assert!(held[1] >= 3 * held[0], "{held:?}");
     let out = snug()
         .arg("run")
