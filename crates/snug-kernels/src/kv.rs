@@ -940,9 +940,10 @@ mod tests {
     }
 
     #[test]
-    fn tq4_attention_with_a_key_basis_and_twins_matches_the_reference() {
-        // TQ4 keys coded in a basis with offsets and uneven weights, an
-        // exact window in twins, every group size of the vector kernel:
+    fn coded_attention_with_a_key_basis_and_twins_matches_the_reference() {
+        // TQ4 keys coded in a basis with offsets and uneven weights (Q8
+        // keys as they are), TQ4 or Q8 values, an exact window in twins,
+        // group sizes of the vector kernel:
         // the fast path, the rotated-domain reference and decoding every
         // vector agree to rounding, and all are close to F32 attention.
         use crate::kvbasis::KeyBasis;
@@ -1010,39 +1011,46 @@ mod tests {
                 };
                 let mut exact = KvStorage::new(shape, KvFormat::F32, 8);
                 fill(&mut exact, false);
-                let mut kv = KvStorage::new(shape, KvFormat::Tq4, 8)
-                    .with_twins(4)
-                    .with_key_basis(basis.clone());
-                fill(&mut kv, true);
-                let rel = |a: &[f32], b: &[f32]| {
-                    let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-                    let n: f32 = b.iter().map(|y| y * y).sum();
-                    (d / n).sqrt()
-                };
-                for (start, twinned) in [(0, true), (0, false), (20, true)] {
-                    let query = AttnQuery {
-                        pages: &pages,
-                        twins: if twinned { &twins } else { &[] },
-                        start,
-                        end,
+                for (fk, fv) in [
+                    (KvFormat::Tq4, KvFormat::Tq4),
+                    (KvFormat::Q8, KvFormat::Q8),
+                    (KvFormat::Q8, KvFormat::Tq4),
+                    (KvFormat::Tq4, KvFormat::Q8),
+                ] {
+                    let mut kv = KvStorage::with_formats(shape, fk, fv, 8)
+                        .with_twins(4)
+                        .with_key_basis(basis.clone());
+                    fill(&mut kv, true);
+                    let rel = |a: &[f32], b: &[f32]| {
+                        let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+                        let n: f32 = b.iter().map(|y| y * y).sum();
+                        (d / n).sqrt()
                     };
-                    // Lossy pages need one page of scores, whatever the
-                    // context: no scratch for the other 54 positions.
-                    let mut small = AttnScratch::new(0, hd, group, 16);
-                    let mut s = AttnScratch::new(80, hd, group, 16);
-                    let mut fast = vec![0f32; group * hd];
-                    let mut slow = vec![0f32; group * hd];
-                    let mut want = vec![0f32; group * hd];
-                    attend_group(&kv, 1, 1, &query, &q, 0.1, &mut fast, &mut small);
-                    attend_group_online(&kv, 1, 1, &query, &q, 0.1, &mut slow, &mut small);
-                    attend_group_generic(&kv, 1, 1, &query, &q, 0.1, &mut want, &mut s);
-                    let what = format!("hd {hd}, group {group}, from {start}, twins {twinned}");
-                    assert!(rel(&fast, &want) < 1e-4, "{what}: fast {}", rel(&fast, &want));
-                    assert!(rel(&slow, &want) < 1e-4, "{what}: rotated {}", rel(&slow, &want));
-                    let plain = AttnQuery { twins: &[], ..query };
-                    let mut truth = vec![0f32; group * hd];
-                    attend_group(&exact, 1, 1, &plain, &q, 0.1, &mut truth, &mut s);
-                    assert!(rel(&fast, &truth) < 0.15, "{what}: vs f32 {}", rel(&fast, &truth));
+                    for (start, twinned) in [(0, true), (0, false), (20, true)] {
+                        let query = AttnQuery {
+                            pages: &pages,
+                            twins: if twinned { &twins } else { &[] },
+                            start,
+                            end,
+                        };
+                        // Lossy pages need one page of scores, whatever the
+                        // context: no scratch for the other 54 positions.
+                        let mut small = AttnScratch::new(0, hd, group, 16);
+                        let mut s = AttnScratch::new(80, hd, group, 16);
+                        let mut fast = vec![0f32; group * hd];
+                        let mut slow = vec![0f32; group * hd];
+                        let mut want = vec![0f32; group * hd];
+                        attend_group(&kv, 1, 1, &query, &q, 0.1, &mut fast, &mut small);
+                        attend_group_online(&kv, 1, 1, &query, &q, 0.1, &mut slow, &mut small);
+                        attend_group_generic(&kv, 1, 1, &query, &q, 0.1, &mut want, &mut s);
+                        let what = format!("{fk:?}/{fv:?}, hd {hd}, group {group}, from {start}, twins {twinned}");
+                        assert!(rel(&fast, &want) < 1e-4, "{what}: fast {}", rel(&fast, &want));
+                        assert!(rel(&slow, &want) < 1e-4, "{what}: rotated {}", rel(&slow, &want));
+                        let plain = AttnQuery { twins: &[], ..query };
+                        let mut truth = vec![0f32; group * hd];
+                        attend_group(&exact, 1, 1, &plain, &q, 0.1, &mut truth, &mut s);
+                        assert!(rel(&fast, &truth) < 0.15, "{what}: vs f32 {}", rel(&fast, &truth));
+                    }
                 }
             }
         }
@@ -1298,6 +1306,28 @@ mod x86_tq4 {
         }
     }
 
+    /// A coded part's bytes and scales.
+    fn coded(d: &Data) -> (*const u8, &[u16]) {
+        match d {
+            Data::Tq4 { codes, scales } => (codes.as_ptr(), scales),
+            Data::Q8 { codes, scales } => (codes.as_ptr() as *const u8, scales),
+            _ => unreachable!("vector kernel on an uncoded part"),
+        }
+    }
+
+    /// Coordinates `16c .. 16c + 16` of a coded vector, unscaled: int8
+    /// codes (Q8, in order) or codebook levels (TQ4, nibble order).
+    #[inline(always)]
+    unsafe fn chunk<const Q8: bool>(vector: *const u8, c: usize, book: __m512) -> __m512 {
+        if Q8 {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                vector.add(c * 16) as *const __m128i
+            )))
+        } else {
+            levels(vector.add(c * 8), book)
+        }
+    }
+
     /// An f16 scale to f32 (F16C).
     #[inline(always)]
     unsafe fn f16(bits: u16) -> f32 {
@@ -1306,7 +1336,7 @@ mod x86_tq4 {
 
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn group_tq4<const G: usize>(
+    unsafe fn group_tq4<const G: usize, const KQ8: bool, const VQ8: bool>(
         kv: &KvStorage,
         layer: usize,
         kv_head: usize,
@@ -1316,15 +1346,15 @@ mod x86_tq4 {
         out: &mut [f32],
         scratch: &mut AttnScratch,
     ) {
-        let (Data::Tq4 { codes: ck, scales: sk }, Data::Tq4 { codes: cv, scales: sv }) = (&kv.k, &kv.v) else {
-            unreachable!("TQ4 kernel on other formats")
-        };
+        let hd = kv.shape.head_dim;
+        let ((ck, sk), (cv, sv)) = (coded(&kv.k), coded(&kv.v));
+        // Bytes of one coded vector.
+        let (kb, vb) = (if KQ8 { hd } else { hd / 2 }, if VQ8 { hd } else { hd / 2 });
         let (tk, tv): (&[u16], &[u16]) = match (&kv.twin_k, &kv.twin_v) {
             (Data::F16(a), Data::F16(b)) => (a, b),
             _ => (&[], &[]),
         };
         let pt = kv.shape.page_tokens;
-        let hd = kv.shape.head_dim;
         let chunks = hd / 16;
         let signs = kv.signs_of(layer, kv_head);
         let book = _mm512_loadu_ps(crate::tq4::codebook(hd).as_ptr());
@@ -1348,7 +1378,7 @@ mod x86_tq4 {
             }
             crate::tq4::rotate(tmp, signs);
             for (e, &x) in tmp.iter().enumerate() {
-                qr[g * hd + lane(e)] = x;
+                qr[g * hd + if KQ8 { e } else { lane(e) }] = x;
             }
         }
         let np = hd / 2;
@@ -1392,10 +1422,10 @@ mod x86_tq4 {
                 }
                 for (t, slot) in (first..=last).enumerate() {
                     let vi = base + slot;
-                    let codes = ck.as_ptr().add(vi * hd / 2);
+                    let codes = ck.add(vi * kb);
                     let mut a = [_mm512_setzero_ps(); G];
                     for c in 0..chunks {
-                        let x = levels(codes.add(c * 8), book);
+                        let x = chunk::<KQ8>(codes, c, book);
                         for (g, ag) in a.iter_mut().enumerate() {
                             *ag = _mm512_fmadd_ps(_mm512_loadu_ps(qr.as_ptr().add(g * hd + c * 16)), x, *ag);
                         }
@@ -1501,7 +1531,7 @@ mod x86_tq4 {
                     }
                     for (t, slot) in (first..=last).enumerate() {
                         let vi = base + slot;
-                        let x = levels(cv.as_ptr().add(vi * hd / 2 + c * 8), book);
+                        let x = chunk::<VQ8>(cv.add(vi * vb), c, book);
                         for (g, arg) in ar.iter_mut().enumerate() {
                             *arg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * pt + t)), x, *arg);
                         }
@@ -1515,7 +1545,7 @@ mod x86_tq4 {
         }
         for g in 0..G {
             for (e, t) in tmp.iter_mut().enumerate() {
-                *t = acc[g * hd + lane(e)];
+                *t = acc[g * hd + if VQ8 { e } else { lane(e) }];
             }
             crate::tq4::rotate_back(tmp, signs);
             let o = &mut out[g * hd..(g + 1) * hd];
@@ -1525,11 +1555,14 @@ mod x86_tq4 {
         }
     }
 
-    /// Whether the kernel takes this cache and group: TQ4 keys and values,
-    /// whole 16-blocks, whole 16-blocks of rotary pairs, up to 8 heads.
+    /// Whether the kernel takes this cache and group: keys and values each
+    /// TQ4 or Q8, whole 16-blocks, whole 16-blocks of rotary pairs, up to
+    /// 8 heads.
     pub(super) fn takes(kv: &KvStorage, group: usize) -> bool {
         let hd = kv.shape.head_dim;
-        matches!((&kv.k, &kv.v), (Data::Tq4 { .. }, Data::Tq4 { .. }))
+        let lossy = |d: &Data| matches!(d, Data::Tq4 { .. } | Data::Q8 { .. });
+        lossy(&kv.k)
+            && lossy(&kv.v)
             && crate::cpu::simd() >= crate::cpu::Simd::Avx512Vnni
             && (1..=8).contains(&group)
             && hd.is_multiple_of(16)
@@ -1555,16 +1588,27 @@ mod x86_tq4 {
         scratch: &mut AttnScratch,
     ) {
         let hd = kv.shape.head_dim;
-        match q.len() / hd {
-            1 => group_tq4::<1>(kv, layer, kv_head, query, q, scale, out, scratch),
-            2 => group_tq4::<2>(kv, layer, kv_head, query, q, scale, out, scratch),
-            3 => group_tq4::<3>(kv, layer, kv_head, query, q, scale, out, scratch),
-            4 => group_tq4::<4>(kv, layer, kv_head, query, q, scale, out, scratch),
-            5 => group_tq4::<5>(kv, layer, kv_head, query, q, scale, out, scratch),
-            6 => group_tq4::<6>(kv, layer, kv_head, query, q, scale, out, scratch),
-            7 => group_tq4::<7>(kv, layer, kv_head, query, q, scale, out, scratch),
-            8 => group_tq4::<8>(kv, layer, kv_head, query, q, scale, out, scratch),
-            g => unreachable!("TQ4 attention: {g} query heads per KV head take the generic path"),
+        let (kq8, vq8) = (matches!(kv.k, Data::Q8 { .. }), matches!(kv.v, Data::Q8 { .. }));
+        macro_rules! by_group {
+            ($k:literal, $v:literal) => {
+                match q.len() / hd {
+                    1 => group_tq4::<1, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    2 => group_tq4::<2, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    3 => group_tq4::<3, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    4 => group_tq4::<4, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    5 => group_tq4::<5, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    6 => group_tq4::<6, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    7 => group_tq4::<7, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    8 => group_tq4::<8, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    g => unreachable!("coded attention: {g} query heads per KV head take the scalar path"),
+                }
+            };
+        }
+        match (kq8, vq8) {
+            (false, false) => by_group!(false, false),
+            (false, true) => by_group!(false, true),
+            (true, false) => by_group!(true, false),
+            (true, true) => by_group!(true, true),
         }
     }
 }
