@@ -585,10 +585,10 @@ pub fn attend_group(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if x86_tq4::takes(kv, q.len() / kv.shape.head_dim) {
+    if x86_coded::takes(kv, q.len() / kv.shape.head_dim) {
         // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C are present (`takes`
         // checked `simd`).
-        unsafe { x86_tq4::attend_group_tq4(kv, layer, kv_head, query, q, scale, out, scratch) };
+        unsafe { x86_coded::attend_group_coded(kv, layer, kv_head, query, q, scale, out, scratch) };
         return;
     }
     if kv.is_lossy() {
@@ -1222,8 +1222,8 @@ mod x86 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86_tq4 {
-    //! Attention over TQ4 keys and values with AVX-512: codes are looked up
+mod x86_coded {
+    //! Attention over coded keys and values (TQ4 or Q8) with AVX-512: TQ4 codes are looked up
     //! in the 16-level codebook held in one register (`vpermps`), 16
     //! coordinates at a time, and consumed in place; nothing is decoded to
     //! memory. The 16 coordinates of a block come out of its 8 code bytes
@@ -1336,7 +1336,7 @@ mod x86_tq4 {
 
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn group_tq4<const G: usize, const KQ8: bool, const VQ8: bool>(
+    unsafe fn group_coded<const G: usize, const KQ8: bool, const VQ8: bool>(
         kv: &KvStorage,
         layer: usize,
         kv_head: usize,
@@ -1577,7 +1577,7 @@ mod x86_tq4 {
 
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_group_tq4(
+    pub(super) unsafe fn attend_group_coded(
         kv: &KvStorage,
         layer: usize,
         kv_head: usize,
@@ -1592,14 +1592,14 @@ mod x86_tq4 {
         macro_rules! by_group {
             ($k:literal, $v:literal) => {
                 match q.len() / hd {
-                    1 => group_tq4::<1, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    2 => group_tq4::<2, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    3 => group_tq4::<3, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    4 => group_tq4::<4, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    5 => group_tq4::<5, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    6 => group_tq4::<6, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    7 => group_tq4::<7, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    8 => group_tq4::<8, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    1 => group_coded::<1, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    2 => group_coded::<2, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    3 => group_coded::<3, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    4 => group_coded::<4, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    5 => group_coded::<5, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    6 => group_coded::<6, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    7 => group_coded::<7, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
+                    8 => group_coded::<8, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
                     g => unreachable!("coded attention: {g} query heads per KV head take the scalar path"),
                 }
             };
