@@ -1223,16 +1223,17 @@ mod x86 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86_coded {
-    //! Attention over coded keys and values (TQ4 or Q8) with AVX-512: TQ4 codes are looked up
-    //! in the 16-level codebook held in one register (`vpermps`), 16
+    //! Attention over coded keys and values (TQ4 or Q8) with AVX-512: TQ4
+    //! codes are looked up in the 16-level codebook held in one register (`vpermps`), 16
     //! coordinates at a time, and consumed in place; nothing is decoded to
     //! memory. The 16 coordinates of a block come out of its 8 code bytes
     //! as the low nibbles then the high nibbles (coordinates 0, 2, .., 14,
     //! then 1, 3, .., 15), so the rotated queries and the rotated value sums
     //! are kept in that order and put back in order once per head. Pages of
     //! the exact window are read from their F16 twins against the plain
-    //! query. The same operations as `attend_group_read` in another order:
-    //! tested against it to rounding.
+    //! query. Q8 codes are widened 16 at a time, in order. The same
+    //! operations as `attend_group_online` in another order: tested
+    //! against it to rounding.
 
     use std::arch::x86_64::*;
 
