@@ -194,6 +194,31 @@ impl Twins {
         Ok((Twins { of }, copies))
     }
 
+    /// A sequence's twins as they were saved: a twin for each page index
+    /// in `indices` (a restored session's page 0 and newest pages), taken
+    /// from `pool`; returns them in the order of `indices`.
+    pub fn restore(pool: &mut TwinPool, indices: &[usize]) -> Result<(Twins, Vec<u32>), PagesError> {
+        if indices.len() > pool.free() {
+            return Err(PagesError::OutOfTwins {
+                needed: indices.len(),
+                free: pool.free(),
+                total: pool.total(),
+            });
+        }
+        let mut t = Twins::new();
+        let mut given = Vec::with_capacity(indices.len());
+        for &i in indices {
+            if t.of.len() <= i {
+                t.of.resize(i + 1, NO_TWIN);
+            }
+            if t.of[i] == NO_TWIN {
+                t.of[i] = pool.free.pop().expect("counted above");
+            }
+            given.push(t.of[i]);
+        }
+        Ok((t, given))
+    }
+
     /// Returns every twin.
     pub fn release(&mut self, pool: &mut TwinPool) {
         for t in self.of.drain(..) {
@@ -214,6 +239,23 @@ mod tests {
         (0..t.as_slice().len())
             .filter(|&i| t.as_slice()[i] != NO_TWIN)
             .collect()
+    }
+
+    #[test]
+    fn restored_twins_sit_at_the_saved_pages() {
+        let mut pool = TwinPool::new(4);
+        let (mut t, given) = Twins::restore(&mut pool, &[0, 5, 6]).unwrap();
+        assert_eq!(twinned(&t), vec![0, 5, 6]);
+        assert_eq!(given, [0, 5, 6].map(|i| t.as_slice()[i]));
+        assert_eq!(pool.free(), 1);
+        assert!(matches!(
+            Twins::restore(&mut pool, &[0, 1]),
+            Err(PagesError::OutOfTwins { needed: 2, free: 1, .. })
+        ));
+        // The next row at 100 (page 6) needs nothing more.
+        assert_eq!(t.needed(100, 100, PT), 0);
+        t.release(&mut pool);
+        assert_eq!(pool.free(), 4);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 pub mod calibrate;
 pub mod generate;
 pub mod sampling;
+pub mod session;
 
 use std::sync::Arc;
 

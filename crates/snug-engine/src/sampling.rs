@@ -7,10 +7,10 @@
 //! speculative verification can sample any position exactly as plain
 //! decoding would.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Sampling settings of one request.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy.
     pub temperature: f32,

@@ -167,6 +167,46 @@ impl Data {
         }
     }
 
+    /// Bytes per vector of each part: elements (or codes), then scales
+    /// (0 for the unscaled formats).
+    fn part_widths(&self, hd: usize) -> [usize; 2] {
+        match self {
+            Data::F32(_) => [4 * hd, 0],
+            Data::F16(_) => [2 * hd, 0],
+            Data::Q8 { .. } => [hd, 2],
+            Data::Tq4 { .. } => [hd / 2, 2],
+        }
+    }
+
+    /// The parts' bytes, as in memory (little-endian on every target).
+    fn part_bytes(&self) -> [&[u8]; 2] {
+        fn b<T: Copy>(v: &[T]) -> &[u8] {
+            // SAFETY: plain numbers, any bit pattern is a valid u8.
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+        }
+        match self {
+            Data::F32(d) => [b(d), &[]],
+            Data::F16(d) => [b(d), &[]],
+            Data::Q8 { codes, scales } => [b(codes), b(scales)],
+            Data::Tq4 { codes, scales } => [codes, b(scales)],
+        }
+    }
+
+    /// [`Data::part_bytes`], to write.
+    fn part_bytes_mut(&mut self) -> [&mut [u8]; 2] {
+        fn b<T: Copy>(v: &mut [T]) -> &mut [u8] {
+            // SAFETY: plain numbers: every byte pattern written is a valid
+            // value of the element type.
+            unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+        }
+        match self {
+            Data::F32(d) => [b(d), &mut []],
+            Data::F16(d) => [b(d), &mut []],
+            Data::Q8 { codes, scales } => [b(codes), b(scales)],
+            Data::Tq4 { codes, scales } => [codes, b(scales)],
+        }
+    }
+
     /// Vector `i` as stored: for Q8 and TQ4 still in the rotated domain.
     fn get_rotated(&self, i: usize, out: &mut [f32]) {
         let hd = out.len();
@@ -396,6 +436,108 @@ impl KvStorage {
                 self.twin_v.put(j, vh, &[]);
             }
         }
+    }
+
+    /// Byte ranges holding the first `slots` positions of `page` (a twin
+    /// when `twin`): for keys then values, each part (elements or codes,
+    /// then scales), one range per (layer, KV head), or one per part when
+    /// the page is whole. Calls `f(array, part, range)`.
+    fn page_ranges(
+        &self,
+        page: u32,
+        slots: usize,
+        twin: bool,
+        mut f: impl FnMut(usize, usize, std::ops::Range<usize>),
+    ) {
+        let s = &self.shape;
+        let slots = slots.min(s.page_tokens);
+        let hd = s.head_dim;
+        let arrays = if twin {
+            [&self.twin_k, &self.twin_v]
+        } else {
+            [&self.k, &self.v]
+        };
+        for (a, data) in arrays.into_iter().enumerate() {
+            for (part, &w) in data.part_widths(hd).iter().enumerate() {
+                if w == 0 || slots == 0 {
+                    continue;
+                }
+                if slots == s.page_tokens {
+                    let first = self.vector(page, 0, 0, 0) * w;
+                    f(a, part, first..first + s.page_vectors() / 2 * w);
+                    continue;
+                }
+                for l in 0..s.layers {
+                    for h in 0..s.kv_heads {
+                        let first = self.vector(page, l, h, 0) * w;
+                        f(a, part, first..first + slots * w);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Bytes the first `slots` positions of a page take as stored.
+    pub fn stored_bytes(&self, slots: usize, twin: bool) -> usize {
+        let mut n = 0;
+        self.page_ranges(0, slots, twin, |_, _, r| n += r.len());
+        n
+    }
+
+    /// Hands `f` the stored bytes of the first `slots` positions of page
+    /// `page` (twin `page` when `twin`), in runs (see
+    /// [`KvStorage::fill_page`], which takes them back in the same order).
+    /// Nothing is copied.
+    pub fn page_runs<E>(
+        &self,
+        page: u32,
+        slots: usize,
+        twin: bool,
+        mut f: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let arrays = if twin {
+            [&self.twin_k, &self.twin_v]
+        } else {
+            [&self.k, &self.v]
+        };
+        let parts = arrays.map(Data::part_bytes);
+        let mut result = Ok(());
+        self.page_ranges(page, slots, twin, |a, part, r| {
+            if result.is_ok() {
+                result = f(&parts[a][part][r]);
+            }
+        });
+        result
+    }
+
+    /// Fills the first `slots` positions of page `page` (twin `page`
+    /// when `twin`) run by run, in the order [`KvStorage::page_runs`]
+    /// hands them out: `f` writes each run.
+    pub fn fill_page<E>(
+        &mut self,
+        page: u32,
+        slots: usize,
+        twin: bool,
+        mut f: impl FnMut(&mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut ranges = Vec::new();
+        self.page_ranges(page, slots, twin, |a, part, r| ranges.push((a, part, r)));
+        let (k, v) = if twin {
+            (&mut self.twin_k, &mut self.twin_v)
+        } else {
+            (&mut self.k, &mut self.v)
+        };
+        let parts = [k.part_bytes_mut(), v.part_bytes_mut()];
+        for (a, part, r) in ranges {
+            f(&mut parts[a][part][r])?;
+        }
+        Ok(())
+    }
+
+    /// The rotation signs of every (layer, KV head), for the session
+    /// identity (empty for the unrotated formats).
+    pub fn rotation_signs(&self) -> &[Vec<u64>] {
+        &self.signs
     }
 
     /// Copies page `from` over page `to`.
@@ -819,6 +961,74 @@ mod tests {
             slot: p % 16,
             pos: p,
             twin: None,
+        }
+    }
+
+    #[test]
+    fn page_runs_round_trip_into_another_page_of_another_storage() {
+        let shape = KvShape {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            page_tokens: 16,
+        };
+        let mut x = 0x9e37_79b9u32;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x % 2000) as f32 / 1000.0 - 1.0
+        };
+        for (fk, fv) in [
+            (KvFormat::F16, KvFormat::F16),
+            (KvFormat::Tq4, KvFormat::Q8),
+            (KvFormat::F32, KvFormat::Tq4),
+        ] {
+            let mut a = KvStorage::with_formats(shape, fk, fv, 3).with_twins(2);
+            let pages = [2u32, 1];
+            // 16 positions fill page 2; 5 more start page 1 (with twin 1).
+            for p in 0..21 {
+                let k: Vec<f32> = (0..128).map(|_| rnd()).collect();
+                let v: Vec<f32> = (0..128).map(|_| rnd()).collect();
+                let mut at = slot_at(&pages, p);
+                at.twin = (p >= 16).then_some(1);
+                for l in 0..2 {
+                    a.write(l, at, &k, &v);
+                }
+            }
+            let mut b = KvStorage::with_formats(shape, fk, fv, 3).with_twins(2);
+            for (from, to, slots, twin) in [(2u32, 0u32, 16, false), (1, 2, 5, false), (1, 0, 5, true)] {
+                let mut runs: Vec<Vec<u8>> = Vec::new();
+                a.page_runs::<()>(from, slots, twin, |r| {
+                    runs.push(r.to_vec());
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(runs.iter().map(Vec::len).sum::<usize>(), a.stored_bytes(slots, twin));
+                let mut it = runs.into_iter();
+                b.fill_page::<()>(to, slots, twin, |r| {
+                    r.copy_from_slice(&it.next().unwrap());
+                    Ok(())
+                })
+                .unwrap();
+                for l in 0..2 {
+                    for h in 0..2 {
+                        for slot in 0..slots {
+                            for is_v in [false, true] {
+                                let (mut x, mut y) = ([0f32; 64], [0f32; 64]);
+                                if twin {
+                                    a.read_twin(from, l, is_v, h, slot, &mut x);
+                                    b.read_twin(to, l, is_v, h, slot, &mut y);
+                                } else {
+                                    a.read(from, l, is_v, h, slot, slot, &mut x);
+                                    b.read(to, l, is_v, h, slot, slot, &mut y);
+                                }
+                                assert_eq!(x.map(f32::to_bits), y.map(f32::to_bits), "{fk:?}/{fv:?} {from}->{to}");
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 

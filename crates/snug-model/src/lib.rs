@@ -6,6 +6,7 @@
 
 pub mod arch;
 pub mod catalog;
+pub mod fingerprint;
 pub mod gguf;
 pub mod info;
 pub mod packed;

@@ -1,12 +1,15 @@
 //! `snug chat`: a multi-turn conversation that keeps the KV cache between
 //! turns. Each turn renders the whole conversation with the chat template,
 //! and only the tokens after the longest prefix already in the cache are
-//! prefilled; the count is printed.
+//! prefilled; the count is printed. With `--session NAME` the conversation
+//! and its KV are saved after every turn and resumed at the next start.
 
 use std::io::{BufRead, Write};
 
 use anyhow::{Context, Result};
 use snug_engine::generate::GenerateRequest;
+use snug_engine::sampling::SamplingParams;
+use snug_engine::session::SessionFile;
 use snug_engine::Engine;
 use snug_model::arch::Model;
 use snug_model::template::{ChatTemplate, Message};
@@ -27,15 +30,60 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     }
     let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("").to_string();
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("").to_string();
-    let mut engine = Engine::new(&model, engine_options(&a.gen, &model, &tok)?);
+    let session = a
+        .session
+        .as_deref()
+        .map(crate::session::chat_session_path)
+        .transpose()?;
+    let resume = match &session {
+        Some(p) if p.exists() => Some(SessionFile::open(p)?),
+        _ => None,
+    };
+    let identity = match &session {
+        Some(_) => Some(crate::session::model_identity(&path, &file, &a.model)?),
+        None => None,
+    };
+    let mut engine = Engine::new(&model, engine_options(&a.gen, &model, &tok, resume.as_ref())?);
     let speculate = crate::run::speculate_mode(&a.gen)?;
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
         .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
-    let mut seq = engine.create_sequence();
     let mut messages: Vec<Message> = Vec::new();
-    if let Some(sys) = &a.system {
-        messages.push(Message::new("system", sys));
+    let mut params_base = SamplingParams::default();
+    let mut seq = match (&resume, &identity) {
+        (Some(f), Some(id)) => {
+            let t0 = std::time::Instant::now();
+            let seq = engine.restore_session(f, id)?;
+            messages = f.meta.messages.clone().unwrap_or_default();
+            params_base = f.meta.sampling.clone();
+            eprintln!(
+                "[resumed {}: {} messages, {} tokens restored in {:.1} ms, none prefilled]",
+                f.path.display(),
+                messages.len(),
+                f.meta.kv_tokens,
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+            if a.system.is_some() && !messages.is_empty() {
+                eprintln!("note: --system is ignored: the resumed conversation has its own start");
+            }
+            seq
+        }
+        _ => engine.create_sequence(),
+    };
+    if messages.is_empty() {
+        if let Some(sys) = &a.system {
+            messages.push(Message::new("system", sys));
+        }
     }
+    let params = sampling(&a.gen, &params_base);
+    // Saves the conversation after a turn (or a reset), if it has a file.
+    let save = |engine: &Engine, seq, tokens: &[u32], messages: &[Message]| -> Result<()> {
+        if let (Some(p), Some(id)) = (&session, &identity) {
+            engine
+                .save_session(seq, p, id, tokens, &params, Some(messages))
+                .with_context(|| format!("saving the session to {}", p.display()))?;
+        }
+        Ok(())
+    };
     let mut last_stats = None;
     // The drafter's index at its largest over the turns so far.
     let mut spec_bytes = 0;
@@ -57,6 +105,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
                 engine.free_sequence(seq);
                 seq = engine.create_sequence();
                 messages.retain(|m| m.role == "system");
+                save(&engine, seq, &[], &messages)?;
                 eprintln!("[conversation reset]");
                 continue;
             }
@@ -99,7 +148,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         let req = GenerateRequest {
             prompt,
             max_tokens: a.gen.max_tokens,
-            params: sampling(&a.gen),
+            params: params.clone(),
             stop: a.gen.stop.clone(),
             speculate,
         };
@@ -138,6 +187,8 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         ));
         crate::run::append_metrics(&a.gen, &a.model, &g)?;
         messages.push(Message::new("assistant", &g.text));
+        let tokens: Vec<u32> = req.prompt.iter().chain(&g.tokens).copied().collect();
+        save(&engine, seq, &tokens, &messages)?;
     }
     Ok(())
 }

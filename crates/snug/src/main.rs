@@ -8,6 +8,7 @@ mod chat;
 mod eval;
 mod progress;
 mod run;
+mod session;
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -48,6 +49,25 @@ enum Command {
     /// Evaluate a model on text.
     #[command(subcommand)]
     Eval(EvalCommand),
+    /// Inspect saved sessions.
+    #[command(subcommand)]
+    Session(SessionCommand),
+}
+
+#[derive(Subcommand)]
+enum SessionCommand {
+    /// Print a session file's header (model, KV layout, tokens, sampler)
+    /// after checking every checksum.
+    Info(SessionInfoArgs),
+}
+
+#[derive(Args)]
+struct SessionInfoArgs {
+    /// The session file.
+    file: PathBuf,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// The KV cache's formats.
@@ -56,8 +76,9 @@ struct KvArgs {
     /// KV cache format: f16, f32, q8 (int8 of the rotated vector and a
     /// scale, 51-52% of f16) or tq4 (4-bit codes of the rotated vector and
     /// a scale, 25-27% of f16).
-    #[arg(long, default_value = "f16")]
-    kv: String,
+    /// [default: f16, or a resumed session's]
+    #[arg(long)]
+    kv: Option<String>,
     /// Format of the keys only (overrides --kv for keys).
     #[arg(long)]
     kv_k: Option<String>,
@@ -66,9 +87,9 @@ struct KvArgs {
     kv_v: Option<String>,
     /// Positions per KV page. With q8 or tq4, a sequence's first page and
     /// the page each new token falls in are also kept in F16 (the exact
-    /// window).
-    #[arg(long, default_value_t = 32)]
-    kv_page: usize,
+    /// window). [default: 32, or a resumed session's]
+    #[arg(long)]
+    kv_page: Option<usize>,
 }
 
 #[derive(Subcommand)]
@@ -111,6 +132,11 @@ struct ChatArgs {
     /// A system message to start the conversation with.
     #[arg(long)]
     system: Option<String>,
+    /// Keep the conversation in a session: resumed at start if it exists,
+    /// saved after every turn. A name (kept in the cache's `sessions`
+    /// folder) or a path ending in `.snug` or holding a `/`.
+    #[arg(long, value_name = "NAME")]
+    session: Option<String>,
     #[command(flatten)]
     gen: GenArgs,
 }
@@ -149,23 +175,28 @@ struct GenArgs {
     /// Most tokens to generate.
     #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
     max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.05)]
-    min_p: f32,
-    /// Penalty for tokens among the last 64 (1.0 is none).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    /// Subtracted from the logits of tokens among the last 64.
-    #[arg(long, default_value_t = 0.0)]
-    presence_penalty: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling temperature; 0 is greedy. [default: 0, or a resumed
+    /// session's; so for every sampling flag]
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// [default: 40]
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// [default: 0.95]
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// [default: 0.05]
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalty for tokens among the last 64 (1.0 is none). [default: 1.0]
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    /// Subtracted from the logits of tokens among the last 64. [default: 0]
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    /// [default: 0]
+    #[arg(long)]
+    seed: Option<u64>,
     /// Threads (default: the number of physical cores).
     #[arg(short = 't', long)]
     threads: Option<usize>,
@@ -196,9 +227,19 @@ struct GenArgs {
 struct RunArgs {
     /// A model alias (pulled if needed) or a path to a GGUF file.
     model: String,
-    /// The prompt; `-` reads standard input.
-    #[arg(short = 'p', long)]
-    prompt: String,
+    /// The prompt; `-` reads standard input. With `--session`, text to
+    /// append (a new user turn if the session is a chat).
+    #[arg(short = 'p', long, required_unless_present = "session")]
+    prompt: Option<String>,
+    /// Resume from this session file if it exists (decode only: no
+    /// prefill of what it holds), and save the state back to it after
+    /// generating.
+    #[arg(long, value_name = "FILE")]
+    session: Option<PathBuf>,
+    /// Save the state after generating to this session file (instead of
+    /// the `--session` file).
+    #[arg(long, value_name = "FILE")]
+    save_session: Option<PathBuf>,
     /// Format the prompt as a user message with the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -276,6 +317,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::cmd_bench(a),
         Command::Chat(a) => chat::cmd_chat(a),
         Command::Eval(EvalCommand::Ppl(a)) => eval::cmd_eval_ppl(a),
+        Command::Session(SessionCommand::Info(a)) => session::cmd_info(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

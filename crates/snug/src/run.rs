@@ -7,6 +7,7 @@ use snug_core::speculate::Mode;
 use snug_core::Ledger;
 use snug_engine::generate::{GenerateRequest, Generation, SpecStats};
 use snug_engine::sampling::SamplingParams;
+use snug_engine::session::SessionFile;
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::kv::KvFormat;
 use snug_model::arch::Model;
@@ -15,16 +16,18 @@ use snug_model::{EncodeOptions, Tokenizer};
 
 use crate::{open_model_at, read_stdin, GenArgs, RunArgs};
 
-pub fn sampling(g: &GenArgs) -> SamplingParams {
+/// The sampler settings: each flag given, else `base`'s (the defaults, or
+/// a resumed session's).
+pub fn sampling(g: &GenArgs, base: &SamplingParams) -> SamplingParams {
     SamplingParams {
-        temperature: g.temperature,
-        top_k: g.top_k,
-        top_p: g.top_p,
-        min_p: g.min_p,
-        repeat_penalty: g.repeat_penalty,
-        presence_penalty: g.presence_penalty,
-        penalty_last_n: 64,
-        seed: g.seed,
+        temperature: g.temperature.unwrap_or(base.temperature),
+        top_k: g.top_k.unwrap_or(base.top_k),
+        top_p: g.top_p.unwrap_or(base.top_p),
+        min_p: g.min_p.unwrap_or(base.min_p),
+        repeat_penalty: g.repeat_penalty.unwrap_or(base.repeat_penalty),
+        presence_penalty: g.presence_penalty.unwrap_or(base.presence_penalty),
+        penalty_last_n: base.penalty_last_n,
+        seed: g.seed.unwrap_or(base.seed),
     }
 }
 
@@ -92,10 +95,11 @@ pub fn kv_formats(kv: &str, k: Option<&str>, v: Option<&str>, model: &Model) -> 
 
 /// `--kv-page`, checked.
 pub fn kv_page(a: &crate::KvArgs) -> Result<usize> {
-    if !(1..=4096).contains(&a.kv_page) {
+    let p = a.kv_page.unwrap_or(32);
+    if !(1..=4096).contains(&p) {
         bail!("--kv-page must be 1 to 4096 positions");
     }
-    Ok(a.kv_page)
+    Ok(p)
 }
 
 /// Gives TQ4 keys their key basis: one prefill of the calibration text
@@ -116,8 +120,20 @@ pub fn add_key_basis(o: &mut EngineOptions, model: &Model, tok: &Tokenizer) -> R
     Ok(())
 }
 
-pub fn engine_options(g: &GenArgs, model: &Model, tok: &Tokenizer) -> Result<EngineOptions> {
-    let (kv_format, kv_format_v) = kv_formats(&g.cache.kv, g.cache.kv_k.as_deref(), g.cache.kv_v.as_deref(), model)?;
+/// Engine options from the flags; with a session to resume, its KV layout
+/// (flags that name another one are refused).
+pub fn engine_options(
+    g: &GenArgs,
+    model: &Model,
+    tok: &Tokenizer,
+    resume: Option<&SessionFile>,
+) -> Result<EngineOptions> {
+    let (kv_format, kv_format_v) = kv_formats(
+        g.cache.kv.as_deref().unwrap_or("f16"),
+        g.cache.kv_k.as_deref(),
+        g.cache.kv_v.as_deref(),
+        model,
+    )?;
     let mut o = EngineOptions {
         kv_format,
         kv_format_v: Some(kv_format_v),
@@ -152,6 +168,29 @@ pub fn engine_options(g: &GenArgs, model: &Model, tok: &Tokenizer) -> Result<Eng
             o.ctx, model.config.context_length, model.config.context_length
         );
     }
+    if let Some(f) = resume {
+        let id = &f.meta.identity;
+        let given = g.cache.kv.is_some() || g.cache.kv_k.is_some() || g.cache.kv_v.is_some();
+        if given && (kv_format.name(), kv_format_v.name()) != (id.kv_k.as_str(), id.kv_v.as_str()) {
+            bail!(
+                "{} holds {}/{} KV (keys/values); the --kv flags ask for {}/{} (leave them out to use the session's)",
+                f.path.display(),
+                id.kv_k,
+                id.kv_v,
+                kv_format.name(),
+                kv_format_v.name()
+            );
+        }
+        if g.cache.kv_page.is_some_and(|p| p != id.page_tokens) {
+            bail!(
+                "{} holds {}-position KV pages; --kv-page asks for {} (leave it out to use the session's)",
+                f.path.display(),
+                id.page_tokens,
+                o.page_tokens
+            );
+        }
+        return Ok(f.engine_options(model, o)?);
+    }
     add_key_basis(&mut o, model, tok)?;
     Ok(o)
 }
@@ -161,10 +200,16 @@ pub fn prompt_tokens(tok: &Tokenizer, file: &snug_model::GgufFile, prompt: &str,
     if !chat {
         return Ok(tok.encode(prompt, EncodeOptions::default()));
     }
+    chat_tokens(tok, file, &[Message::new("user", prompt)])
+}
+
+/// A conversation's tokens through the chat template, ready for the
+/// assistant's turn.
+pub fn chat_tokens(tok: &Tokenizer, file: &snug_model::GgufFile, messages: &[Message]) -> Result<Vec<u32>> {
     let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
     let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("");
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("");
-    let text = template.render(&[Message::new("user", prompt)], true, bos, eos, minijinja_empty())?;
+    let text = template.render(messages, true, bos, eos, minijinja_empty())?;
     // The template writes BOS itself where the model wants it.
     Ok(tok.encode(
         &text,
@@ -179,29 +224,108 @@ fn minijinja_empty() -> std::collections::BTreeMap<String, String> {
     std::collections::BTreeMap::new()
 }
 
+/// Where a run's conversation stands: the tokens so far and, for a chat,
+/// the messages.
+struct Resumed {
+    seq: snug_engine::SeqId,
+    tokens: Vec<u32>,
+    params: SamplingParams,
+    messages: Option<Vec<Message>>,
+    restored: usize,
+    restore_ms: f64,
+}
+
 pub fn cmd_run(a: RunArgs) -> Result<()> {
-    let prompt = if a.prompt == "-" {
-        read_stdin()?
-    } else {
-        a.prompt.clone()
+    let prompt = match a.prompt.as_deref() {
+        Some("-") => Some(read_stdin()?),
+        p => p.map(str::to_string),
     };
     let (path, file) = open_model_at(&a.model)?;
     let model = Model::load(&file)?;
     let tok = Tokenizer::from_gguf(&file)?;
-    let opts = engine_options(&a.gen, &model, &tok)?;
-    let ids = prompt_tokens(&tok, &file, &prompt, a.chat)?;
+    let resume = match &a.session {
+        Some(p) if p.exists() => Some(SessionFile::open(p)?),
+        _ => None,
+    };
+    let identity = if a.session.is_some() || a.save_session.is_some() {
+        Some(crate::session::model_identity(&path, &file, &a.model)?)
+    } else {
+        None
+    };
+    let opts = engine_options(&a.gen, &model, &tok, resume.as_ref())?;
+    let mut engine = Engine::new(&model, opts);
+    let mut state = match (&resume, &identity) {
+        (Some(f), Some(id)) => {
+            let t0 = std::time::Instant::now();
+            let seq = engine.restore_session(f, id)?;
+            let restore_ms = t0.elapsed().as_secs_f64() * 1e3;
+            eprintln!(
+                "restored {} tokens from {} in {:.1} ms ({} with KV, none prefilled)",
+                f.meta.tokens,
+                f.path.display(),
+                restore_ms,
+                f.meta.kv_tokens
+            );
+            Resumed {
+                seq,
+                tokens: f.tokens.clone(),
+                params: f.meta.sampling.clone(),
+                messages: f.meta.messages.clone(),
+                restored: f.meta.kv_tokens,
+                restore_ms,
+            }
+        }
+        _ => Resumed {
+            seq: engine.create_sequence(),
+            tokens: Vec::new(),
+            params: SamplingParams::default(),
+            messages: None,
+            restored: 0,
+            restore_ms: 0.0,
+        },
+    };
+    let seq = state.seq;
+    let ids = match (&resume, prompt) {
+        (None, None) => bail!(
+            "no session file {} yet: give a prompt (-p) to start one",
+            a.session.as_ref().map_or(String::new(), |p| p.display().to_string())
+        ),
+        (None, Some(p)) => {
+            if a.chat {
+                state.messages = Some(vec![Message::new("user", &p)]);
+            }
+            prompt_tokens(&tok, &file, &p, a.chat)?
+        }
+        (Some(_), None) => state.tokens.clone(),
+        (Some(_), Some(p)) => match &mut state.messages {
+            Some(msgs) => {
+                msgs.push(Message::new("user", &p));
+                chat_tokens(&tok, &file, msgs)?
+            }
+            None => {
+                let mut ids = state.tokens.clone();
+                ids.extend(tok.encode(
+                    &p,
+                    EncodeOptions {
+                        add_special: false,
+                        parse_special: false,
+                    },
+                ));
+                ids
+            }
+        },
+    };
     if ids.is_empty() {
         bail!("the prompt is empty");
     }
-    let mut engine = Engine::new(&model, opts);
-    let seq = engine.create_sequence();
     let speculate = speculate_mode(&a.gen)?;
     let mut calibration =
         (speculate == Mode::Auto).then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
+    let params = sampling(&a.gen, &state.params);
     let req = GenerateRequest {
         prompt: ids,
         max_tokens: a.gen.max_tokens,
-        params: sampling(&a.gen),
+        params: params.clone(),
         stop: a.gen.stop.clone(),
         speculate,
     };
@@ -224,6 +348,33 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     if g.context_full {
         eprintln!("note: stopped at the context limit of {} tokens", engine.options.ctx);
     }
+    let mut saved = None;
+    if let (Some(target), Some(id)) = (a.save_session.as_ref().or(a.session.as_ref()), &identity) {
+        if let Some(msgs) = &mut state.messages {
+            match msgs.last_mut() {
+                Some(m) if m.role == "assistant" && req.prompt.len() == state.tokens.len() => {
+                    m.content.push_str(&g.text)
+                }
+                _ => msgs.push(Message::new("assistant", &g.text)),
+            }
+        }
+        let tokens: Vec<u32> = req.prompt.iter().chain(&g.tokens).copied().collect();
+        let t0 = std::time::Instant::now();
+        let s = engine
+            .save_session(seq, target, id, &tokens, &params, state.messages.as_deref())
+            .with_context(|| format!("saving the session to {}", target.display()))?;
+        let save_ms = t0.elapsed().as_secs_f64() * 1e3;
+        if a.stats {
+            eprintln!(
+                "saved {} tokens to {} ({}) in {:.1} ms",
+                tokens.len(),
+                target.display(),
+                crate::human_bytes(s.bytes),
+                save_ms
+            );
+        }
+        saved = Some((target.clone(), s.bytes, save_ms));
+    }
     let ledger = ledger(&file, &engine, g.stats.speculation.state_bytes);
     let peak_rss = peak_rss_bytes();
     if a.json {
@@ -245,6 +396,13 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
                 "ledger": ledger_json(&ledger, peak_rss),
                 "speculation": g.stats.speculation,
             },
+            "session": (a.session.is_some() || a.save_session.is_some()).then(|| serde_json::json!({
+                "restored_tokens": state.restored,
+                "restore_ms": state.restore_ms,
+                "saved_to": saved.as_ref().map(|s| s.0.display().to_string()),
+                "saved_bytes": saved.as_ref().map(|s| s.1),
+                "save_ms": saved.as_ref().map(|s| s.2),
+            })),
         });
         writeln!(stdout, "{v}")?;
     }

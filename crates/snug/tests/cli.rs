@@ -596,3 +596,202 @@ fn a_kv_budget_caps_the_pool_and_the_context() {
         .unwrap();
     assert!(!out.status.success() && text(&out.stderr).contains("smaller than one KV page"));
 }
+
+/// `snug run` with the cache folder in `home` (fingerprints go there).
+fn run_in(home: &Path, model: &Path, args: &[&str]) -> Output {
+    snug()
+        .env("SNUG_HOME", home)
+        .arg("run")
+        .arg(model)
+        .args(["-t", "2"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u64> {
+    v["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_session_continued_in_a_new_process_matches_the_uninterrupted_run() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let dir = tmpdir("session-identity");
+    let prompt = "The lighthouse keeper wrote in his log every night. On the first night he wrote:";
+    for kv in ["f16", "tq4"] {
+        for sampler in [
+            &["--temperature", "0"][..],
+            &["--temperature", "0.8", "--top-p", "0.95", "--seed", "9"],
+        ] {
+            let what = format!("{kv} {sampler:?}");
+            let mut base = vec!["-p", prompt, "--kv", kv, "--json"];
+            base.extend_from_slice(sampler);
+            let whole = json_of(&run_in(&dir, &p, &[&base[..], &["-n", "40"]].concat()));
+            let file = dir.join(format!("{kv}-{}.snug", sampler.len()));
+            let file_s = file.to_str().unwrap();
+            let first = json_of(&run_in(
+                &dir,
+                &p,
+                &[&base[..], &["-n", "15", "--session", file_s]].concat(),
+            ));
+            assert_eq!(first["session"]["restored_tokens"], 0, "{what}");
+            // No flags but the file: the session brings the KV format and the sampler.
+            let rest = json_of(&run_in(&dir, &p, &["--session", file_s, "-n", "25", "--json"]));
+            assert!(rest["session"]["restored_tokens"].as_u64().unwrap() > 0, "{what}");
+            assert_eq!(
+                rest["prompt_tokens"],
+                first["prompt_tokens"].as_u64().unwrap() + 15,
+                "{what}"
+            );
+            assert_eq!(
+                rest["stats"]["prefill_tokens"], 1,
+                "{what}: only the last sampled token is fed"
+            );
+            let joined: Vec<u64> = ids(&first).into_iter().chain(ids(&rest)).collect();
+            assert_eq!(joined, ids(&whole), "{what}: token ids");
+            let text_of = |v: &serde_json::Value| v["text"].as_str().unwrap().to_string();
+            assert_eq!(text_of(&first) + &text_of(&rest), text_of(&whole), "{what}: text");
+        }
+    }
+    // A flag that names another KV format than the session's is refused.
+    let f = dir.join("tq4-6.snug");
+    let out = run_in(&dir, &p, &["--session", f.to_str().unwrap(), "-n", "2", "--kv", "f16"]);
+    assert_clean_error(&out, "holds tq4/tq4 KV");
+    // Appending text to a raw session: the new text is prefilled, the rest restored.
+    let out = json_of(&run_in(
+        &dir,
+        &p,
+        &["--session", f.to_str().unwrap(), "-p", " The end.", "-n", "3", "--json"],
+    ));
+    assert!(out["stats"]["prefill_tokens"].as_u64().unwrap() >= 3, "{out}");
+    let info = snug().args(["session", "info", "--json"]).arg(&f).output().unwrap();
+    let info: serde_json::Value = json_of(&info);
+    assert_eq!(info["checksums"], "ok");
+    assert_eq!(info["meta"]["identity"]["kv_k"], "tq4");
+    assert_eq!(info["meta"]["sampling"]["seed"], 9);
+}
+
+#[test]
+fn bad_session_files_get_their_own_one_line_errors() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let dir = tmpdir("session-bad");
+    let good = dir.join("good.snug");
+    let out = run_in(
+        &dir,
+        &p,
+        &["-p", "Once upon a time", "-n", "4", "--session", good.to_str().unwrap()],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let bytes = std::fs::read(&good).unwrap();
+    let write = |name: &str, b: &[u8]| {
+        let f = dir.join(name);
+        std::fs::write(&f, b).unwrap();
+        f
+    };
+    let mut flipped = bytes.clone();
+    let at = bytes.len() - 1000;
+    flipped[at] ^= 1;
+    let mut version = bytes.clone();
+    version[8] = 2;
+    let cases: Vec<(PathBuf, &str)> = vec![
+        (write("cut.snug", &bytes[..bytes.len() / 2]), "truncated"),
+        (write("flip.snug", &flipped), "checksum does not match"),
+        (write("version.snug", &version), "session format version 2"),
+        (write("text.snug", b"hello, not a session\n"), "not a snug session file"),
+    ];
+    for (f, needle) in &cases {
+        for cmd in [&["run"][..], &["session", "info"]] {
+            let mut c = snug();
+            c.env("SNUG_HOME", &dir).args(cmd);
+            if cmd[0] == "run" {
+                c.arg(&p).args(["-n", "2", "--session"]);
+            }
+            let out = c.arg(f).output().unwrap();
+            assert_clean_error(&out, needle);
+            assert!(out.stdout.is_empty(), "no output from a refused session");
+        }
+    }
+    // The same session with another model file (one byte of tensor data
+    // changed) is refused as another model.
+    let other = dir.join("other.gguf");
+    let mut m = std::fs::read(&p).unwrap();
+    let n = m.len();
+    m[n - 10] ^= 1;
+    std::fs::write(&other, m).unwrap();
+    let out = snug()
+        .env("SNUG_HOME", &dir)
+        .arg("run")
+        .arg(&other)
+        .args(["-n", "2", "--session"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "saved with model");
+    // None of that touched the good file.
+    assert_eq!(std::fs::read(&good).unwrap(), bytes);
+}
+
+#[test]
+fn killing_a_save_midway_leaves_the_previous_session_loadable() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let dir = tmpdir("session-kill");
+    let file = dir.join("s.snug");
+    let f = file.to_str().unwrap();
+    // A session large enough that saving takes a while.
+    let prompt = std::fs::read_to_string("/usr/share/common-licenses/GPL-3")
+        .map(|t| t.chars().take(6000).collect::<String>())
+        .unwrap_or_else(|_| "The river runs past the mill and on to the sea. ".repeat(120));
+    let out = run_in(&dir, &p, &["-p", &prompt, "-n", "2", "--session", f, "--ctx", "4096"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut killed_in_save = 0;
+    for _ in 0..3 {
+        // Continue and save; kill -9 as soon as the temporary file appears.
+        let mut child = snug()
+            .env("SNUG_HOME", &dir)
+            .arg("run")
+            .arg(&p)
+            .args(["-t", "2", "-n", "1", "-p", " More.", "--session", f])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let tmp = |d: &Path| {
+            std::fs::read_dir(d)
+                .unwrap()
+                .any(|e| e.unwrap().file_name().to_string_lossy().ends_with(".tmp"))
+        };
+        let start = std::time::Instant::now();
+        while !tmp(&dir) && child.try_wait().unwrap().is_none() && start.elapsed().as_secs() < 60 {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            killed_in_save += 1;
+        }
+        let _ = child.wait();
+        // Whatever the moment, the file is a whole session: the old one or
+        // the new one.
+        let info = snug().args(["session", "info"]).arg(&file).output().unwrap();
+        assert!(info.status.success(), "{}", text(&info.stderr));
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let e = e.unwrap();
+            if e.file_name().to_string_lossy().ends_with(".tmp") {
+                std::fs::remove_file(e.path()).unwrap();
+            }
+        }
+    }
+    assert!(killed_in_save > 0, "never caught a save in progress");
+    // And it still restores and generates.
+    let out = run_in(&dir, &p, &["-n", "2", "--session", f, "--json"]);
+    assert!(json_of(&out)["session"]["restored_tokens"].as_u64().unwrap() > 1000);
+}
