@@ -7,6 +7,7 @@ pub mod alloc;
 pub mod draft;
 pub mod ledger;
 pub mod pages;
+pub mod prefix;
 pub mod speculate;
 pub mod twins;
 

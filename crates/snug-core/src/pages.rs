@@ -67,17 +67,20 @@ impl PagePool {
         self.refcount[p as usize]
     }
 
-    fn alloc(&mut self) -> Option<PageId> {
+    /// Takes a free page (reference count 1), if any.
+    pub fn alloc(&mut self) -> Option<PageId> {
         let p = self.free.pop()?;
         self.refcount[p as usize] = 1;
         Some(p)
     }
 
-    fn retain(&mut self, p: PageId) {
+    /// Takes one more reference on page `p` (a cache or a table sharing it).
+    pub fn retain(&mut self, p: PageId) {
         self.refcount[p as usize] += 1;
     }
 
-    fn release(&mut self, p: PageId) {
+    /// Drops one reference on page `p`; the last one frees it.
+    pub fn release(&mut self, p: PageId) {
         let rc = &mut self.refcount[p as usize];
         debug_assert!(*rc > 0, "release of a free page");
         *rc -= 1;
@@ -184,6 +187,18 @@ impl PageTable {
             pool.release(p);
         }
         self.len = new_len;
+    }
+
+    /// Appends a whole page of positions that is already written (shared
+    /// from a cache; retained for this table by the caller). The table
+    /// must end on a page boundary.
+    pub fn push_full(&mut self, page: PageId, page_tokens: usize) {
+        assert!(
+            self.len.is_multiple_of(page_tokens),
+            "a full page goes after a full page"
+        );
+        self.pages.push(page);
+        self.len += page_tokens;
     }
 
     /// A new table sharing every page of this one.

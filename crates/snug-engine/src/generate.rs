@@ -166,8 +166,10 @@ impl Engine<'_> {
                 limit: self.options.ctx,
             });
         }
-        // Reuse the cached prefix; at least the last prompt token is fed
-        // again so that its logits are computed.
+        // Reuse the cached prefix (an empty sequence first takes what the
+        // prefix cache holds of the prompt); at least the last prompt
+        // token is fed again so that its logits are computed.
+        self.share_prefix(seq, &req.prompt)?;
         let cached = self.tokens(seq)?;
         let mut reuse = common_prefix(cached, &req.prompt);
         if reuse == req.prompt.len() {

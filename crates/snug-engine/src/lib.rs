@@ -5,11 +5,13 @@
 
 pub mod calibrate;
 pub mod generate;
+pub mod prefix_disk;
 pub mod sampling;
 pub mod session;
 
 use std::sync::Arc;
 
+use snug_core::prefix::{self, Key, PrefixCache, PrefixStats};
 use snug_core::twins::{TwinPool, Twins, KEEP};
 use snug_core::{PagePool, PageTable, PagesError};
 use snug_kernels::kv::{KvFormat, KvShape, KvStorage};
@@ -69,6 +71,9 @@ pub struct EngineOptions {
     /// [`snug_kernels::kvbasis`]; [`calibrate::key_basis`] makes one).
     /// Without it TQ4 keys are coded as they are.
     pub key_basis: Option<Arc<KeyBasis>>,
+    /// Keep full pages in a prefix cache, keyed by their tokens, for new
+    /// sequences that start the same way (see [`snug_core::prefix`]).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineOptions {
@@ -83,6 +88,7 @@ impl Default for EngineOptions {
             max_seqs: 1,
             kv_budget: None,
             key_basis: None,
+            prefix_cache: true,
         }
     }
 }
@@ -91,6 +97,8 @@ struct Sequence {
     table: PageTable,
     tokens: Vec<u32>,
     twins: Twins,
+    /// Prefix keys of its full pages, as far as they are registered.
+    keys: Vec<Key>,
 }
 
 /// Twin pages an engine keeps for its exact window (lossy formats only):
@@ -143,6 +151,8 @@ pub struct Engine<'m> {
     seqs: Vec<Option<Sequence>>,
     /// Measured seconds per forward by row count, for speculation.
     spec_costs: Option<Vec<(usize, f64)>>,
+    prefix: Option<PrefixCache>,
+    disk: Option<prefix_disk::DiskTier>,
 }
 
 impl<'m> Engine<'m> {
@@ -194,6 +204,8 @@ impl<'m> Engine<'m> {
             logits: Vec::new(),
             seqs: Vec::new(),
             spec_costs: None,
+            prefix: options.prefix_cache.then(PrefixCache::new),
+            disk: None,
             options,
         }
     }
@@ -204,6 +216,7 @@ impl<'m> Engine<'m> {
             table: PageTable::new(),
             tokens: Vec::new(),
             twins: Twins::new(),
+            keys: Vec::new(),
         };
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
@@ -233,12 +246,17 @@ impl<'m> Engine<'m> {
     /// limit, with enough free pages.
     pub fn has_room(&self, id: SeqId, n: usize) -> Result<bool, EngineError> {
         let s = self.seq(id)?;
-        Ok(s.tokens.len() + n <= self.options.ctx && s.table.can_append(&self.pages, n))
+        let idle = self.prefix.as_ref().map_or(0, |c| c.idle_pages(&self.pages));
+        Ok(s.tokens.len() + n <= self.options.ctx
+            && s.table.pages_needed(&self.pages, n) <= self.pages.free_pages() + idle)
     }
 
     /// Drops a sequence and returns its pages.
     pub fn free_sequence(&mut self, id: SeqId) {
         if let Some(Some(mut s)) = self.seqs.get_mut(id).map(Option::take) {
+            if let Some(c) = &mut self.prefix {
+                c.touch_chain(&s.keys);
+            }
             s.table.release(&mut self.pages);
             s.twins.release(&mut self.twin_pool);
         }
@@ -271,6 +289,7 @@ impl<'m> Engine<'m> {
                 Vec::new()
             }
         };
+        s.keys.truncate(s.tokens.len() / pt);
         if !redo.is_empty() {
             let rows: Vec<(SeqId, u32, bool)> = redo.iter().map(|&t| (id, t, false)).collect();
             self.step(&rows)?;
@@ -284,13 +303,19 @@ impl<'m> Engine<'m> {
         let tokens = s.tokens.clone();
         let table = s.table.clone();
         let parent_twins = s.twins.clone();
+        let keys = s.keys.clone();
         let (twins, copies) = parent_twins.fork(&mut self.twin_pool)?;
         for (from, to) in copies {
             self.storage.copy_twin(from, to);
         }
         let table = table.fork(&mut self.pages);
         let new = self.create_sequence();
-        self.seqs[new] = Some(Sequence { table, tokens, twins });
+        self.seqs[new] = Some(Sequence {
+            table,
+            tokens,
+            twins,
+            keys,
+        });
         Ok(new)
     }
 
@@ -350,6 +375,11 @@ impl<'m> Engine<'m> {
                 });
             }
             needed += s.table.pages_needed(&self.pages, n);
+        }
+        if needed > self.pages.free_pages() {
+            if let Some(c) = &mut self.prefix {
+                c.evict(&mut self.pages, needed, |_, _| {});
+            }
         }
         if needed > self.pages.free_pages() {
             return Err(EngineError::Pages(PagesError::OutOfPages {
@@ -445,7 +475,129 @@ impl<'m> Engine<'m> {
                 }
             }
         }
+        for &id in &seq_index {
+            self.register_pages(id);
+        }
         Ok(&self.logits)
+    }
+
+    /// Enters the sequence's newly full pages in the prefix cache (and its
+    /// disk tier).
+    fn register_pages(&mut self, id: SeqId) {
+        let Some(cache) = &mut self.prefix else { return };
+        let pt = self.storage.shape.page_tokens;
+        let s = self.seqs[id].as_mut().expect("a stepped sequence");
+        while s.keys.len() < s.tokens.len() / pt {
+            let i = s.keys.len();
+            let parent = if i == 0 { prefix::ROOT } else { s.keys[i - 1] };
+            let key = prefix::chain(&parent, &s.tokens[i * pt..(i + 1) * pt]);
+            let page = s.table.pages()[i];
+            cache.insert(&mut self.pages, key, page);
+            if let Some(d) = &mut self.disk {
+                match d.write(&key, &self.storage, page) {
+                    Ok(true) => cache.stats.disk_writes += 1,
+                    Ok(false) => {}
+                    Err(_) => cache.stats.disk_errors += 1,
+                }
+            }
+            s.keys.push(key);
+        }
+    }
+
+    /// Starts an empty sequence with the longest run of `prompt`'s full
+    /// pages that the prefix cache holds (in RAM, or in its disk tier),
+    /// shared instead of prefilled; at least the prompt's last token is
+    /// left to feed. With lossy pages the first page is computed rather
+    /// than shared, which rebuilds its exact twin (a shared page's bytes
+    /// are the same either way). Returns the positions the sequence holds.
+    pub fn share_prefix(&mut self, id: SeqId, prompt: &[u32]) -> Result<usize, EngineError> {
+        let pt = self.storage.shape.page_tokens;
+        if !self.seq(id)?.tokens.is_empty() || prompt.len() > self.options.ctx {
+            return Ok(self.seq(id)?.tokens.len());
+        }
+        let Some(cache) = &mut self.prefix else { return Ok(0) };
+        cache.stats.lookups += 1;
+        let keys = prefix::keys(prompt, pt, prompt.len().saturating_sub(1) / pt);
+        let disk = &self.disk;
+        let available = keys
+            .iter()
+            .take_while(|k| cache.contains(k) || disk.as_ref().is_some_and(|d| d.contains(k)))
+            .count();
+        let lossy = self.storage.is_lossy();
+        let first = usize::from(lossy);
+        if available <= first {
+            return Ok(0);
+        }
+        if lossy {
+            self.feed(id, &prompt[..pt])?;
+        }
+        let cache = self.prefix.as_mut().expect("checked above");
+        let s = self.seqs[id].as_mut().expect("checked above");
+        let mut shared = 0;
+        for (j, key) in keys.iter().enumerate().take(available).skip(first) {
+            let page = match cache.get(key) {
+                Some(p) => {
+                    self.pages.retain(p);
+                    p
+                }
+                None => {
+                    if self.pages.free_pages() == 0 {
+                        cache.evict(&mut self.pages, 1, |_, _| {});
+                    }
+                    let (Some(d), Some(p)) = (self.disk.as_mut(), self.pages.alloc()) else {
+                        break;
+                    };
+                    if !d.read(key, &mut self.storage, p) {
+                        self.pages.release(p);
+                        break;
+                    }
+                    cache.insert(&mut self.pages, *key, p);
+                    cache.stats.disk_hits += 1;
+                    p
+                }
+            };
+            s.table.push_full(page, pt);
+            s.tokens.extend_from_slice(&prompt[j * pt..(j + 1) * pt]);
+            s.keys.push(*key);
+            shared += 1;
+        }
+        if lossy {
+            s.twins.settle(&mut self.twin_pool, s.tokens.len(), pt);
+        }
+        if shared > 0 {
+            cache.stats.hits += 1;
+            cache.stats.reused_tokens += (shared * pt) as u64;
+        }
+        Ok(s.tokens.len())
+    }
+
+    /// Adds a disk tier to the prefix cache: page files under
+    /// `root/<identity>`, at most `cap` bytes, where `<identity>` hashes
+    /// the model and KV layout (see [`session::Identity`]).
+    pub fn enable_prefix_disk(
+        &mut self,
+        root: &std::path::Path,
+        cap: u64,
+        model: &session::ModelIdentity,
+    ) -> std::io::Result<()> {
+        use sha2::Digest;
+        let id = serde_json::to_vec(&self.session_identity(model)).expect("the identity serializes");
+        let name: String = sha2::Sha256::digest(&id)[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        self.disk = Some(prefix_disk::DiskTier::open(root, &name, cap)?);
+        Ok(())
+    }
+
+    /// What the prefix cache did so far (`None` when it is off).
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix.as_ref().map(|c| c.stats)
+    }
+
+    /// The disk tier's folder and bytes, if there is one.
+    pub fn prefix_disk(&self) -> Option<(&std::path::Path, u64)> {
+        self.disk.as_ref().map(|d| (d.dir(), d.bytes()))
     }
 
     /// Seconds per forward of 1 and 9 rows (a decode step and a verify of

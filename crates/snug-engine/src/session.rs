@@ -429,6 +429,7 @@ impl Engine<'_> {
             table,
             tokens: file.tokens[..n].to_vec(),
             twins,
+            keys: Vec::new(),
         });
         let filled = self.fill_from(file, id, &given);
         if filled.is_err() {

@@ -39,11 +39,15 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         Some(p) if p.exists() => Some(SessionFile::open(p)?),
         _ => None,
     };
-    let identity = match &session {
-        Some(_) => Some(crate::session::model_identity(&path, &file, &a.model)?),
-        None => None,
+    let identity = match (&session, &a.gen.prefix_cache_dir) {
+        (None, None) => None,
+        _ => Some(crate::session::model_identity(&path, &file, &a.model)?),
     };
-    let mut engine = Engine::new(&model, engine_options(&a.gen, &model, &tok, resume.as_ref())?);
+    let mut opts = engine_options(&a.gen, &model, &tok, resume.as_ref())?;
+    // Measuring without reuse means without the prefix cache's too.
+    opts.prefix_cache &= !a.no_cache_reuse;
+    let mut engine = Engine::new(&model, opts);
+    crate::run::enable_prefix_disk(&a.gen, &mut engine, identity.as_ref())?;
     let speculate = crate::run::speculate_mode(&a.gen)?;
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
         .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
@@ -120,6 +124,9 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
                 if let Some(s) = &last_stats {
                     eprintln!("[last turn: {s}]");
                 }
+                if let Some(p) = engine.prefix_stats() {
+                    eprintln!("[{}]", crate::run::prefix_text(&p));
+                }
                 let ledger = crate::run::ledger(&file, &engine, spec_bytes);
                 eprint!("{}", crate::run::ledger_text(&ledger, crate::run::peak_rss_bytes()));
                 continue;
@@ -152,6 +159,9 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             stop: a.gen.stop.clone(),
             speculate,
         };
+        if a.no_cache_reuse {
+            engine.truncate(seq, 0)?;
+        }
         let g = match engine.generate(seq, &tok, &req, |t| {
             print!("{t}");
             let _ = std::io::stdout().flush();

@@ -137,6 +137,10 @@ struct ChatArgs {
     /// folder) or a path ending in `.snug` or holding a `/`.
     #[arg(long, value_name = "NAME")]
     session: Option<String>,
+    /// Prefill the whole conversation every turn instead of reusing the
+    /// KV it already holds (to measure what reuse saves).
+    #[arg(long)]
+    no_cache_reuse: bool,
     #[command(flatten)]
     gen: GenArgs,
 }
@@ -221,6 +225,19 @@ struct GenArgs {
     /// this file.
     #[arg(long, value_name = "PATH")]
     metrics_file: Option<PathBuf>,
+    /// Keep full KV pages of earlier prompts here too (a disk tier of the
+    /// prefix cache that survives restarts), one folder per model and KV
+    /// layout.
+    #[arg(long, value_name = "DIR")]
+    prefix_cache_dir: Option<PathBuf>,
+    /// Most bytes the prefix cache's disk tier keeps (least recently used
+    /// pages go first).
+    #[arg(long, value_name = "SIZE", default_value = "2GiB")]
+    prefix_cache_size: String,
+    /// Do not share cached KV pages between sequences (the prefix cache's
+    /// RAM tier is on by default).
+    #[arg(long, conflicts_with = "prefix_cache_dir")]
+    no_prefix_cache: bool,
 }
 
 #[derive(Args)]

@@ -168,6 +168,7 @@ pub fn engine_options(
             o.ctx, model.config.context_length, model.config.context_length
         );
     }
+    o.prefix_cache = !g.no_prefix_cache;
     if let Some(f) = resume {
         let id = &f.meta.identity;
         let given = g.cache.kv.is_some() || g.cache.kv_k.is_some() || g.cache.kv_v.is_some();
@@ -193,6 +194,36 @@ pub fn engine_options(
     }
     add_key_basis(&mut o, model, tok)?;
     Ok(o)
+}
+
+/// Adds the prefix cache's disk tier when `--prefix-cache-dir` asks.
+pub fn enable_prefix_disk(
+    g: &GenArgs,
+    engine: &mut Engine,
+    identity: Option<&snug_engine::session::ModelIdentity>,
+) -> Result<()> {
+    let (Some(dir), Some(id)) = (&g.prefix_cache_dir, identity) else {
+        return Ok(());
+    };
+    let cap = crate::parse_size(&g.prefix_cache_size)?;
+    engine
+        .enable_prefix_disk(dir, cap as u64, id)
+        .with_context(|| format!("opening the prefix cache in {}", dir.display()))
+}
+
+/// One line of `--stats` about the prefix cache.
+pub fn prefix_text(s: &snug_core::prefix::PrefixStats) -> String {
+    format!(
+        "prefix cache: {} of {} lookups hit, {} tokens reused; {} pages cached, {} evicted; disk: {} read, {} written{}",
+        s.hits,
+        s.lookups,
+        s.reused_tokens,
+        s.pages,
+        s.evictions,
+        s.disk_hits,
+        s.disk_writes,
+        if s.disk_errors > 0 { format!(", {} write errors", s.disk_errors) } else { String::new() }
+    )
 }
 
 /// The prompt's tokens, through the chat template when asked.
@@ -243,22 +274,28 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     let (path, file) = open_model_at(&a.model)?;
     let model = Model::load(&file)?;
     let tok = Tokenizer::from_gguf(&file)?;
+    // Restore time counts opening and checking the file, the model's
+    // identity and reading the pages; not building the engine, which a
+    // prefill needs as well.
+    let opened = std::time::Instant::now();
     let resume = match &a.session {
         Some(p) if p.exists() => Some(SessionFile::open(p)?),
         _ => None,
     };
-    let identity = if a.session.is_some() || a.save_session.is_some() {
+    let identity = if a.session.is_some() || a.save_session.is_some() || a.gen.prefix_cache_dir.is_some() {
         Some(crate::session::model_identity(&path, &file, &a.model)?)
     } else {
         None
     };
+    let open_s = opened.elapsed().as_secs_f64();
     let opts = engine_options(&a.gen, &model, &tok, resume.as_ref())?;
     let mut engine = Engine::new(&model, opts);
+    enable_prefix_disk(&a.gen, &mut engine, identity.as_ref())?;
     let mut state = match (&resume, &identity) {
         (Some(f), Some(id)) => {
             let t0 = std::time::Instant::now();
             let seq = engine.restore_session(f, id)?;
-            let restore_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let restore_ms = (t0.elapsed().as_secs_f64() + open_s) * 1e3;
             eprintln!(
                 "restored {} tokens from {} in {:.1} ms ({} with KV, none prefilled)",
                 f.meta.tokens,
@@ -395,6 +432,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
                 "kv_budget_tokens": engine.options.kv_budget.map(|b| snug_engine::kv_budget_tokens(&model, &engine.options, b)),
                 "ledger": ledger_json(&ledger, peak_rss),
                 "speculation": g.stats.speculation,
+                "prefix_cache": engine.prefix_stats(),
             },
             "session": (a.session.is_some() || a.save_session.is_some()).then(|| serde_json::json!({
                 "restored_tokens": state.restored,
@@ -417,6 +455,9 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
             g.finish_reason.as_str()
         );
         eprintln!("{}", speculation_text(&g.stats.speculation));
+        if let Some(p) = engine.prefix_stats() {
+            eprintln!("{}", prefix_text(&p));
+        }
         eprint!("{}", ledger_text(&ledger, peak_rss));
     }
     append_metrics(&a.gen, &a.model, &g)?;

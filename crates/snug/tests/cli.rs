@@ -795,3 +795,55 @@ fn killing_a_save_midway_leaves_the_previous_session_loadable() {
     let out = run_in(&dir, &p, &["-n", "2", "--session", f, "--json"]);
     assert!(json_of(&out)["session"]["restored_tokens"].as_u64().unwrap() > 1000);
 }
+
+#[test]
+fn the_prefix_cache_disk_tier_serves_a_later_process_the_same_output() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let dir = tmpdir("prefix-disk");
+    let cache = dir.join("kv");
+    let doc = std::fs::read_to_string("/usr/share/common-licenses/Apache-2.0")
+        .map(|t| t.chars().take(1200).collect::<String>())
+        .unwrap_or_else(|_| "The river runs past the mill and on to the sea. ".repeat(25));
+    let q = |s: &str| format!("{doc}\n\nQuestion: {s}\nAnswer:");
+    let with_cache = |prompt: &str| {
+        json_of(&run_in(
+            &dir,
+            &p,
+            &[
+                "-p",
+                prompt,
+                "-n",
+                "12",
+                "--json",
+                "--prefix-cache-dir",
+                cache.to_str().unwrap(),
+            ],
+        ))
+    };
+    let first = with_cache(&q("who may use it?"));
+    assert!(first["stats"]["prefix_cache"]["disk_writes"].as_u64().unwrap() > 5);
+    let second = with_cache(&q("what does it cost?"));
+    let pc = &second["stats"]["prefix_cache"];
+    assert!(pc["disk_hits"].as_u64().unwrap() > 5, "{pc}");
+    assert!(pc["reused_tokens"].as_u64().unwrap() >= 200, "{pc}");
+    assert!(
+        second["stats"]["prefill_tokens"].as_u64().unwrap() < 100,
+        "{}",
+        second["stats"]
+    );
+    let cold = json_of(&run_in(
+        &dir,
+        &p,
+        &[
+            "-p",
+            &q("what does it cost?"),
+            "-n",
+            "12",
+            "--json",
+            "--no-prefix-cache",
+        ],
+    ));
+    assert!(cold["stats"]["prefix_cache"].is_null());
+    assert_eq!(ids(&second), ids(&cold));
+    assert_eq!(second["text"], cold["text"]);
+}
