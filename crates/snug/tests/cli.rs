@@ -847,3 +847,48 @@ fn the_prefix_cache_disk_tier_serves_a_later_process_the_same_output() {
     assert_eq!(ids(&second), ids(&cold));
     assert_eq!(second["text"], cold["text"]);
 }
+
+#[test]
+fn a_chat_session_resumes_in_a_new_process() {
+    use std::io::Write;
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let dir = tmpdir("chat-session");
+    let chat = |input: &str| {
+        let mut child = snug()
+            .env("SNUG_HOME", &dir)
+            .arg("chat")
+            .arg(&p)
+            .args(["-n", "12", "-t", "2", "--session", "notes"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stderr)
+    };
+    let first = chat("My name is Ada.\n");
+    assert!(!first.contains("resumed"), "{first}");
+    let file = dir.join("sessions").join("notes.snug");
+    assert!(file.exists());
+    let second = chat("What is my name?\n");
+    let resumed = second.lines().find(|l| l.contains("[resumed")).expect("a resumed line");
+    assert!(resumed.contains("2 messages"), "{resumed}");
+    // The turn prefills only its own tokens: the rest comes from the file.
+    let turn = second.lines().find(|l| l.contains("reused from the cache")).unwrap();
+    let reused: u64 = turn
+        .split(", ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(reused > 20, "{turn}");
+    let info = snug().args(["session", "info", "--json"]).arg(&file).output().unwrap();
+    let v = json_of(&info);
+    assert_eq!(v["meta"]["messages"].as_array().unwrap().len(), 4);
+}
