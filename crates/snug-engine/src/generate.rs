@@ -169,7 +169,10 @@ impl Engine<'_> {
         // Reuse the cached prefix (an empty sequence first takes what the
         // prefix cache holds of the prompt); at least the last prompt
         // token is fed again so that its logits are computed.
+        let rows_before = self.rows_computed();
         self.share_prefix(seq, &req.prompt)?;
+        // With lossy pages sharing computes the first page itself.
+        let recomputed = (self.rows_computed() - rows_before) as usize;
         let cached = self.tokens(seq)?;
         let mut reuse = common_prefix(cached, &req.prompt);
         if reuse == req.prompt.len() {
@@ -189,7 +192,7 @@ impl Engine<'_> {
         let mut finish = FinishReason::Length;
         let mut context_full = false;
         let mut stats = GenerateStats {
-            prefill_tokens: to_feed.len(),
+            prefill_tokens: to_feed.len() + recomputed,
             ..Default::default()
         };
 
@@ -198,7 +201,7 @@ impl Engine<'_> {
         }
         let mut logits = self.feed(seq, to_feed)?.to_vec();
         let prefill_s = start.elapsed().as_secs_f64();
-        stats.prefill_tok_s = to_feed.len() as f64 / prefill_s.max(1e-9);
+        stats.prefill_tok_s = (to_feed.len() + recomputed) as f64 / prefill_s.max(1e-9);
         let mut policy = Policy::new(req.speculate, &[]);
         let mut calibrated = false;
         let mut drafter = PromptLookup::new(DRAFT_MIN_N, DRAFT_MAX_N);
@@ -362,7 +365,7 @@ impl Engine<'_> {
             finish_reason: finish,
             context_full,
             prompt_tokens: req.prompt.len(),
-            reused_tokens: reuse,
+            reused_tokens: reuse.saturating_sub(recomputed),
             stats,
         })
     }

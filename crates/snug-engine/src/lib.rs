@@ -99,6 +99,9 @@ struct Sequence {
     twins: Twins,
     /// Prefix keys of its full pages, as far as they are registered.
     keys: Vec<Key>,
+    /// Whether its pages may enter the prefix cache: not when they grew
+    /// from pages read from a session file.
+    shareable: bool,
 }
 
 /// Twin pages an engine keeps for its exact window (lossy formats only):
@@ -153,6 +156,8 @@ pub struct Engine<'m> {
     spec_costs: Option<Vec<(usize, f64)>>,
     prefix: Option<PrefixCache>,
     disk: Option<prefix_disk::DiskTier>,
+    /// Rows run through the forward pass so far.
+    rows_computed: u64,
 }
 
 impl<'m> Engine<'m> {
@@ -206,6 +211,7 @@ impl<'m> Engine<'m> {
             spec_costs: None,
             prefix: options.prefix_cache.then(PrefixCache::new),
             disk: None,
+            rows_computed: 0,
             options,
         }
     }
@@ -217,6 +223,7 @@ impl<'m> Engine<'m> {
             tokens: Vec::new(),
             twins: Twins::new(),
             keys: Vec::new(),
+            shareable: true,
         };
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
@@ -275,7 +282,12 @@ impl<'m> Engine<'m> {
             .ok_or(EngineError::NoSequence(id))?;
         let len = len.min(s.tokens.len());
         s.table.truncate(&mut self.pages, len);
-        let redo = match s.twins.truncate(&mut self.twin_pool, len, pt) {
+        let lost = if self.storage.is_lossy() {
+            s.twins.truncate(&mut self.twin_pool, len, pt)
+        } else {
+            None
+        };
+        let redo = match lost {
             Some(page) => {
                 let start = page * pt;
                 let redo = s.tokens[start..len].to_vec();
@@ -304,6 +316,7 @@ impl<'m> Engine<'m> {
         let table = s.table.clone();
         let parent_twins = s.twins.clone();
         let keys = s.keys.clone();
+        let shareable = s.shareable;
         let (twins, copies) = parent_twins.fork(&mut self.twin_pool)?;
         for (from, to) in copies {
             self.storage.copy_twin(from, to);
@@ -315,6 +328,7 @@ impl<'m> Engine<'m> {
             tokens,
             twins,
             keys,
+            shareable,
         });
         Ok(new)
     }
@@ -338,6 +352,12 @@ impl<'m> Engine<'m> {
         let total = self.storage.exact_window_bytes();
         let free = self.twin_pool.free() * self.storage.twin_page_bytes();
         (total, total - free)
+    }
+
+    /// Rows the forward pass has computed since the engine was made
+    /// (prefill, decode, verify and recomputed rows alike).
+    pub fn rows_computed(&self) -> u64 {
+        self.rows_computed
     }
 
     /// Bytes of forward scratch.
@@ -478,6 +498,7 @@ impl<'m> Engine<'m> {
         for &id in &seq_index {
             self.register_pages(id);
         }
+        self.rows_computed += rows.len() as u64;
         Ok(&self.logits)
     }
 
@@ -487,6 +508,9 @@ impl<'m> Engine<'m> {
         let Some(cache) = &mut self.prefix else { return };
         let pt = self.storage.shape.page_tokens;
         let s = self.seqs[id].as_mut().expect("a stepped sequence");
+        if !s.shareable {
+            return;
+        }
         while s.keys.len() < s.tokens.len() / pt {
             let i = s.keys.len();
             let parent = if i == 0 { prefix::ROOT } else { s.keys[i - 1] };
@@ -544,9 +568,8 @@ impl<'m> Engine<'m> {
                     if self.pages.free_pages() == 0 {
                         cache.evict(&mut self.pages, 1, |_, _| {});
                     }
-                    let (Some(d), Some(p)) = (self.disk.as_mut(), self.pages.alloc()) else {
-                        break;
-                    };
+                    let Some(d) = self.disk.as_mut() else { break };
+                    let Some(p) = self.pages.alloc() else { break };
                     if !d.read(key, &mut self.storage, p) {
                         self.pages.release(p);
                         break;

@@ -54,6 +54,13 @@ pub const VERSION: u32 = 1;
 const ALIGN: u64 = 64;
 const TOC_ENTRY: usize = 32;
 const MAX_SECTIONS: u32 = 16;
+/// Most positions a page may hold (as `--kv-page` allows).
+pub const MAX_PAGE_TOKENS: usize = 4096;
+
+// The format is little-endian and pages are written as they lie in
+// memory.
+#[cfg(not(target_endian = "little"))]
+compile_error!("session files are written from memory and are little-endian");
 
 /// Why a session could not be saved or used.
 #[derive(Debug, thiserror::Error)]
@@ -403,6 +410,13 @@ impl Engine<'_> {
             source,
         };
         let n = m.kv_tokens;
+        if n > file.tokens.len() || m.tokens != file.tokens.len() {
+            return Err(file.malformed("the token counts disagree with the TOKN section"));
+        }
+        let vocab = self.model.config.vocab;
+        if let Some(&t) = file.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(file.malformed(&format!("token id {t} is outside the vocabulary of {vocab}")));
+        }
         if n > self.options.ctx {
             return Err(engine_err(EngineError::ContextFull {
                 len: 0,
@@ -414,6 +428,22 @@ impl Engine<'_> {
         let pages = n.div_ceil(pt);
         if m.twins.iter().any(|&i| i >= pages) {
             return Err(file.malformed("a twin lies beyond the saved positions"));
+        }
+        let mut sorted = m.twins.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != m.twins.len() {
+            return Err(file.malformed("a page is listed twice among the twins"));
+        }
+        // Lossy pages are read next to their exact window, which always
+        // holds page 0; exact pages have none.
+        let lossy = self.storage.is_lossy();
+        if lossy && n > 0 && sorted.first() != Some(&0) || !lossy && !sorted.is_empty() {
+            return Err(file.malformed("the exact-window twins do not fit the KV format"));
+        }
+        if let Some(c) = &mut self.prefix {
+            let need = PageTable::new().pages_needed(&self.pages, n);
+            c.evict(&mut self.pages, need, |_, _| {});
         }
         let mut table = PageTable::new();
         table.append(&mut self.pages, n).map_err(|e| engine_err(e.into()))?;
@@ -429,7 +459,10 @@ impl Engine<'_> {
             table,
             tokens: file.tokens[..n].to_vec(),
             twins,
+            // Pages from a file (and what grows from them) are trusted for
+            // this sequence only, never shared through the prefix cache.
             keys: Vec::new(),
+            shareable: false,
         });
         let filled = self.fill_from(file, id, &given);
         if filled.is_err() {
@@ -629,10 +662,15 @@ impl SessionFile {
         }
         if f.entries.iter().any(|e| &e.tag == b"BASI") {
             let b = f.read_section("BASI")?;
-            let per = m.identity.layers * m.identity.kv_heads * m.identity.head_dim;
-            if b.len() != 8 * per {
+            let per = m
+                .identity
+                .layers
+                .checked_mul(m.identity.kv_heads)
+                .and_then(|x| x.checked_mul(m.identity.head_dim))
+                .filter(|&x| x.checked_mul(8) == Some(b.len()));
+            let Some(per) = per else {
                 return Err(f.malformed("the key basis has the wrong size"));
-            }
+            };
             let x: Vec<f32> = b
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
@@ -648,18 +686,39 @@ impl SessionFile {
     /// `base` with the KV layout the session was saved in: key and value
     /// formats, page size and the saved key basis (so restoring needs no
     /// calibration).
+    ///
+    /// The session must have been made with this model and tokenizer (the
+    /// rest of the identity is checked by [`Engine::restore_session`]),
+    /// and its layout must be one this model can have.
     pub fn engine_options(
         &self,
         model: &snug_model::arch::Model,
+        identity: &ModelIdentity,
         base: EngineOptions,
     ) -> Result<EngineOptions, SessionError> {
         let id = &self.meta.identity;
-        let format =
-            |name: &str| KvFormat::parse(name).ok_or_else(|| self.malformed(&format!("unknown KV format {name:?}")));
+        let c = &model.config;
+        let here = Identity {
+            model_sha256: identity.model_sha256.clone(),
+            tokenizer_sha256: identity.tokenizer_sha256.clone(),
+            arch: c.arch.name().to_string(),
+            layers: c.layers,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            ..id.clone()
+        };
+        self.check_identity(&here)?;
+        let format = |name: &str| match KvFormat::parse(name) {
+            Some(f) if f.supports_head_dim(c.head_dim) => Ok(f),
+            _ => Err(self.malformed(&format!("KV format {name:?} for head size {}", c.head_dim))),
+        };
+        if !(1..=MAX_PAGE_TOKENS).contains(&id.page_tokens) {
+            return Err(self.malformed(&format!("{} positions a page", id.page_tokens)));
+        }
         let mut o = base;
         o.kv_format = format(&id.kv_k)?;
         o.kv_format_v = Some(format(&id.kv_v)?);
-        o.page_tokens = id.page_tokens.max(1);
+        o.page_tokens = id.page_tokens;
         o.key_basis = self.basis.as_ref().and_then(|(offset, weight)| {
             let c = &model.config;
             (id.layers == c.layers && id.kv_heads == c.kv_heads && id.head_dim == c.head_dim).then(|| {

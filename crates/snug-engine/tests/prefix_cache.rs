@@ -121,16 +121,20 @@ fn shared_pages_give_the_cold_output() {
             generate(&mut warm, &tok, &a, &params);
             let got = generate(&mut warm, &tok, &b, &params);
             let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-            assert_eq!(got.reused_tokens, common / 16 * 16, "{what}: whole shared pages reused");
+            // Whole shared pages, but for the first with lossy pages (it is
+            // computed, for its exact twin).
+            let first = if kv == KvFormat::F16 { 0 } else { 16 };
+            assert_eq!(
+                got.reused_tokens,
+                common / 16 * 16 - first,
+                "{what}: whole shared pages reused"
+            );
             assert!(got.reused_tokens >= 256, "{what}");
             assert_eq!(got.tokens, want.tokens, "{what}: tokens");
             assert_eq!(got.text, want.text, "{what}: text");
             let st = warm.prefix_stats().unwrap();
             assert_eq!((st.lookups, st.hits), (2, 1), "{what}");
-            assert_eq!(
-                st.reused_tokens as usize,
-                got.reused_tokens - usize::from(kv != KvFormat::F16) * 16
-            );
+            assert_eq!(st.reused_tokens as usize, got.reused_tokens);
         }
     }
 }

@@ -114,14 +114,18 @@ fn a_restored_session_goes_on_as_the_uninterrupted_run() {
             let f = SessionFile::open(&file).unwrap();
             assert_eq!(f.tokens, all);
             assert_eq!(f.meta.sampling, params);
-            let opts = f.engine_options(&model, options(KvFormat::F16)).unwrap();
+            let opts = f.engine_options(&model, &identity(), options(KvFormat::F16)).unwrap();
             let mut c = Engine::new(&model, opts);
             let free = c.kv_bytes();
             let r = c.restore_session(&f, &identity()).unwrap();
             assert!(c.kv_bytes().1 > free.1);
+            assert_eq!(c.rows_computed(), 0, "{what}: nothing recomputed");
             assert_eq!(c.tokens(r).unwrap(), &all[..f.meta.kv_tokens], "{what}");
             let rest = generate(&mut c, r, &tok, &all, &f.meta.sampling, 17);
             assert_eq!(rest[..], whole[23..], "{what}: continuation after restore");
+            // The one token not yet in the KV, then one row per new token
+            // (drafts aside): the restored positions are not recomputed.
+            assert!(c.rows_computed() < 40, "{what}: {} rows", c.rows_computed());
         }
     }
 }
@@ -226,8 +230,59 @@ fn bad_session_files_are_refused_each_with_its_own_error() {
             ..
         })
     ));
+    // A session file claiming a format this model cannot hold, or a page
+    // size out of range, is refused before any engine is built.
+    let f = SessionFile::open(&good).unwrap();
+    let mut bad = SessionFile::open(&good).unwrap();
+    bad.meta.identity.page_tokens = 1 << 40;
+    assert!(matches!(
+        bad.engine_options(&model, &identity(), options(KvFormat::F16)),
+        Err(SessionError::Malformed { .. })
+    ));
+    let mut bad = SessionFile::open(&good).unwrap();
+    bad.meta.identity.kv_k = "tq5".into();
+    assert!(matches!(
+        bad.engine_options(&model, &identity(), options(KvFormat::F16)),
+        Err(SessionError::Malformed { .. })
+    ));
+    let mut wrong = identity();
+    wrong.model_sha256 = "c".repeat(64);
+    assert!(matches!(
+        f.engine_options(&model, &wrong, options(KvFormat::F16)),
+        Err(SessionError::Mismatch { what: "model", .. })
+    ));
+    // Token ids outside the vocabulary.
+    let mut bad = SessionFile::open(&good).unwrap();
+    bad.tokens[0] = 1 << 30;
+    assert!(matches!(
+        e.restore_session(&bad, &identity()),
+        Err(SessionError::Malformed { .. })
+    ));
     // The good file still restores.
     assert!(restore(&mut e, &good, &identity()).is_ok());
+}
+
+#[test]
+fn a_lossy_session_without_its_first_twin_is_refused() {
+    let Some(fx) = smollm2() else { return };
+    let model = Model::load(&fx.file).unwrap();
+    let tok = Tokenizer::from_gguf(&fx.file).unwrap();
+    let good = saved(&model, &tok, "q8.snug", KvFormat::Q8);
+    let mut e = Engine::new(&model, options(KvFormat::Q8));
+    let mut f = SessionFile::open(&good).unwrap();
+    assert!(f.meta.twins.contains(&0));
+    f.meta.twins.retain(|&i| i != 0);
+    assert!(matches!(
+        e.restore_session(&f, &identity()),
+        Err(SessionError::Malformed { .. })
+    ));
+    let mut f = SessionFile::open(&good).unwrap();
+    f.meta.twins.push(f.meta.twins[0]);
+    assert!(matches!(
+        e.restore_session(&f, &identity()),
+        Err(SessionError::Malformed { .. })
+    ));
+    assert_eq!(e.kv_bytes().1, 0, "nothing taken");
 }
 
 #[test]
@@ -264,4 +319,28 @@ fn a_failed_save_leaves_the_previous_file_whole() {
         .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp"))
         .count();
     assert_eq!(leftovers, 0);
+}
+
+#[test]
+fn a_rollback_recomputes_only_a_partial_page_that_lost_its_twin() {
+    let Some(fx) = smollm2() else { return };
+    let model = Model::load(&fx.file).unwrap();
+    let tok = Tokenizer::from_gguf(&fx.file).unwrap();
+    let ids = tok.encode(PROMPT, EncodeOptions::default());
+    let ids: Vec<u32> = ids.iter().cycle().take(70).copied().collect();
+    for kv in [KvFormat::F16, KvFormat::Q8] {
+        let mut e = Engine::new(&model, options(kv));
+        let s = e.create_sequence();
+        e.feed(s, &ids).unwrap();
+        let rows = e.rows_computed();
+        // Within the newest pages (16-position pages): nothing to redo.
+        e.truncate(s, 61).unwrap();
+        assert_eq!(e.rows_computed(), rows, "{}", kv.name());
+        // Deep: F16 keeps every page exact; Q8's page 2 lost its twin and
+        // its 5 positions are recomputed.
+        e.truncate(s, 37).unwrap();
+        let redo = if kv == KvFormat::F16 { 0 } else { 37 - 32 };
+        assert_eq!(e.rows_computed(), rows + redo, "{}", kv.name());
+        assert_eq!(e.tokens(s).unwrap(), &ids[..37]);
+    }
 }

@@ -43,7 +43,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         (None, None) => None,
         _ => Some(crate::session::model_identity(&path, &file, &a.model)?),
     };
-    let mut opts = engine_options(&a.gen, &model, &tok, resume.as_ref())?;
+    let mut opts = engine_options(&a.gen, &model, &tok, resume.as_ref().zip(identity.as_ref()))?;
     // Measuring without reuse means without the prefix cache's too.
     opts.prefix_cache &= !a.no_cache_reuse;
     let mut engine = Engine::new(&model, opts);

@@ -7,7 +7,7 @@ use snug_core::speculate::Mode;
 use snug_core::Ledger;
 use snug_engine::generate::{GenerateRequest, Generation, SpecStats};
 use snug_engine::sampling::SamplingParams;
-use snug_engine::session::SessionFile;
+use snug_engine::session::{ModelIdentity, SessionFile};
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::kv::KvFormat;
 use snug_model::arch::Model;
@@ -126,7 +126,7 @@ pub fn engine_options(
     g: &GenArgs,
     model: &Model,
     tok: &Tokenizer,
-    resume: Option<&SessionFile>,
+    resume: Option<(&SessionFile, &ModelIdentity)>,
 ) -> Result<EngineOptions> {
     let (kv_format, kv_format_v) = kv_formats(
         g.cache.kv.as_deref().unwrap_or("f16"),
@@ -150,6 +150,43 @@ pub fn engine_options(
     if o.ctx == 0 {
         bail!("--ctx must be at least 1");
     }
+    if o.ctx > model.config.context_length {
+        eprintln!(
+            "note: --ctx {} exceeds the model's context length {}; using {}",
+            o.ctx, model.config.context_length, model.config.context_length
+        );
+    }
+    o.prefix_cache = !g.no_prefix_cache;
+    if let Some((f, mid)) = resume {
+        let id = &f.meta.identity;
+        // Only the parts a flag names are compared.
+        let (want_k, want_v) = (
+            g.cache.kv_k.as_deref().or(g.cache.kv.as_deref()),
+            g.cache.kv_v.as_deref().or(g.cache.kv.as_deref()),
+        );
+        if want_k.is_some_and(|_| kv_format.name() != id.kv_k) || want_v.is_some_and(|_| kv_format_v.name() != id.kv_v)
+        {
+            bail!(
+                "{} holds {}/{} KV (keys/values); the --kv flags ask for {}/{} (leave them out to use the session's)",
+                f.path.display(),
+                id.kv_k,
+                id.kv_v,
+                want_k.map_or(id.kv_k.as_str(), |_| kv_format.name()),
+                want_v.map_or(id.kv_v.as_str(), |_| kv_format_v.name()),
+            );
+        }
+        if g.cache.kv_page.is_some_and(|p| p != id.page_tokens) {
+            bail!(
+                "{} holds {}-position KV pages; --kv-page asks for {} (leave it out to use the session's)",
+                f.path.display(),
+                id.page_tokens,
+                o.page_tokens
+            );
+        }
+        o = f.engine_options(model, mid, o)?;
+    } else {
+        add_key_basis(&mut o, model, tok)?;
+    }
     if let Some(b) = &g.kv_budget {
         let budget = crate::parse_size(b)?;
         let page = snug_engine::kv_page_bytes(model, &o);
@@ -162,37 +199,6 @@ pub fn engine_options(
         }
         o.kv_budget = Some(budget);
     }
-    if o.ctx > model.config.context_length {
-        eprintln!(
-            "note: --ctx {} exceeds the model's context length {}; using {}",
-            o.ctx, model.config.context_length, model.config.context_length
-        );
-    }
-    o.prefix_cache = !g.no_prefix_cache;
-    if let Some(f) = resume {
-        let id = &f.meta.identity;
-        let given = g.cache.kv.is_some() || g.cache.kv_k.is_some() || g.cache.kv_v.is_some();
-        if given && (kv_format.name(), kv_format_v.name()) != (id.kv_k.as_str(), id.kv_v.as_str()) {
-            bail!(
-                "{} holds {}/{} KV (keys/values); the --kv flags ask for {}/{} (leave them out to use the session's)",
-                f.path.display(),
-                id.kv_k,
-                id.kv_v,
-                kv_format.name(),
-                kv_format_v.name()
-            );
-        }
-        if g.cache.kv_page.is_some_and(|p| p != id.page_tokens) {
-            bail!(
-                "{} holds {}-position KV pages; --kv-page asks for {} (leave it out to use the session's)",
-                f.path.display(),
-                id.page_tokens,
-                o.page_tokens
-            );
-        }
-        return Ok(f.engine_options(model, o)?);
-    }
-    add_key_basis(&mut o, model, tok)?;
     Ok(o)
 }
 
@@ -288,7 +294,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
         None
     };
     let open_s = opened.elapsed().as_secs_f64();
-    let opts = engine_options(&a.gen, &model, &tok, resume.as_ref())?;
+    let opts = engine_options(&a.gen, &model, &tok, resume.as_ref().zip(identity.as_ref()))?;
     let mut engine = Engine::new(&model, opts);
     enable_prefix_disk(&a.gen, &mut engine, identity.as_ref())?;
     let mut state = match (&resume, &identity) {

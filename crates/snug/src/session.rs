@@ -73,12 +73,15 @@ pub fn cmd_info(a: SessionInfoArgs) -> Result<()> {
         if id.rotation_sha256.is_empty() {
             String::new()
         } else {
-            format!(", rotation {}", &id.rotation_sha256[..16])
+            format!(", rotation {}", id.rotation_sha256.chars().take(16).collect::<String>())
         },
         if id.key_basis_sha256.is_empty() {
             String::new()
         } else {
-            format!(", key basis {}", &id.key_basis_sha256[..16])
+            format!(
+                ", key basis {}",
+                id.key_basis_sha256.chars().take(16).collect::<String>()
+            )
         },
     );
     println!(
