@@ -8,6 +8,7 @@ pub mod draft;
 pub mod ledger;
 pub mod pages;
 pub mod prefix;
+pub mod schedule;
 pub mod speculate;
 pub mod twins;
 
