@@ -336,6 +336,7 @@ impl Engine<'_> {
         };
         let keep = (req.prompt.len() + fed).min(self.tokens(seq)?.len());
         self.truncate(seq, keep)?;
+        self.register_pages(seq);
         if spec.drafted > 0 {
             spec.acceptance_rate = spec.accepted as f64 / spec.drafted as f64;
         }

@@ -260,6 +260,7 @@ impl<'m> Engine<'m> {
 
     /// Drops a sequence and returns its pages.
     pub fn free_sequence(&mut self, id: SeqId) {
+        self.register_pages(id);
         if let Some(Some(mut s)) = self.seqs.get_mut(id).map(Option::take) {
             if let Some(c) = &mut self.prefix {
                 c.touch_chain(&s.keys);
@@ -375,6 +376,11 @@ impl<'m> Engine<'m> {
             if tok as usize >= vocab {
                 return Err(EngineError::BadToken(tok));
             }
+        }
+        // Pages that filled in earlier steps and were not rolled back
+        // since (a rejected draft's are gone by now) enter the prefix cache.
+        for &(id, _, _) in rows {
+            self.register_pages(id);
         }
         // Plan: how many positions each sequence gains, and does it fit.
         let mut gains: Vec<(SeqId, usize)> = Vec::new();
@@ -495,19 +501,18 @@ impl<'m> Engine<'m> {
                 }
             }
         }
-        for &id in &seq_index {
-            self.register_pages(id);
-        }
         self.rows_computed += rows.len() as u64;
         Ok(&self.logits)
     }
 
-    /// Enters the sequence's newly full pages in the prefix cache (and its
-    /// disk tier).
+    /// Enters the sequence's full pages not yet there in the prefix cache
+    /// (and its disk tier). Called when their tokens are settled: before
+    /// the sequence's next step, at the end of a generation, when it is
+    /// freed.
     fn register_pages(&mut self, id: SeqId) {
         let Some(cache) = &mut self.prefix else { return };
         let pt = self.storage.shape.page_tokens;
-        let s = self.seqs[id].as_mut().expect("a stepped sequence");
+        let Some(Some(s)) = self.seqs.get_mut(id) else { return };
         if !s.shareable {
             return;
         }

@@ -213,3 +213,29 @@ fn the_disk_tier_survives_the_engine_and_refuses_damaged_pages() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn rolled_back_pages_never_enter_the_cache() {
+    let Some(s) = setup() else { return };
+    let model = Model::load(&s.file).unwrap();
+    let tok = Tokenizer::from_gguf(&s.file).unwrap();
+    let (a, _) = prompts(&tok);
+    let mut e = Engine::new(&model, options(KvFormat::F16, true));
+    let seq = e.create_sequence();
+    e.feed(seq, &a[..30]).unwrap();
+    // A verify of 9 rows fills page 1 (positions 16..32) and starts page 2
+    // with a draft that is then rejected.
+    let rows: Vec<_> = a[30..39].iter().map(|&t| (seq, t, true)).collect();
+    e.step(&rows).unwrap();
+    e.truncate(seq, 31).unwrap();
+    e.feed(seq, &[a[31]]).unwrap();
+    // Page 0 entered at the verify; page 1 (filled by drafts, rolled back)
+    // did not.
+    assert_eq!(e.prefix_stats().unwrap().pages, 1);
+    // Page 1 is now full of settled tokens (a[..32]): it enters at the
+    // next step.
+    e.feed(seq, &[7]).unwrap();
+    assert_eq!(e.prefix_stats().unwrap().pages, 2);
+    e.free_sequence(seq);
+    assert_eq!(e.prefix_stats().unwrap().pages, 2);
+}
