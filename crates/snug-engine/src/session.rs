@@ -240,6 +240,38 @@ fn temp_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
 }
 
+/// Removes temporary files that saves of `path` by processes no longer
+/// running left behind (a save killed midway).
+fn remove_stale_temps(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!(".{}.", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    // Whether a process runs is read from /proc; without it nothing is
+    // removed.
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    for e in entries.flatten() {
+        let f = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = f.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".tmp")) else {
+            continue;
+        };
+        let alive = pid
+            .parse::<u32>()
+            .is_ok_and(|p| Path::new(&format!("/proc/{p}")).exists());
+        if !alive {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 impl Engine<'_> {
     /// The KV half of a session identity, with the model's half from the
     /// caller.
@@ -326,6 +358,7 @@ impl Engine<'_> {
         let json = serde_json::to_vec(&meta).expect("the header serializes");
         let basis = self.storage.key_basis().map(basis_bytes);
         let n_sections = 4 + usize::from(basis.is_some());
+        remove_stale_temps(path);
         let tmp = temp_path(path);
         let io = |source| SessionError::Io {
             path: tmp.display().to_string(),

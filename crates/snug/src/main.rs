@@ -59,6 +59,15 @@ enum SessionCommand {
     /// Print a session file's header (model, KV layout, tokens, sampler)
     /// after checking every checksum.
     Info(SessionInfoArgs),
+    /// List the named chat sessions (`chat --session NAME`) in the cache.
+    List(SessionListArgs),
+}
+
+#[derive(Args)]
+struct SessionListArgs {
+    /// Print one JSON object per line.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -335,6 +344,7 @@ fn main() -> ExitCode {
         Command::Chat(a) => chat::cmd_chat(a),
         Command::Eval(EvalCommand::Ppl(a)) => eval::cmd_eval_ppl(a),
         Command::Session(SessionCommand::Info(a)) => session::cmd_info(a),
+        Command::Session(SessionCommand::List(a)) => session::cmd_list(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use snug_engine::session::{ModelIdentity, SessionFile};
 use snug_model::GgufFile;
 
-use crate::SessionInfoArgs;
+use crate::{SessionInfoArgs, SessionListArgs};
 
 /// The model half of a session identity: the file's SHA-256 (cached per
 /// path, size and time under the cache folder) and the tokenizer's.
@@ -101,6 +101,70 @@ pub fn cmd_info(a: SessionInfoArgs) -> Result<()> {
     println!("saved by   snug {} at unix time {}", m.snug_version, m.created_unix);
     for (t, o, n) in f.sections() {
         println!("section    {t} at {o}, {}", h(n));
+    }
+    Ok(())
+}
+
+/// `snug session list`: each `NAME.snug` in the cache's sessions folder,
+/// with what its header says (a damaged file is listed with why).
+pub fn cmd_list(a: SessionListArgs) -> Result<()> {
+    let dir = snug_model::catalog::cache_dir().join("sessions");
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
+        Ok(rd) => rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "snug"))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
+    };
+    files.sort();
+    if files.is_empty() && !a.json {
+        eprintln!("no sessions in {}", dir.display());
+    }
+    for path in files {
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match SessionFile::open(&path) {
+            Ok(f) => {
+                let m = &f.meta;
+                let messages = m.messages.as_ref().map_or(0, Vec::len);
+                if a.json {
+                    let v = serde_json::json!({
+                        "name": name,
+                        "file": path.display().to_string(),
+                        "bytes": f.bytes,
+                        "model": m.model_name,
+                        "tokens": m.tokens,
+                        "messages": messages,
+                        "kv": format!("{}/{}", m.identity.kv_k, m.identity.kv_v),
+                        "created_unix": m.created_unix,
+                    });
+                    println!("{v}");
+                } else {
+                    println!(
+                        "{name}\t{}\t{} tokens\t{messages} messages\tKV {}/{}\t{}",
+                        m.model_name,
+                        m.tokens,
+                        m.identity.kv_k,
+                        m.identity.kv_v,
+                        crate::human_bytes(f.bytes)
+                    );
+                }
+            }
+            Err(e) => {
+                if a.json {
+                    println!(
+                        "{}",
+                        serde_json::json!({"name": name, "file": path.display().to_string(), "error": e.to_string()})
+                    );
+                } else {
+                    println!("{name}\tdamaged: {e}");
+                }
+            }
+        }
     }
     Ok(())
 }

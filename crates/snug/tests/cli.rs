@@ -765,13 +765,9 @@ fn killing_a_save_midway_leaves_the_previous_session_loadable() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let tmp = |d: &Path| {
-            std::fs::read_dir(d)
-                .unwrap()
-                .any(|e| e.unwrap().file_name().to_string_lossy().ends_with(".tmp"))
-        };
+        let tmp = dir.join(format!(".s.snug.{}.tmp", child.id()));
         let start = std::time::Instant::now();
-        while !tmp(&dir) && child.try_wait().unwrap().is_none() && start.elapsed().as_secs() < 60 {
+        while !tmp.exists() && child.try_wait().unwrap().is_none() && start.elapsed().as_secs() < 60 {
             std::thread::sleep(std::time::Duration::from_micros(200));
         }
         if child.try_wait().unwrap().is_none() {
@@ -783,17 +779,18 @@ fn killing_a_save_midway_leaves_the_previous_session_loadable() {
         // the new one.
         let info = snug().args(["session", "info"]).arg(&file).output().unwrap();
         assert!(info.status.success(), "{}", text(&info.stderr));
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let e = e.unwrap();
-            if e.file_name().to_string_lossy().ends_with(".tmp") {
-                std::fs::remove_file(e.path()).unwrap();
-            }
-        }
     }
     assert!(killed_in_save > 0, "never caught a save in progress");
-    // And it still restores and generates.
+    // And it still restores and generates; its save removes what the
+    // killed saves left behind.
     let out = run_in(&dir, &p, &["-n", "2", "--session", f, "--json"]);
     assert!(json_of(&out)["session"]["restored_tokens"].as_u64().unwrap() > 1000);
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]
@@ -891,4 +888,24 @@ fn a_chat_session_resumes_in_a_new_process() {
     let info = snug().args(["session", "info", "--json"]).arg(&file).output().unwrap();
     let v = json_of(&info);
     assert_eq!(v["meta"]["messages"].as_array().unwrap().len(), 4);
+    // `session list` shows it, and a damaged neighbour with why.
+    std::fs::write(dir.join("sessions").join("broken.snug"), b"SNUGSESS").unwrap();
+    let out = snug()
+        .env("SNUG_HOME", &dir)
+        .args(["session", "list", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert!(
+        lines[0]["error"].as_str().unwrap().contains("truncated"),
+        "{}",
+        lines[0]
+    );
+    assert_eq!(lines[1]["name"], "notes");
+    assert_eq!(lines[1]["messages"], 4);
 }
