@@ -6,7 +6,6 @@
 //! in a small cache entry per file path, valid while the file's size and
 //! modification time are unchanged.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -42,17 +41,7 @@ pub fn file_sha256(path: &Path, cache: Option<&Path>) -> std::io::Result<String>
             }
         }
     }
-    let mut f = std::fs::File::open(path)?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    let digest = hex(&h.finalize());
+    let digest = crate::pull::sha256_file(path)?;
     if let Some(e) = &entry {
         let record = || -> std::io::Result<()> {
             std::fs::create_dir_all(e.parent().expect("inside the cache"))?;
