@@ -90,7 +90,7 @@ pub enum SessionError {
 
 /// What a session's KV was made by and for: restoring is refused unless
 /// every field matches.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
     /// SHA-256 of the model file (metadata and tensor data).
     pub model_sha256: String,
@@ -112,7 +112,7 @@ pub struct Identity {
 }
 
 /// A session's header (the META section).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct SessionMeta {
     pub identity: Identity,
     /// The model as it was named when saving (for people; not checked).
@@ -653,29 +653,7 @@ impl SessionFile {
         }
         let mut f = SessionFile {
             path: path.to_path_buf(),
-            meta: SessionMeta {
-                identity: Identity {
-                    model_sha256: String::new(),
-                    tokenizer_sha256: String::new(),
-                    arch: String::new(),
-                    layers: 0,
-                    kv_heads: 0,
-                    head_dim: 0,
-                    kv_k: String::new(),
-                    kv_v: String::new(),
-                    page_tokens: 0,
-                    rotation_sha256: String::new(),
-                    key_basis_sha256: String::new(),
-                },
-                model_name: String::new(),
-                snug_version: String::new(),
-                created_unix: 0,
-                tokens: 0,
-                kv_tokens: 0,
-                sampling: SamplingParams::default(),
-                messages: None,
-                twins: Vec::new(),
-            },
+            meta: SessionMeta::default(),
             tokens: Vec::new(),
             basis: None,
             bytes: len,

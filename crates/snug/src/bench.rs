@@ -72,12 +72,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
-    let (kv, kv_v) = crate::run::kv_formats(
-        a.cache.kv.as_deref().unwrap_or("f16"),
-        a.cache.kv_k.as_deref(),
-        a.cache.kv_v.as_deref(),
-        &model,
-    )?;
+    let (kv, kv_v) = crate::run::kv_formats(&a.cache, &model)?;
     let mut options = EngineOptions {
         threads,
         ctx: max_need.max(1),

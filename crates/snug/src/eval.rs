@@ -75,12 +75,7 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
     }
     let file = open_model(&a.model)?;
     let model = Model::load(&file)?;
-    let (kv, kv_v) = crate::run::kv_formats(
-        a.cache.kv.as_deref().unwrap_or("f16"),
-        a.cache.kv_k.as_deref(),
-        a.cache.kv_v.as_deref(),
-        &model,
-    )?;
+    let (kv, kv_v) = crate::run::kv_formats(&a.cache, &model)?;
     if a.ctx > model.config.context_length {
         bail!(
             "--ctx {} is over the model's context of {}",

@@ -78,9 +78,10 @@ pub fn append_metrics(g: &GenArgs, model: &str, gen: &Generation) -> Result<()> 
     Ok(())
 }
 
-/// The key and value formats from `--kv` and its per-part overrides,
-/// checked against the model's head size.
-pub fn kv_formats(kv: &str, k: Option<&str>, v: Option<&str>, model: &Model) -> Result<(KvFormat, KvFormat)> {
+/// The key and value formats from `--kv` (default f16) and its per-part
+/// overrides, checked against the model's head size.
+pub fn kv_formats(a: &crate::KvArgs, model: &Model) -> Result<(KvFormat, KvFormat)> {
+    let (kv, k, v) = (a.kv.as_deref().unwrap_or("f16"), a.kv_k.as_deref(), a.kv_v.as_deref());
     let parse = |name: &str| match KvFormat::parse(name) {
         Some(f) if f.supports_head_dim(model.config.head_dim) => Ok(f),
         Some(f) => bail!(
@@ -128,12 +129,7 @@ pub fn engine_options(
     tok: &Tokenizer,
     resume: Option<(&SessionFile, &ModelIdentity)>,
 ) -> Result<EngineOptions> {
-    let (kv_format, kv_format_v) = kv_formats(
-        g.cache.kv.as_deref().unwrap_or("f16"),
-        g.cache.kv_k.as_deref(),
-        g.cache.kv_v.as_deref(),
-        model,
-    )?;
+    let (kv_format, kv_format_v) = kv_formats(&g.cache, model)?;
     let mut o = EngineOptions {
         kv_format,
         kv_format_v: Some(kv_format_v),
