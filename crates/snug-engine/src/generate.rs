@@ -114,12 +114,13 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 /// Holds back streamed text that might be the start of a stop string.
-struct StopFilter<'a> {
-    stops: &'a [String],
+#[derive(Debug)]
+struct StopFilter {
+    stops: Vec<String>,
     pending: String,
 }
 
-impl StopFilter<'_> {
+impl StopFilter {
     /// Adds text; returns what can be emitted and whether a stop was hit.
     fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
@@ -130,7 +131,7 @@ impl StopFilter<'_> {
         }
         // Keep the longest suffix that is a prefix of some stop string.
         let mut keep = 0;
-        for s in self.stops {
+        for s in &self.stops {
             for (i, _) in s.char_indices().skip(1) {
                 if self.pending.ends_with(&s[..i]) {
                     keep = keep.max(i);
@@ -148,6 +149,386 @@ impl StopFilter<'_> {
     }
 }
 
+/// The forward a decoding asked for last, to interpret its logits.
+#[derive(Debug)]
+enum Pending {
+    None,
+    /// One row: the sampled token.
+    Plain,
+    /// The sampled token and a draft; `held` positions before it.
+    Verify {
+        draft: Vec<u32>,
+        held: usize,
+        matched: usize,
+    },
+}
+
+/// One generation as a state machine, so that a loop can advance many of
+/// them in one batched forward: [`Decoding::start`] reuses what the
+/// sequence holds and leaves the rest of the prompt to feed
+/// ([`Decoding::prompt_left`], [`Decoding::prefilled`]); then
+/// [`Decoding::next_rows`] emits every token already decided and says which
+/// tokens the next forward appends (the sampled token, and a draft to
+/// verify behind it); [`Decoding::absorb`] takes that forward's logits;
+/// [`Decoding::finish`] settles the sequence. [`Engine::generate`] is this
+/// loop for one sequence. Whatever batch the rows ride in, the output is the
+/// same (batch invariance), so a request decoded beside others gives what
+/// it gives alone.
+pub struct Decoding {
+    pub seq: SeqId,
+    req: GenerateRequest,
+    start: Instant,
+    sampler: Sampler,
+    history: Vec<u32>,
+    out_tokens: Vec<u32>,
+    text: String,
+    decoder: StreamDecoder,
+    stops: StopFilter,
+    finish: Option<FinishReason>,
+    stopped_by_string: bool,
+    context_full: bool,
+    stats: GenerateStats,
+    spec: SpecStats,
+    policy: Policy,
+    calibrated: bool,
+    drafter: PromptLookup,
+    /// Tokens already sampled and not yet emitted, each with whether its
+    /// KV is already written (accepted drafts) or not (the last one).
+    ready: VecDeque<(u32, bool)>,
+    logits: Vec<f32>,
+    reuse: usize,
+    recomputed: usize,
+    /// Prompt tokens fed so far, from `reuse` on.
+    fed: usize,
+    decode_start: Option<Instant>,
+    pending: Pending,
+    step_start: Instant,
+}
+
+impl Decoding {
+    /// Starts generating `req` on `seq`: reuses the prefix of the prompt
+    /// the sequence holds (an empty sequence first takes what the prefix
+    /// cache holds); at least the last prompt token is left to feed, so
+    /// that its logits are computed.
+    pub fn start(engine: &mut Engine, seq: SeqId, req: GenerateRequest) -> Result<Decoding, EngineError> {
+        let start = Instant::now();
+        if req.prompt.len() > engine.options.ctx {
+            return Err(EngineError::ContextFull {
+                len: 0,
+                adding: req.prompt.len(),
+                limit: engine.options.ctx,
+            });
+        }
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let rows_before = engine.rows_computed();
+        engine.share_prefix(seq, &req.prompt)?;
+        // With lossy pages sharing computes the first page itself.
+        let recomputed = (engine.rows_computed() - rows_before) as usize;
+        let cached = engine.tokens(seq)?;
+        let mut reuse = common_prefix(cached, &req.prompt);
+        if reuse == req.prompt.len() {
+            reuse = reuse.saturating_sub(1);
+        }
+        engine.truncate(seq, reuse)?;
+        Ok(Decoding {
+            seq,
+            start,
+            sampler: Sampler::default(),
+            history: req.prompt.clone(),
+            out_tokens: Vec::new(),
+            text: String::new(),
+            decoder: StreamDecoder::new(false),
+            stops: StopFilter {
+                stops: req.stop.clone(),
+                pending: String::new(),
+            },
+            finish: None,
+            stopped_by_string: false,
+            context_full: false,
+            stats: GenerateStats {
+                prefill_tokens: req.prompt.len() - reuse + recomputed,
+                ..Default::default()
+            },
+            spec: SpecStats {
+                mode: req.speculate.as_str(),
+                ..Default::default()
+            },
+            policy: Policy::new(req.speculate, &[]),
+            calibrated: false,
+            drafter: PromptLookup::new(DRAFT_MIN_N, DRAFT_MAX_N),
+            ready: VecDeque::new(),
+            logits: Vec::new(),
+            reuse,
+            recomputed,
+            fed: 0,
+            decode_start: None,
+            pending: Pending::None,
+            step_start: start,
+            req,
+        })
+    }
+
+    /// Prompt tokens not fed yet.
+    pub fn prompt_left(&self) -> &[u32] {
+        &self.req.prompt[self.reuse + self.fed..]
+    }
+
+    /// Prompt tokens reused from the sequence or the prefix cache.
+    pub fn reused_tokens(&self) -> usize {
+        self.reuse.saturating_sub(self.recomputed)
+    }
+
+    /// Tokens generated so far.
+    pub fn generated(&self) -> usize {
+        self.out_tokens.len()
+    }
+
+    pub fn request(&self) -> &GenerateRequest {
+        &self.req
+    }
+
+    /// Records that the next `n` prompt tokens were fed; with the last of
+    /// them, `logits` are the last row's.
+    pub fn prefilled(&mut self, n: usize, logits: Option<&[f32]>) {
+        self.fed += n;
+        if self.prompt_left().is_empty() {
+            let logits = logits.expect("the last prompt row's logits");
+            self.logits.clear();
+            self.logits.extend_from_slice(logits);
+            let secs = self.start.elapsed().as_secs_f64();
+            self.stats.prefill_tok_s = self.stats.prefill_tokens as f64 / secs.max(1e-9);
+            self.decode_start = Some(Instant::now());
+        }
+    }
+
+    /// Whether the generation has ended (then [`Decoding::finish`]).
+    pub fn is_done(&self) -> bool {
+        self.finish.is_some() || self.context_full
+    }
+
+    /// Ends the generation early (the scheduler needed its pages):
+    /// finish reason `length`.
+    pub fn stop(&mut self) {
+        if self.finish.is_none() {
+            self.finish = Some(FinishReason::Length);
+        }
+    }
+
+    /// Emits the tokens already decided (through `on_text`) until a
+    /// forward is needed; returns the tokens it appends to the sequence
+    /// (the sampled token, then up to `max_draft` draft tokens to verify),
+    /// or `None` when the generation is over. The prompt must be fed.
+    pub fn next_rows(
+        &mut self,
+        engine: &mut Engine,
+        tok: &Tokenizer,
+        max_draft: usize,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        debug_assert!(self.prompt_left().is_empty(), "feed the prompt first");
+        let seq = self.seq;
+        while !self.is_done() && self.out_tokens.len() < self.req.max_tokens {
+            let (next, in_kv) = match self.ready.pop_front() {
+                Some(r) => r,
+                None => (
+                    self.sampler
+                        .sample(&self.logits, &self.history, &self.req.params, self.history.len() as u64),
+                    false,
+                ),
+            };
+            if self.out_tokens.is_empty() {
+                self.stats.ttft_ms = self.start.elapsed().as_secs_f64() * 1e3;
+            }
+            if tok.is_eog(next) {
+                self.finish = Some(FinishReason::Stop);
+                break;
+            }
+            self.out_tokens.push(next);
+            self.history.push(next);
+            let piece = self.decoder.push(tok, next);
+            let (emit, stopped) = self.stops.push(&piece);
+            self.text.push_str(&emit);
+            on_text(&emit);
+            if stopped {
+                self.finish = Some(FinishReason::Stop);
+                self.stopped_by_string = true;
+                break;
+            }
+            if self.out_tokens.len() == self.req.max_tokens {
+                break;
+            }
+            if in_kv {
+                continue;
+            }
+            let held = engine.tokens(seq)?.len();
+            if held + 1 > engine.options.ctx {
+                self.context_full = true;
+                break;
+            }
+            // Draft: at most what fits in the context and is still wanted
+            // (the sampled token itself takes one place of each).
+            let room = (engine.options.ctx - held - 1)
+                .min(self.req.max_tokens - self.out_tokens.len())
+                .min(max_draft);
+            let mut k = 0;
+            let mut matched = 0;
+            if self.req.speculate != Mode::Off && room > 0 {
+                self.drafter.sync(&self.history);
+                self.spec.state_bytes = self.spec.state_bytes.max(self.drafter.bytes());
+                let (found, n) = self.drafter.draft_match(room.min(self.policy.max_draft));
+                let available = found.len();
+                matched = n;
+                if available > 0 && self.req.speculate == Mode::Auto && !self.calibrated {
+                    self.calibrated = true;
+                    // The first time a draft is on offer: what do verify
+                    // forwards cost on this machine (measured once per
+                    // engine, then refined by every step)?
+                    for (rows, secs) in engine.speculation_costs(seq, next)? {
+                        self.policy.observe(rows, secs);
+                    }
+                }
+                k = self.policy.draft_len(available, matched);
+            }
+            // A verify that the page pool cannot hold becomes a plain step
+            // (which it can: the pages the sampled token needs are fewer).
+            if k > 0 && !engine.has_room(seq, k + 1)? {
+                k = 0;
+            }
+            self.step_start = Instant::now();
+            if k == 0 {
+                self.pending = Pending::Plain;
+                return Ok(Some(vec![next]));
+            }
+            let draft: Vec<u32> = self.drafter.draft(k).to_vec();
+            let mut rows = Vec::with_capacity(k + 1);
+            rows.push(next);
+            rows.extend_from_slice(&draft);
+            self.pending = Pending::Verify { draft, held, matched };
+            return Ok(Some(rows));
+        }
+        if self.finish.is_none() {
+            self.finish = Some(FinishReason::Length);
+        }
+        Ok(None)
+    }
+
+    /// Takes the logits of the rows [`Decoding::next_rows`] returned (one
+    /// row each, in order). `timed`: the forward ran these rows alone, so
+    /// its time may refine the speculation policy.
+    pub fn absorb(&mut self, engine: &mut Engine, logits: &[f32], timed: bool) -> Result<(), EngineError> {
+        let secs = self.step_start.elapsed().as_secs_f64();
+        let vocab = engine.model.config.vocab;
+        match std::mem::replace(&mut self.pending, Pending::None) {
+            Pending::None => panic!("absorb without a forward"),
+            Pending::Plain => {
+                self.logits.clear();
+                self.logits.extend_from_slice(&logits[..vocab]);
+                if self.req.speculate != Mode::Off {
+                    self.spec.fallbacks += 1;
+                    if timed {
+                        self.policy.observe(1, secs);
+                    }
+                }
+                self.spec.decode_ms += secs * 1e3;
+            }
+            Pending::Verify { draft, held, matched } => {
+                if timed {
+                    self.policy.observe(draft.len() + 1, secs);
+                }
+                let base = self.history.len();
+                let mut accepted = 0;
+                for (i, &d) in draft.iter().enumerate() {
+                    let row = &logits[i * vocab..(i + 1) * vocab];
+                    let target = self
+                        .sampler
+                        .sample(row, &self.history, &self.req.params, self.history.len() as u64);
+                    if target != d {
+                        self.ready.push_back((target, false));
+                        break;
+                    }
+                    accepted += 1;
+                    self.ready.push_back((target, true));
+                    self.history.push(target);
+                }
+                if accepted == draft.len() {
+                    let row = &logits[draft.len() * vocab..(draft.len() + 1) * vocab];
+                    let target = self
+                        .sampler
+                        .sample(row, &self.history, &self.req.params, self.history.len() as u64);
+                    self.ready.push_back((target, false));
+                }
+                // The emitting loop pushes these again as it reaches them.
+                self.history.truncate(base);
+                engine.truncate(self.seq, held + 1 + accepted)?;
+                self.policy.record(matched, draft.len(), accepted);
+                self.spec.rounds += 1;
+                self.spec.drafted += draft.len();
+                self.spec.accepted += accepted;
+                self.spec.verify_ms += self.step_start.elapsed().as_secs_f64() * 1e3;
+            }
+        }
+        Ok(())
+    }
+
+    /// Settles the sequence (it keeps what plain decoding would have fed)
+    /// and returns the result; the last of the text goes to `on_text`.
+    pub fn finish(
+        mut self,
+        engine: &mut Engine,
+        tok: &Tokenizer,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<Generation, EngineError> {
+        let _ = tok;
+        let seq = self.seq;
+        let mut finish = self.finish.unwrap_or(FinishReason::Length);
+        // Every emitted token but the last, or all of them when an
+        // end-of-generation token ended it (accepted drafts may be ahead).
+        let fed = if finish == FinishReason::Stop && !self.stopped_by_string {
+            self.out_tokens.len()
+        } else {
+            self.out_tokens.len().saturating_sub(1)
+        };
+        let keep = (self.req.prompt.len() + fed).min(engine.tokens(seq)?.len());
+        engine.truncate(seq, keep)?;
+        engine.register_pages(seq);
+        let mut spec = self.spec;
+        if spec.drafted > 0 {
+            spec.acceptance_rate = spec.accepted as f64 / spec.drafted as f64;
+        }
+        if spec.rounds > 0 {
+            spec.mean_accepted = spec.accepted as f64 / spec.rounds as f64;
+        }
+        self.stats.speculation = spec;
+        if !self.stopped_by_string {
+            // Flush what was held back: partial characters, stop prefixes.
+            let (mut tail, stopped) = self.stops.push(&self.decoder.finish());
+            if stopped {
+                finish = FinishReason::Stop;
+            } else {
+                tail.push_str(&self.stops.finish());
+            }
+            self.text.push_str(&tail);
+            on_text(&tail);
+        }
+        let decode_s = self.decode_start.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        self.stats.decode_tokens = self.out_tokens.len();
+        // The first token comes from the prefill's logits; the rest each
+        // took one decode step.
+        self.stats.decode_tok_s = self.out_tokens.len().saturating_sub(1) as f64 / decode_s.max(1e-9);
+        Ok(Generation {
+            tokens: self.out_tokens,
+            text: self.text,
+            finish_reason: finish,
+            context_full: self.context_full,
+            prompt_tokens: self.req.prompt.len(),
+            reused_tokens: self.reuse.saturating_sub(self.recomputed),
+            stats: self.stats,
+        })
+    }
+}
+
 impl Engine<'_> {
     /// Generates for `seq`, calling `on_text` with each piece of text as it
     /// becomes final.
@@ -158,217 +539,16 @@ impl Engine<'_> {
         req: &GenerateRequest,
         mut on_text: impl FnMut(&str),
     ) -> Result<Generation, EngineError> {
-        let start = Instant::now();
-        if req.prompt.len() > self.options.ctx {
-            return Err(EngineError::ContextFull {
-                len: 0,
-                adding: req.prompt.len(),
-                limit: self.options.ctx,
-            });
+        let mut d = Decoding::start(self, seq, req.clone())?;
+        let prompt = d.prompt_left().to_vec();
+        let logits = self.feed(seq, &prompt)?;
+        d.prefilled(prompt.len(), Some(logits));
+        while let Some(tokens) = d.next_rows(self, tok, usize::MAX, &mut on_text)? {
+            let rows: Vec<(SeqId, u32, bool)> = tokens.iter().map(|&t| (seq, t, true)).collect();
+            let logits = self.step(&rows)?.to_vec();
+            d.absorb(self, &logits, true)?;
         }
-        // Reuse the cached prefix (an empty sequence first takes what the
-        // prefix cache holds of the prompt); at least the last prompt
-        // token is fed again so that its logits are computed.
-        let rows_before = self.rows_computed();
-        self.share_prefix(seq, &req.prompt)?;
-        // With lossy pages sharing computes the first page itself.
-        let recomputed = (self.rows_computed() - rows_before) as usize;
-        let cached = self.tokens(seq)?;
-        let mut reuse = common_prefix(cached, &req.prompt);
-        if reuse == req.prompt.len() {
-            reuse = reuse.saturating_sub(1);
-        }
-        self.truncate(seq, reuse)?;
-        let to_feed = &req.prompt[reuse..];
-        let mut sampler = Sampler::default();
-        let mut history: Vec<u32> = req.prompt.clone();
-        let mut out_tokens = Vec::new();
-        let mut text = String::new();
-        let mut decoder = StreamDecoder::new(false);
-        let mut stops = StopFilter {
-            stops: &req.stop,
-            pending: String::new(),
-        };
-        let mut finish = FinishReason::Length;
-        let mut context_full = false;
-        let mut stats = GenerateStats {
-            prefill_tokens: to_feed.len() + recomputed,
-            ..Default::default()
-        };
-
-        if to_feed.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let mut logits = self.feed(seq, to_feed)?.to_vec();
-        let prefill_s = start.elapsed().as_secs_f64();
-        stats.prefill_tok_s = (to_feed.len() + recomputed) as f64 / prefill_s.max(1e-9);
-        let mut policy = Policy::new(req.speculate, &[]);
-        let mut calibrated = false;
-        let mut drafter = PromptLookup::new(DRAFT_MIN_N, DRAFT_MAX_N);
-        let mut spec = SpecStats {
-            mode: req.speculate.as_str(),
-            ..Default::default()
-        };
-        // Tokens already sampled and not yet emitted, each with whether its
-        // KV is already written (accepted drafts) or not (the last one).
-        let mut ready: VecDeque<(u32, bool)> = VecDeque::new();
-        let mut stopped_by_string = false;
-        let decode_start = Instant::now();
-        while out_tokens.len() < req.max_tokens {
-            let (next, in_kv) = match ready.pop_front() {
-                Some(r) => r,
-                None => (
-                    sampler.sample(&logits, &history, &req.params, history.len() as u64),
-                    false,
-                ),
-            };
-            if out_tokens.is_empty() {
-                stats.ttft_ms = start.elapsed().as_secs_f64() * 1e3;
-            }
-            if tok.is_eog(next) {
-                finish = FinishReason::Stop;
-                break;
-            }
-            out_tokens.push(next);
-            history.push(next);
-            let piece = decoder.push(tok, next);
-            let (emit, stopped) = stops.push(&piece);
-            text.push_str(&emit);
-            on_text(&emit);
-            if stopped {
-                finish = FinishReason::Stop;
-                stopped_by_string = true;
-                break;
-            }
-            if out_tokens.len() == req.max_tokens {
-                break;
-            }
-            if in_kv {
-                continue;
-            }
-            let held = self.tokens(seq)?.len();
-            if held + 1 > self.options.ctx {
-                context_full = true;
-                break;
-            }
-            // Draft: at most what fits in the context and is still wanted
-            // (the sampled token itself takes one place of each).
-            let room = (self.options.ctx - held - 1).min(req.max_tokens - out_tokens.len());
-            let mut k = 0;
-            let mut matched = 0;
-            if req.speculate != Mode::Off && room > 0 {
-                drafter.sync(&history);
-                spec.state_bytes = spec.state_bytes.max(drafter.bytes());
-                let (found, n) = drafter.draft_match(room.min(policy.max_draft));
-                let available = found.len();
-                matched = n;
-                if available > 0 && req.speculate == Mode::Auto && !calibrated {
-                    calibrated = true;
-                    // The first time a draft is on offer: what do verify
-                    // forwards cost on this machine (measured once per
-                    // engine, then refined by every step)?
-                    for (rows, secs) in self.speculation_costs(seq, next)? {
-                        policy.observe(rows, secs);
-                    }
-                }
-                k = policy.draft_len(available, matched);
-            }
-            // A verify that the page pool cannot hold becomes a plain step
-            // (which it can: the pages the sampled token needs are fewer).
-            if k > 0 && !self.has_room(seq, k + 1)? {
-                k = 0;
-            }
-            let step_start = Instant::now();
-            if k == 0 {
-                let next_logits = self.feed(seq, &[next])?;
-                logits.clear();
-                logits.extend_from_slice(next_logits);
-                let secs = step_start.elapsed().as_secs_f64();
-                if req.speculate != Mode::Off {
-                    spec.fallbacks += 1;
-                    policy.observe(1, secs);
-                }
-                spec.decode_ms += secs * 1e3;
-                continue;
-            }
-            // Verify: the sampled token and k draft tokens in one forward.
-            let draft: Vec<u32> = drafter.draft(k).to_vec();
-            let mut rows = Vec::with_capacity(k + 1);
-            rows.push((seq, next, true));
-            rows.extend(draft.iter().map(|&t| (seq, t, true)));
-            let vocab = self.model.config.vocab;
-            let all = self.step(&rows)?;
-            policy.observe(rows.len(), step_start.elapsed().as_secs_f64());
-            let base = history.len();
-            let mut accepted = 0;
-            for (i, &d) in draft.iter().enumerate() {
-                let row = &all[i * vocab..(i + 1) * vocab];
-                let target = sampler.sample(row, &history, &req.params, history.len() as u64);
-                if target != d {
-                    ready.push_back((target, false));
-                    break;
-                }
-                accepted += 1;
-                ready.push_back((target, true));
-                history.push(target);
-            }
-            if accepted == draft.len() {
-                let row = &all[draft.len() * vocab..(draft.len() + 1) * vocab];
-                let target = sampler.sample(row, &history, &req.params, history.len() as u64);
-                ready.push_back((target, false));
-            }
-            // The emitting loop pushes these again as it reaches them.
-            history.truncate(base);
-            self.truncate(seq, held + 1 + accepted)?;
-            policy.record(matched, draft.len(), accepted);
-            spec.rounds += 1;
-            spec.drafted += draft.len();
-            spec.accepted += accepted;
-            spec.verify_ms += step_start.elapsed().as_secs_f64() * 1e3;
-        }
-        // Leave the sequence holding what plain decoding would have fed:
-        // every emitted token but the last, or all of them when an
-        // end-of-generation token ended it (accepted drafts may be ahead).
-        let fed = if finish == FinishReason::Stop && !stopped_by_string {
-            out_tokens.len()
-        } else {
-            out_tokens.len().saturating_sub(1)
-        };
-        let keep = (req.prompt.len() + fed).min(self.tokens(seq)?.len());
-        self.truncate(seq, keep)?;
-        self.register_pages(seq);
-        if spec.drafted > 0 {
-            spec.acceptance_rate = spec.accepted as f64 / spec.drafted as f64;
-        }
-        if spec.rounds > 0 {
-            spec.mean_accepted = spec.accepted as f64 / spec.rounds as f64;
-        }
-        stats.speculation = spec;
-        if !stopped_by_string {
-            // Flush what was held back: partial characters, stop prefixes.
-            let (mut tail, stopped) = stops.push(&decoder.finish());
-            if stopped {
-                finish = FinishReason::Stop;
-            } else {
-                tail.push_str(&stops.finish());
-            }
-            text.push_str(&tail);
-            on_text(&tail);
-        }
-        let decode_s = decode_start.elapsed().as_secs_f64();
-        stats.decode_tokens = out_tokens.len();
-        // The first token comes from the prefill's logits; the rest each
-        // took one decode step.
-        stats.decode_tok_s = out_tokens.len().saturating_sub(1) as f64 / decode_s.max(1e-9);
-        Ok(Generation {
-            tokens: out_tokens,
-            text,
-            finish_reason: finish,
-            context_full,
-            prompt_tokens: req.prompt.len(),
-            reused_tokens: reuse.saturating_sub(recomputed),
-            stats,
-        })
+        d.finish(self, tok, on_text)
     }
 }
 
@@ -380,14 +560,14 @@ mod tests {
     fn stop_filter_holds_back_possible_prefixes() {
         let stops = vec!["</end>".to_string()];
         let mut f = StopFilter {
-            stops: &stops,
+            stops: stops.clone(),
             pending: String::new(),
         };
         assert_eq!(f.push("hello <"), ("hello ".to_string(), false));
         assert_eq!(f.push("/en"), (String::new(), false));
         assert_eq!(f.push("d> more"), (String::new(), true));
         let mut f = StopFilter {
-            stops: &stops,
+            stops: stops.clone(),
             pending: String::new(),
         };
         assert_eq!(f.push("a </b"), ("a </b".to_string(), false));

@@ -179,7 +179,9 @@ impl<'m> Engine<'m> {
             let fit = (budget / kv_page_bytes(model, &options).max(1)).max(seqs);
             if fit < n_pages {
                 n_pages = fit;
-                options.ctx = options.ctx.min(n_pages / seqs * shape.page_tokens);
+                // One sequence may grow to the whole pool; sharing it
+                // between several is admission's work (the scheduler).
+                options.ctx = options.ctx.min(n_pages * shape.page_tokens);
             }
         }
         let twins = if is_lossy(&options) { twin_pages(&options) } else { 0 };
@@ -332,6 +334,13 @@ impl<'m> Engine<'m> {
             shareable,
         });
         Ok(new)
+    }
+
+    /// KV pages: in the pool, held by sequences or the prefix cache, and
+    /// held by the prefix cache alone (evictable).
+    pub fn kv_pages(&self) -> (usize, usize, usize) {
+        let idle = self.prefix.as_ref().map_or(0, |c| c.idle_pages(&self.pages));
+        (self.pages.total_pages(), self.pages.used_pages(), idle)
     }
 
     /// Bytes of KV storage, total and in use (pages only; the exact

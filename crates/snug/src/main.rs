@@ -8,6 +8,7 @@ mod chat;
 mod eval;
 mod progress;
 mod run;
+mod serve;
 mod session;
 
 use std::io::{Read, Write};
@@ -52,6 +53,8 @@ enum Command {
     /// Inspect saved sessions.
     #[command(subcommand)]
     Session(SessionCommand),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 #[derive(Subcommand)]
@@ -345,6 +348,7 @@ fn main() -> ExitCode {
         Command::Eval(EvalCommand::Ppl(a)) => eval::cmd_eval_ppl(a),
         Command::Session(SessionCommand::Info(a)) => session::cmd_info(a),
         Command::Session(SessionCommand::List(a)) => session::cmd_list(a),
+        Command::Serve(a) => serve::cmd_serve(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

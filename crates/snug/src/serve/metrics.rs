@@ -1,0 +1,331 @@
+//! The server's counters, gauges and histograms, written in Prometheus'
+//! text exposition format for `GET /metrics`.
+//!
+//! Hand-written rather than taken from a metrics crate: the engine loop
+//! updates a few dozen plain numbers under one lock once per step, and the
+//! text format is a handful of lines per family; a registry with dynamic
+//! labels and atomics would add more code paths than it saves.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use snug_core::prefix::PrefixStats;
+use snug_core::Ledger;
+
+/// A cumulative histogram with fixed bucket bounds (seconds).
+#[derive(Clone, Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+/// Bounds for time to first token and whole requests.
+pub const LATENCY_BOUNDS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Bounds for the time between two tokens.
+pub const TOKEN_BOUNDS: &[f64] = &[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5];
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        for (b, c) in self.bounds.iter().zip(&mut self.counts) {
+            if v <= *b {
+                *c += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn write(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}", self.sum);
+        let _ = writeln!(out, "{name}_count {}", self.count);
+    }
+}
+
+/// Everything `/metrics` reports.
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    /// HTTP requests by route.
+    pub requests: BTreeMap<&'static str, u64>,
+    /// Finished requests by reason: stop, length, cancelled, error.
+    pub finished: BTreeMap<&'static str, u64>,
+    /// Refused requests by reason: queue_full, never_fits, bad_request,
+    /// unauthorized, too_large, context_length.
+    pub rejected: BTreeMap<&'static str, u64>,
+    /// Requests that waited in the queue before admission.
+    pub queued: u64,
+    pub prompt_tokens: u64,
+    pub reused_tokens: u64,
+    pub generated_tokens: u64,
+    pub ttft: Histogram,
+    pub token_latency: Histogram,
+    pub e2e: Histogram,
+    pub running: u64,
+    pub waiting: u64,
+    pub kv_pages_total: u64,
+    /// Held by requests.
+    pub kv_pages_used: u64,
+    /// Held by the prefix cache alone (evictable).
+    pub kv_pages_cached: u64,
+    /// Held or reserved by running requests (the scheduler's view).
+    pub kv_pages_reserved: u64,
+    pub kv_page_tokens: u64,
+    pub kv_page_bytes: u64,
+    pub ledger: Option<Ledger>,
+    pub spec_rounds: u64,
+    pub spec_drafted: u64,
+    pub spec_accepted: u64,
+    pub prefix: PrefixStats,
+    /// Engine steps (forward passes) and rows they computed.
+    pub steps: u64,
+    pub rows: u64,
+}
+
+impl Metrics {
+    pub fn new(page_tokens: usize, page_bytes: usize) -> Metrics {
+        Metrics {
+            requests: BTreeMap::new(),
+            finished: BTreeMap::new(),
+            rejected: BTreeMap::new(),
+            queued: 0,
+            prompt_tokens: 0,
+            reused_tokens: 0,
+            generated_tokens: 0,
+            ttft: Histogram::new(LATENCY_BOUNDS),
+            token_latency: Histogram::new(TOKEN_BOUNDS),
+            e2e: Histogram::new(LATENCY_BOUNDS),
+            running: 0,
+            waiting: 0,
+            kv_pages_total: 0,
+            kv_pages_used: 0,
+            kv_pages_cached: 0,
+            kv_pages_reserved: 0,
+            kv_page_tokens: page_tokens as u64,
+            kv_page_bytes: page_bytes as u64,
+            ledger: None,
+            spec_rounds: 0,
+            spec_drafted: 0,
+            spec_accepted: 0,
+            prefix: PrefixStats::default(),
+            steps: 0,
+            rows: 0,
+        }
+    }
+
+    pub fn request(&mut self, route: &'static str) {
+        *self.requests.entry(route).or_default() += 1;
+    }
+
+    pub fn finished(&mut self, reason: &'static str) {
+        *self.finished.entry(reason).or_default() += 1;
+    }
+
+    pub fn rejected(&mut self, reason: &'static str) {
+        *self.rejected.entry(reason).or_default() += 1;
+    }
+
+    /// The Prometheus text; `rss` is the process' resident bytes now.
+    pub fn render(&self, rss: u64, peak_rss: u64) -> String {
+        let mut o = String::new();
+        let family = |o: &mut String, name: &str, kind: &str, help: &str| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        };
+        let labelled = |o: &mut String, name: &str, label: &str, m: &BTreeMap<&'static str, u64>| {
+            for (k, v) in m {
+                let _ = writeln!(o, "{name}{{{label}=\"{k}\"}} {v}");
+            }
+        };
+        family(&mut o, "snug_http_requests_total", "counter", "HTTP requests by route.");
+        labelled(&mut o, "snug_http_requests_total", "route", &self.requests);
+        family(
+            &mut o,
+            "snug_requests_finished_total",
+            "counter",
+            "Generations finished, by reason.",
+        );
+        labelled(&mut o, "snug_requests_finished_total", "reason", &self.finished);
+        family(
+            &mut o,
+            "snug_requests_rejected_total",
+            "counter",
+            "Requests refused, by reason (503s: queue_full, never_fits).",
+        );
+        labelled(&mut o, "snug_requests_rejected_total", "reason", &self.rejected);
+        let counters: [(&str, &str, u64); 9] = [
+            (
+                "snug_requests_queued_total",
+                "Requests that waited in the queue before admission.",
+                self.queued,
+            ),
+            (
+                "snug_prompt_tokens_total",
+                "Prompt tokens of finished requests.",
+                self.prompt_tokens,
+            ),
+            (
+                "snug_prompt_tokens_reused_total",
+                "Prompt tokens taken from the prefix cache instead of prefilled.",
+                self.reused_tokens,
+            ),
+            (
+                "snug_generated_tokens_total",
+                "Tokens generated.",
+                self.generated_tokens,
+            ),
+            ("snug_engine_steps_total", "Forward passes.", self.steps),
+            ("snug_engine_rows_total", "Rows computed by forward passes.", self.rows),
+            ("snug_speculation_rounds_total", "Verify forwards.", self.spec_rounds),
+            (
+                "snug_speculation_drafted_total",
+                "Draft tokens verified.",
+                self.spec_drafted,
+            ),
+            (
+                "snug_speculation_accepted_total",
+                "Draft tokens accepted.",
+                self.spec_accepted,
+            ),
+        ];
+        for (name, help, v) in counters {
+            family(&mut o, name, "counter", help);
+            let _ = writeln!(o, "{name} {v}");
+        }
+        let p = &self.prefix;
+        let prefix: [(&str, u64); 6] = [
+            ("lookups", p.lookups),
+            ("hits", p.hits),
+            ("reused_tokens", p.reused_tokens),
+            ("evictions", p.evictions),
+            ("disk_reads", p.disk_hits),
+            ("disk_writes", p.disk_writes),
+        ];
+        family(
+            &mut o,
+            "snug_prefix_cache_total",
+            "counter",
+            "Prefix cache events by kind.",
+        );
+        for (k, v) in prefix {
+            let _ = writeln!(o, "snug_prefix_cache_total{{event=\"{k}\"}} {v}");
+        }
+        self.ttft.write(
+            &mut o,
+            "snug_time_to_first_token_seconds",
+            "From receipt to the first token.",
+        );
+        self.token_latency.write(
+            &mut o,
+            "snug_time_per_output_token_seconds",
+            "Between two tokens of a request.",
+        );
+        self.e2e.write(
+            &mut o,
+            "snug_request_duration_seconds",
+            "From receipt to the last token.",
+        );
+        let gauges: [(&str, &str, u64); 4] = [
+            ("snug_requests_running", "Requests admitted and running.", self.running),
+            ("snug_requests_waiting", "Requests queued for admission.", self.waiting),
+            ("snug_kv_page_tokens", "Positions per KV page.", self.kv_page_tokens),
+            (
+                "snug_kv_page_bytes",
+                "Bytes per KV page (every layer).",
+                self.kv_page_bytes,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            family(&mut o, name, "gauge", help);
+            let _ = writeln!(o, "{name} {v}");
+        }
+        family(
+            &mut o,
+            "snug_kv_pages",
+            "gauge",
+            "KV pages: total, used by requests, cached (prefix cache only, evictable), free, reserved (held or promised to running requests).",
+        );
+        let free = self
+            .kv_pages_total
+            .saturating_sub(self.kv_pages_used + self.kv_pages_cached);
+        for (k, v) in [
+            ("total", self.kv_pages_total),
+            ("used", self.kv_pages_used),
+            ("cached", self.kv_pages_cached),
+            ("free", free),
+            ("reserved", self.kv_pages_reserved),
+        ] {
+            let _ = writeln!(o, "snug_kv_pages{{state=\"{k}\"}} {v}");
+        }
+        family(
+            &mut o,
+            "snug_memory_bytes",
+            "gauge",
+            "The memory ledger by part, and the measured resident set.",
+        );
+        if let Some(l) = &self.ledger {
+            for (k, v) in [
+                ("runtime", l.runtime),
+                ("weights_mapped", l.weights_mapped),
+                ("weights_resident", l.weights_resident),
+                ("kv_reserved", l.kv_reserved),
+                ("kv_used", l.kv_used),
+                ("kv_exact_window", l.kv_exact),
+                ("scratch", l.scratch),
+                ("heap_other", l.heap_other),
+                ("ledger_total", l.total()),
+            ] {
+                let _ = writeln!(o, "snug_memory_bytes{{part=\"{k}\"}} {v}");
+            }
+        }
+        let _ = writeln!(o, "snug_memory_bytes{{part=\"rss\"}} {rss}");
+        let _ = writeln!(o, "snug_memory_bytes{{part=\"peak_rss\"}} {peak_rss}");
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        for v in [0.05, 0.5, 0.5, 3.0] {
+            h.observe(v);
+        }
+        let mut out = String::new();
+        h.write(&mut out, "x", "help");
+        assert!(out.contains("x_bucket{le=\"0.1\"} 1\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"1\"} 3\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 4\n"), "{out}");
+        assert!(out.contains("x_count 4\n"), "{out}");
+    }
+
+    #[test]
+    fn every_family_is_declared_once() {
+        let mut m = Metrics::new(32, 1000);
+        m.request("chat");
+        m.rejected("queue_full");
+        let text = m.render(1, 2);
+        let mut seen = std::collections::HashSet::new();
+        for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
+            assert!(seen.insert(line.to_string()), "{line} twice");
+        }
+        assert!(text.contains("snug_requests_rejected_total{reason=\"queue_full\"} 1"));
+        assert!(text.contains("snug_kv_pages{state=\"free\"} 0"));
+    }
+}

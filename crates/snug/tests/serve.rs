@@ -1,0 +1,553 @@
+//! `snug serve` over loopback: the OpenAI routes, errors as OpenAI error
+//! objects, the API key, cancellation, graceful shutdown, the official
+//! `openai` Python client, and a load test under a KV budget that cannot
+//! hold every request at once.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use snug_model::testing::model_path;
+
+/// A running server; killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+    stderr: std::sync::mpsc::Receiver<String>,
+}
+
+impl Server {
+    fn start(model: &Path, args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+            .arg("serve")
+            .arg(model)
+            .args(["--port", "0", "--threads", "2"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("snug serve starts");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the server did not say where it listens");
+            };
+            if let Some(at) = line.find("http://") {
+                let addr = line[at + 7..].split_whitespace().next().unwrap().to_string();
+                return Server {
+                    child,
+                    addr,
+                    stderr: rx,
+                };
+            }
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn get(&self, path: &str) -> Reply {
+        http(&self.addr, "GET", path, &[], b"")
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Reply {
+        http(&self.addr, "POST", path, &[], body.to_string().as_bytes())
+    }
+
+    /// A gauge or counter from /metrics (the sum over matching lines).
+    fn metric(&self, prefix: &str) -> f64 {
+        self.get("/metrics")
+            .body
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    fn peak_rss(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kb: u64 = s
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        kb * 1024
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The `data:` payloads of a server-sent event stream.
+    fn events(&self) -> Vec<String> {
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+/// One HTTP/1.1 exchange (the connection is closed after it).
+fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    parse_reply(&raw)
+}
+
+fn parse_reply(raw: &[u8]) -> Reply {
+    let text = String::from_utf8_lossy(raw);
+    let (head, rest) = text.split_once("\r\n\r\n").expect("a header block");
+    let mut lines = head.lines();
+    let status: u16 = lines
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(": "))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let body = if chunked { dechunk(rest) } else { rest.to_string() };
+    Reply { status, headers, body }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn smollm2() -> Option<PathBuf> {
+    model_path("smollm2-135m")
+}
+
+/// Prompts of mixed lengths from a real paragraph.
+fn prompts() -> Vec<String> {
+    let text = include_str!("../../snug-engine/src/calibration.txt");
+    let words: Vec<&str> = text.split_whitespace().collect();
+    (0..16)
+        .map(|i| {
+            let n = 8 + (i * 37) % 200;
+            let start = (i * 13) % (words.len() / 2);
+            let take: Vec<&str> = words.iter().cycle().skip(start).take(n).copied().collect();
+            take.join(" ")
+        })
+        .collect()
+}
+
+fn completion(prompt: &str, max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+}
+
+#[test]
+fn routes_answer_as_openai_does_and_match_snug_run() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &[]);
+    let models = s.get("/v1/models").json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["object"], "model");
+    assert_eq!(s.get("/health").json()["status"], "ok");
+
+    // A completion equals `snug run` on the same prompt, greedy.
+    let prompt = "The harbour town wakes before the sun. Fishing boats";
+    let r = s.post("/v1/completions", &completion(prompt, 20));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let out = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .arg("run")
+        .arg(&model)
+        .args(["-p", prompt, "-n", "20", "--json", "--threads", "2"])
+        .output()
+        .unwrap();
+    let run: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["choices"][0]["text"], run["text"]);
+    assert_eq!(v["choices"][0]["finish_reason"], run["finish_reason"]);
+    assert_eq!(v["usage"]["prompt_tokens"], run["prompt_tokens"]);
+    assert_eq!(v["usage"]["completion_tokens"], 20);
+
+    // Streaming gives the same text in chunks, then usage, then [DONE].
+    let mut body = completion(prompt, 20);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0)?["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, run["text"].as_str().unwrap());
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 20);
+
+    // Chat: the template applied; a stop string ends it with "stop".
+    let chat = json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12, "temperature": 0});
+    let r = s.post("/v1/chat/completions", &chat);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let said = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let word = said.split_whitespace().nth(1).expect("two words").to_string();
+    let mut stopped = chat.clone();
+    stopped["stop"] = json!([word.clone()]);
+    let v = s.post("/v1/chat/completions", &stopped).json();
+    let cut = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(said.starts_with(cut) && !cut.contains(&word), "{cut:?} / {said:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    let m = s.get("/metrics").body;
+    for family in [
+        "snug_generated_tokens_total",
+        "snug_time_to_first_token_seconds_bucket",
+        "snug_kv_pages{state=\"free\"}",
+        "snug_memory_bytes{part=\"kv_reserved\"}",
+        "snug_prefix_cache_total{event=\"hits\"}",
+        "snug_speculation_rounds_total",
+    ] {
+        assert!(m.contains(family), "/metrics lacks {family}");
+    }
+    assert!(s.metric("snug_generated_tokens_total") >= 40.0);
+}
+
+#[test]
+fn bad_requests_get_openai_error_objects() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--ctx", "64", "--max-body", "2KiB"]);
+    let bad = |r: &Reply, status: u16, needle: &str| {
+        assert_eq!(r.status, status, "{}", r.body);
+        let e = &r.json()["error"];
+        assert!(e["message"].as_str().unwrap().contains(needle), "{e}");
+        assert!(e["type"].is_string(), "{e}");
+    };
+    bad(
+        &http(&s.addr, "POST", "/v1/chat/completions", &[], b"{nope"),
+        400,
+        "not valid JSON",
+    );
+    bad(
+        &s.post("/v1/chat/completions", &json!({"messages": 3})),
+        400,
+        "wrong type",
+    );
+    bad(
+        &s.post("/v1/chat/completions", &json!({"messages": [], "max_tokens": 4})),
+        400,
+        "messages",
+    );
+    bad(
+        &s.post("/v1/completions", &json!({"prompt": "hi", "top_p": 0})),
+        400,
+        "top_p",
+    );
+    bad(
+        &s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 0})),
+        400,
+        "max_tokens",
+    );
+    bad(
+        &s.post("/v1/completions", &json!({"prompt": [1, 99999999]})),
+        400,
+        "vocabulary",
+    );
+    let long = "word ".repeat(100);
+    let r = s.post("/v1/completions", &json!({"prompt": long}));
+    bad(&r, 400, "maximum context length is 64");
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    let huge = json!({"prompt": "x".repeat(4096)});
+    bad(&s.post("/v1/completions", &huge), 413, "");
+    bad(&s.get("/v1/nothing"), 404, "no route");
+    // The server is still fine.
+    assert_eq!(s.post("/v1/completions", &completion("Hello", 3)).status, 200);
+    assert!(s.metric("snug_requests_rejected_total{reason=\"bad_request\"}") >= 5.0);
+}
+
+#[test]
+fn an_api_key_guards_every_route_but_health() {
+    let Some(model) = smollm2() else { return };
+    // Anything but loopback needs a key.
+    let out = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .arg("serve")
+        .arg(&model)
+        .args(["--host", "0.0.0.0", "--port", "0"])
+        .env_remove("SNUG_API_KEY")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("error: ") && err.contains("--api-key"), "{err}");
+
+    let s = Server::start(&model, &["--api-key", "sesame"]);
+    let body = completion("Hello", 2).to_string();
+    let r = http(&s.addr, "POST", "/v1/completions", &[], body.as_bytes());
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    let r = http(
+        &s.addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer wrong")],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 401);
+    let r = http(
+        &s.addr,
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer sesame")],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(s.get("/health").status, 200);
+    assert_eq!(s.get("/metrics").status, 401);
+}
+
+#[test]
+fn a_request_that_can_never_fit_gets_503_with_retry_after() {
+    let Some(model) = smollm2() else { return };
+    // 8 pages of 32 positions (SmolLM2, F16: 720 KiB a page).
+    let s = Server::start(&model, &["--memory-budget", "5760KiB", "--guaranteed-output", "64"]);
+    let long: String = prompts()[5].clone() + " " + &prompts()[6] + " " + &prompts()[7];
+    let r = s.post("/v1/completions", &completion(&long, 100));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.header("retry-after").is_some());
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("budget"));
+    assert_eq!(s.post("/v1/completions", &completion("Hi", 4)).status, 200);
+}
+
+#[test]
+fn a_client_that_goes_away_frees_its_pages() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--speculate", "off"]);
+    let mut body = completion(&prompts()[3], 100_000);
+    body["stream"] = json!(true);
+    let body = body.to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // Read until a few chunks have come, then hang up.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while got.windows(6).filter(|w| w == b"data: ").count() < 5 {
+        let n = c.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(s.metric("snug_kv_pages{state=\"used\"}") > 0.0);
+    drop(c);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // The gauges follow the counter within a step.
+    while s.metric("snug_requests_finished_total{reason=\"cancelled\"}") < 1.0
+        || s.metric("snug_kv_pages{state=\"used\"}") > 0.0
+        || s.metric("snug_requests_running") > 0.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the request was not cancelled, or kept its pages"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn shutdown_drains_running_requests() {
+    let Some(model) = smollm2() else { return };
+    let mut s = Server::start(&model, &[]);
+    let addr = s.addr.clone();
+    let client = std::thread::spawn(move || {
+        let body = completion("Count with me: one, two, three,", 48).to_string();
+        http(&addr, "POST", "/v1/completions", &[], body.as_bytes())
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("snug_requests_running") < 1.0 {
+        assert!(Instant::now() < deadline, "the request never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &s.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let r = client.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 48);
+    let status = s.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let log: Vec<String> = s.stderr.try_iter().collect();
+    assert!(log.iter().any(|l| l.contains("draining")), "{log:?}");
+}
+
+#[test]
+fn the_openai_python_client_drives_the_server() {
+    let Some(model) = smollm2() else { return };
+    let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
+        assert!(
+            std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
+            "SNUG_OPENAI_PYTHON must name a python with the openai package (scripts/test installs one)"
+        );
+        eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
+        return;
+    };
+    let s = Server::start(&model, &["--api-key", "k"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client-check.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(format!("http://{}/v1", s.addr))
+        .arg("k")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
+}
+
+/// 16 clients at once with mixed prompt lengths under a KV budget that
+/// holds only a few of them: the rest queue (or, past the queue, get a
+/// planned 503 and retry); none fails otherwise, peak RSS stays within
+/// weights + budget + overhead, and every greedy completion equals the
+/// same request run alone.
+#[test]
+fn sixteen_clients_under_a_tight_budget_get_what_they_would_alone() {
+    let Some(model) = smollm2() else { return };
+    const BUDGET: u64 = 16 << 20;
+    // Scratch, heap, the tokenizer, runtime and libraries.
+    const OVERHEAD: u64 = 64 << 20;
+    let s = Server::start(
+        &model,
+        &[
+            "--memory-budget",
+            "16MiB",
+            "--max-queue",
+            "6",
+            "--guaranteed-output",
+            "32",
+            "--prefill-chunk",
+            "64",
+        ],
+    );
+    let prompts = prompts();
+    let started = Instant::now();
+    let workers: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let addr = s.addr.clone();
+            let body = completion(p, 16 + (i % 3) * 8).to_string();
+            std::thread::spawn(move || {
+                let mut refusals = 0;
+                loop {
+                    let r = http(&addr, "POST", "/v1/completions", &[], body.as_bytes());
+                    match r.status {
+                        200 => return (r.json(), refusals),
+                        503 => {
+                            assert!(r.header("retry-after").is_some(), "{}", r.body);
+                            refusals += 1;
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                        other => panic!("status {other}: {}", r.body),
+                    }
+                }
+            })
+        })
+        .collect();
+    let results: Vec<(Value, usize)> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let together = started.elapsed();
+    let refused: usize = results.iter().map(|r| r.1).sum();
+    let queued = s.metric("snug_requests_queued_total");
+    let peak = s.peak_rss();
+    let weights = std::fs::metadata(&model).unwrap().len();
+    assert!(
+        peak < weights + BUDGET + OVERHEAD,
+        "peak RSS {peak} exceeds weights {weights} + budget {BUDGET} + {OVERHEAD}"
+    );
+    assert!(queued + refused as f64 > 0.0, "the budget held every request at once");
+    // Each request again, alone.
+    for (i, (p, (got, _))) in prompts.iter().zip(&results).enumerate() {
+        let alone = s.post("/v1/completions", &completion(p, 16 + (i % 3) * 8)).json();
+        assert_eq!(
+            got["choices"][0]["text"], alone["choices"][0]["text"],
+            "request {i} differs under load"
+        );
+        for field in ["prompt_tokens", "completion_tokens"] {
+            assert_eq!(got["usage"][field], alone["usage"][field], "request {i}");
+        }
+    }
+    eprintln!(
+        "16 clients: {:.1} s together, {queued} queued, {refused} planned 503s, peak RSS {} MiB",
+        together.as_secs_f64(),
+        peak >> 20
+    );
+    assert_eq!(s.metric("snug_requests_finished_total{reason=\"error\"}"), 0.0);
+}

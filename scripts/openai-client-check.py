@@ -1,0 +1,106 @@
+"""Drives a running `snug serve` with the official `openai` Python client:
+chat, completion, streaming with usage, models and error mapping. Exits
+non-zero with a message on the first mismatch.
+
+    python3 scripts/openai-client-check.py http://127.0.0.1:8080/v1 [API_KEY]
+"""
+
+import sys
+
+import openai
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAILED: {what}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main():
+    base = sys.argv[1]
+    key = sys.argv[2] if len(sys.argv) > 2 else "unused"
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=300)
+
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    check(len(ids) == 1, f"one model listed: {ids}")
+    model = ids[0]
+
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Name three colours of the rainbow."},
+    ]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0, seed=1
+    )
+    choice = chat.choices[0]
+    check(chat.object == "chat.completion", f"object: {chat.object}")
+    check(choice.message.role == "assistant", f"role: {choice.message.role}")
+    check(len(choice.message.content) > 0, "chat produced text")
+    check(choice.finish_reason in ("stop", "length"), f"finish: {choice.finish_reason}")
+    u = chat.usage
+    check(u.prompt_tokens > 10 and 0 < u.completion_tokens <= 24, f"usage: {u}")
+    check(u.total_tokens == u.prompt_tokens + u.completion_tokens, f"total: {u}")
+
+    # The same request streamed: the same text, and usage at the end.
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                parts.append(c.delta.content)
+            if c.finish_reason:
+                finish = c.finish_reason
+    streamed = "".join(parts)
+    check(streamed == choice.message.content, f"streamed {streamed!r} != {choice.message.content!r}")
+    check(finish == choice.finish_reason, f"stream finish {finish} != {choice.finish_reason}")
+    check(usage is not None and usage.completion_tokens == u.completion_tokens, f"stream usage: {usage}")
+
+    # Plain completion, with a stop string.
+    comp = client.completions.create(
+        model=model, prompt="One, two, three, four,", max_tokens=16, temperature=0
+    )
+    text = comp.choices[0].text
+    check(comp.object == "text_completion", f"object: {comp.object}")
+    check(len(text) > 0, "completion produced text")
+    check(comp.usage.completion_tokens <= 16, f"usage: {comp.usage}")
+    stop = text.strip().split()[0] if text.strip() else None
+    if stop:
+        cut = client.completions.create(
+            model=model, prompt="One, two, three, four,", max_tokens=16, temperature=0, stop=[stop]
+        )
+        check(stop not in cut.choices[0].text, f"stop string {stop!r} in {cut.choices[0].text!r}")
+        check(cut.choices[0].finish_reason == "stop", f"stop finish: {cut.choices[0].finish_reason}")
+
+    # Streamed completion.
+    parts = [c.choices[0].text for c in client.completions.create(
+        model=model, prompt="One, two, three, four,", max_tokens=16, temperature=0, stream=True
+    ) if c.choices]
+    check("".join(parts) == text, f"streamed completion {''.join(parts)!r} != {text!r}")
+
+    # Seeded sampling is reproducible.
+    a = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0.9, seed=42)
+    b = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0.9, seed=42)
+    check(a.choices[0].message.content == b.choices[0].message.content, "same seed, same text")
+
+    # Bad fields are 400s the client raises as BadRequestError.
+    try:
+        client.chat.completions.create(model=model, messages=messages, temperature=5)
+        check(False, "temperature 5 accepted")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and "temperature" in str(e), f"error: {e}")
+    print("openai client: chat, stream, completion, stop, seed, errors ok")
+
+
+if __name__ == "__main__":
+    main()
