@@ -419,6 +419,30 @@ fn a_client_that_goes_away_frees_its_pages() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+
+    // A client waiting for a whole (non-streamed) answer hangs up too.
+    let body = completion(&prompts()[4], 100_000).to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    while s.metric("snug_requests_running") < 1.0 {
+        assert!(Instant::now() < deadline, "the request never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+    while s.metric("snug_requests_finished_total{reason=\"cancelled\"}") < 2.0
+        || s.metric("snug_kv_pages{state=\"used\"}") > 0.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the waiting client's request was not cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

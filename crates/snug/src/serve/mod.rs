@@ -20,13 +20,15 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use axum::body::Bytes;
+use axum::extract::connect_info::Connected;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::IncomingStream;
 use axum::{Json, Router};
 use clap::Args;
 use serde_json::{json, Value};
@@ -129,6 +131,40 @@ struct AppState {
     draining: AtomicBool,
 }
 
+/// A request's connection, to notice a client that hangs up while its
+/// answer is being generated: HTTP/1 does not read the socket then, so
+/// nothing else would tell.
+#[derive(Clone, Copy, Debug)]
+struct Conn {
+    fd: std::os::fd::RawFd,
+}
+
+impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Conn {
+    fn connect_info(stream: IncomingStream<'_, tokio::net::TcpListener>) -> Conn {
+        use std::os::fd::AsRawFd;
+        Conn {
+            fd: stream.io().as_raw_fd(),
+        }
+    }
+}
+
+impl Conn {
+    /// Whether the peer has closed or reset the connection. (The socket
+    /// stays open while its request is handled, so the descriptor is this
+    /// connection's.)
+    fn hung_up(self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no timeout; poll only reads the
+        // socket's state.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
 fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -219,7 +255,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             tokens
         );
         let shutdown_state = state.clone();
-        axum::serve(listener, app)
+        axum::serve(listener, app.into_make_service_with_connect_info::<Conn>())
             .with_graceful_shutdown(async move {
                 shutdown_signal().await;
                 shutdown_state.draining.store(true, Ordering::SeqCst);
@@ -636,15 +672,19 @@ enum Kind {
     Completion,
 }
 
-async fn chat_completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    ConnectInfo(conn): ConnectInfo<Conn>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     s.metrics.lock().expect("metrics").request("chat_completions");
-    match chat_inner(&s, body).await {
+    match chat_inner(&s, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn chat_inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = body_bytes(body, s)?;
     let req: ChatRequest = api::parse(&body).map_err(|e| s.bad(e))?;
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
@@ -690,18 +730,26 @@ async fn chat_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> R
         },
     );
     let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
-    respond(s, id, Kind::Chat, p).await
+    respond(s, conn, id, Kind::Chat, p).await
 }
 
-async fn completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    ConnectInfo(conn): ConnectInfo<Conn>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     s.metrics.lock().expect("metrics").request("completions");
-    match completion_inner(&s, body).await {
+    match completion_inner(&s, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn completion_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn completion_inner(
+    s: &Arc<AppState>,
+    conn: Conn,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let body = body_bytes(body, s)?;
     let req: CompletionRequest = api::parse(&body).map_err(|e| s.bad(e))?;
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
@@ -728,11 +776,11 @@ async fn completion_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>
     };
     // OpenAI's default for completions.
     let p = s.prepare(prompt, settings, Some(16)).map_err(|e| s.bad(e))?;
-    respond(s, id, Kind::Completion, p).await
+    respond(s, conn, id, Kind::Completion, p).await
 }
 
 /// Runs a prepared request and answers it, streaming or not.
-async fn respond(s: &Arc<AppState>, id: u64, kind: Kind, p: Prepared) -> Result<Response, ApiError> {
+async fn respond(s: &Arc<AppState>, conn: Conn, id: u64, kind: Kind, p: Prepared) -> Result<Response, ApiError> {
     let mut rx = s.submit(id, &p).await?;
     let created = unix_now();
     let rid = match kind {
@@ -741,8 +789,19 @@ async fn respond(s: &Arc<AppState>, id: u64, kind: Kind, p: Prepared) -> Result<
     };
     if !p.settings.stream {
         let mut text = String::new();
+        let mut check = tokio::time::interval(std::time::Duration::from_millis(100));
         loop {
-            match rx.recv().await {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = check.tick() => {
+                    if conn.hung_up() {
+                        // Dropping the receiver cancels the request.
+                        return Err(ApiError::bad("the client closed the connection", None));
+                    }
+                    continue;
+                }
+            };
+            match ev {
                 Some(Event::Text(t)) => text.push_str(&t),
                 Some(Event::Done(d)) => {
                     let u = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
