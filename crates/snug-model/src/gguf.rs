@@ -470,6 +470,18 @@ impl GgufFile {
             .as_ref()
     }
 
+    /// Drops this process' resident pages of `bytes` (tensor data lent by
+    /// this file or its panel cache file); they are read again on next use.
+    /// Returns the bytes advised. Used to lease out parts of the weights a
+    /// phase of work does not read.
+    pub fn release(&self, bytes: &[u8]) -> u64 {
+        let n = release_range(&self.mmap, bytes);
+        if n > 0 {
+            return n;
+        }
+        self.packed_weights().map_or(0, |p| p.release(bytes))
+    }
+
     /// The panels made by [`GgufFile::packed`], if it has run and packed
     /// anything.
     pub fn packed_weights(&self) -> Option<&crate::packed::PackedWeights> {
@@ -759,6 +771,29 @@ impl<'a> Reader<'a> {
             size,
         })
     }
+}
+
+/// `madvise(MADV_DONTNEED)` over the whole pages of `bytes` that lie in the
+/// read-only file map `map`; 0 when `bytes` is not in it.
+pub(crate) fn release_range(map: &Mmap, bytes: &[u8]) -> u64 {
+    let base = map.as_ptr() as usize;
+    let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+    if lo < base || hi > base + map.len() || bytes.is_empty() {
+        return 0;
+    }
+    const PAGE: usize = 4096;
+    let start = (lo - base).div_ceil(PAGE) * PAGE;
+    let end = (hi - base) / PAGE * PAGE;
+    if end <= start {
+        return 0;
+    }
+    // SAFETY: the map is a read-only view of a file, so dropped pages are
+    // re-read unchanged on access.
+    #[cfg(unix)]
+    if unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) }.is_ok() {
+        return (end - start) as u64;
+    }
+    0
 }
 
 #[cfg(test)]

@@ -284,6 +284,18 @@ impl PackedWeights {
         self.path.as_deref()
     }
 
+    /// Drops this process' resident pages of `bytes`, a part of the panels,
+    /// when they are mapped from the cache file (they are read again from
+    /// the page cache or the file on next use); panels packed in memory are
+    /// never dropped. Returns the bytes advised (whole pages inside
+    /// `bytes`).
+    pub fn release(&self, bytes: &[u8]) -> u64 {
+        match &self.backing {
+            Backing::Map(m) => crate::gguf::release_range(m, bytes),
+            Backing::Memory(_) => 0,
+        }
+    }
+
     /// Bytes of the panels resident in this process (as
     /// [`GgufFile::resident_bytes`] counts them for the model file).
     pub fn resident_bytes(&self) -> Option<u64> {

@@ -205,7 +205,9 @@ fn completion(prompt: &str, max_tokens: usize) -> Value {
 #[test]
 fn routes_answer_as_openai_does_and_match_snug_run() {
     let Some(model) = smollm2() else { return };
-    let s = Server::start(&model, &[]);
+    let jsonl = std::env::temp_dir().join(format!("snug-serve-metrics-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&jsonl);
+    let s = Server::start(&model, &["--metrics-file", jsonl.to_str().unwrap()]);
     let models = s.get("/v1/models").json();
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["object"], "model");
@@ -276,6 +278,26 @@ fn routes_answer_as_openai_does_and_match_snug_run() {
         assert!(m.contains(family), "/metrics lacks {family}");
     }
     assert!(s.metric("snug_generated_tokens_total") >= 40.0);
+
+    // One JSON line per finished request.
+    let lines: Vec<Value> = std::fs::read_to_string(&jsonl)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    let first = &lines[0];
+    assert_eq!(first["output_tokens"], 20);
+    assert_eq!(first["prompt_tokens"], run["prompt_tokens"]);
+    assert!(first["ttft_ms"].as_f64().unwrap() > 0.0);
+    assert!(first["token_latency_ms"]["p50"].as_f64().unwrap() > 0.0);
+    assert!(first["token_latency_ms"]["p99"].as_f64() >= first["token_latency_ms"]["p50"].as_f64());
+    assert!(first["peak_kv_pages"].as_u64().unwrap() >= 1);
+    assert!(first["speculation"]["mode"].is_string());
+    assert!(lines
+        .iter()
+        .all(|l| l["reused_tokens"].is_u64() && l["queue_ms"].is_f64()));
+    let _ = std::fs::remove_file(&jsonl);
 }
 
 #[test]
@@ -574,4 +596,22 @@ fn sixteen_clients_under_a_tight_budget_get_what_they_would_alone() {
         peak >> 20
     );
     assert_eq!(s.metric("snug_requests_finished_total{reason=\"error\"}"), 0.0);
+}
+
+#[test]
+fn a_leased_head_comes_back_with_the_same_logits() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--lease-head", "--prefill-chunk", "16", "--speculate", "off"]);
+    let prompt = &prompts()[9];
+    let leased = s.post("/v1/completions", &completion(prompt, 12)).json();
+    assert!(
+        s.metric("snug_lease_releases_total") >= 1.0,
+        "no chunk ran without logits"
+    );
+    assert!(s.metric("snug_lease_returns_total") >= 1.0);
+    assert!(s.metric("snug_lease_released_bytes_total") > 0.0);
+    let plain = Server::start(&model, &["--prefill-chunk", "16", "--speculate", "off"]);
+    let want = plain.post("/v1/completions", &completion(prompt, 12)).json();
+    assert_eq!(leased["choices"][0]["text"], want["choices"][0]["text"]);
+    assert_eq!(plain.metric("snug_lease_releases_total"), 0.0);
 }

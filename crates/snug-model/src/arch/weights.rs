@@ -39,6 +39,12 @@ pub struct Model<'a> {
 }
 
 impl<'a> Model<'a> {
+    /// The output head's bytes as compute reads them (its panels where
+    /// packed), for leasing them out while no row wants logits.
+    pub fn head_bytes(&self) -> &'a [u8] {
+        self.output.packed.unwrap_or(self.output.data)
+    }
+
     /// Binds the tensors of `file` (which must outlive the model).
     pub fn load(file: &'a GgufFile) -> Result<Model<'a>, ModelError> {
         let c = Config::from_gguf(file)?;

@@ -94,6 +94,11 @@ pub struct Metrics {
     /// Engine steps (forward passes) and rows they computed.
     pub steps: u64,
     pub rows: u64,
+    /// Output head leases: times given back, bytes given back in all,
+    /// times taken back by a forward that wanted logits.
+    pub lease_releases: u64,
+    pub lease_released_bytes: u64,
+    pub lease_returns: u64,
 }
 
 impl Metrics {
@@ -124,6 +129,9 @@ impl Metrics {
             prefix: PrefixStats::default(),
             steps: 0,
             rows: 0,
+            lease_releases: 0,
+            lease_released_bytes: 0,
+            lease_returns: 0,
         }
     }
 
@@ -166,7 +174,22 @@ impl Metrics {
             "Requests refused, by reason (503s: queue_full, never_fits).",
         );
         labelled(&mut o, "snug_requests_rejected_total", "reason", &self.rejected);
-        let counters: [(&str, &str, u64); 9] = [
+        let counters: [(&str, &str, u64); 12] = [
+            (
+                "snug_lease_releases_total",
+                "Times the output head's pages were given back before a forward without logits.",
+                self.lease_releases,
+            ),
+            (
+                "snug_lease_released_bytes_total",
+                "Bytes of the output head given back, in all.",
+                self.lease_released_bytes,
+            ),
+            (
+                "snug_lease_returns_total",
+                "Times a forward wanting logits faulted the head back in.",
+                self.lease_returns,
+            ),
             (
                 "snug_requests_queued_total",
                 "Requests that waited in the queue before admission.",

@@ -112,6 +112,12 @@ pub struct ServeArgs {
     /// Do not share cached KV pages between requests.
     #[arg(long, conflicts_with = "prefix_cache_dir")]
     no_prefix_cache: bool,
+    /// Give the output head's resident pages back to the system while
+    /// only prompt chunks that need no logits run (they fault back in
+    /// when logits are next wanted). Lowers resident memory during long
+    /// prefills, at the cost of re-reading the head; see docs/SERVER.md.
+    #[arg(long)]
+    lease_head: bool,
 }
 
 /// What handlers share.
@@ -300,6 +306,7 @@ struct EngineArgs {
     decode_steps: usize,
     metrics_file: Option<PathBuf>,
     model: String,
+    lease_head: bool,
 }
 
 impl From<&ServeArgs> for EngineArgs {
@@ -338,6 +345,7 @@ impl From<&ServeArgs> for EngineArgs {
             decode_steps: a.decode_steps,
             metrics_file: a.metrics_file.clone(),
             model: a.model.clone(),
+            lease_head: a.lease_head,
         }
     }
 }
@@ -416,7 +424,18 @@ fn engine_main(
         metrics_file: a.metrics_file.clone(),
     };
     let _ = ready.send(Ok((ctx, model.config.vocab, metrics.clone())));
-    worker::run(&mut engine, &tok, cfg, rx, metrics, |e| crate::run::ledger(&file, e, 0));
+    let head = model.head_bytes();
+    let release = || file.release(head);
+    let lease: Option<&dyn Fn() -> u64> = if a.lease_head { Some(&release) } else { None };
+    worker::run(
+        &mut engine,
+        &tok,
+        cfg,
+        rx,
+        metrics,
+        |e| crate::run::ledger(&file, e, 0),
+        lease,
+    );
     if let Some(c) = &mut calibration {
         crate::calibration::save(c, &engine);
     }

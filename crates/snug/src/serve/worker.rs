@@ -98,6 +98,12 @@ struct Running {
 }
 
 /// Runs until the channel closes or a [`Msg::Drain`] and nothing is left.
+///
+/// `lease`, when given, gives back the output head's resident pages (and
+/// returns the bytes): it is called before a forward in which no row wants
+/// logits (a prefill chunk that is not a prompt's last, with nothing
+/// decoding), and the head is faulted back in by the next forward that
+/// does want logits.
 pub fn run(
     engine: &mut Engine,
     tok: &Tokenizer,
@@ -105,12 +111,16 @@ pub fn run(
     rx: Receiver<Msg>,
     metrics: Arc<Mutex<Metrics>>,
     ledger: impl Fn(&Engine) -> snug_core::Ledger,
+    lease: Option<&dyn Fn() -> u64>,
 ) {
     let mut l = Loop {
         sched: Scheduler::new(cfg.schedule),
         cfg,
         active: HashMap::new(),
         metrics,
+        lease,
+        head_out: false,
+        ledger_at: None,
     };
     let mut draining = false;
     loop {
@@ -119,7 +129,7 @@ pub fn run(
             if draining {
                 return;
             }
-            l.publish(engine, &ledger);
+            l.publish(engine, &ledger, true);
             match rx.recv() {
                 Ok(Msg::Job(job)) => l.submit(engine, job),
                 Ok(Msg::Drain) | Err(_) => return,
@@ -138,18 +148,23 @@ pub fn run(
         }
         l.drop_gone(engine);
         l.step(engine, tok);
-        l.publish(engine, &ledger);
+        l.publish(engine, &ledger, false);
     }
 }
 
-struct Loop {
+struct Loop<'l> {
     sched: Scheduler,
     cfg: LoopConfig,
     active: HashMap<RequestId, Active>,
     metrics: Arc<Mutex<Metrics>>,
+    lease: Option<&'l dyn Fn() -> u64>,
+    /// Whether the head's pages were given back and not used since.
+    head_out: bool,
+    /// When the ledger was last read.
+    ledger_at: Option<Instant>,
 }
 
-impl Loop {
+impl Loop<'_> {
     fn submit(&mut self, engine: &mut Engine, job: Job) {
         let id = job.id;
         match self.sched.submit(id, job.prompt.len(), job.max_tokens) {
@@ -325,6 +340,7 @@ impl Loop {
         // Forward.
         let mut outcome = Outcome::default();
         if !rows.is_empty() {
+            self.lease_head(&rows);
             let step = engine.step(&rows).map(<[f32]>::to_vec);
             let logits = match step {
                 Ok(l) => l,
@@ -378,6 +394,22 @@ impl Loop {
             self.finish(engine, tok, id);
         }
         self.start(engine, admitted);
+    }
+
+    /// Gives the output head back before a forward that wants no logits;
+    /// notes when one that does takes it again.
+    fn lease_head(&mut self, rows: &[(SeqId, u32, bool)]) {
+        let Some(release) = self.lease else { return };
+        let wants = rows.iter().any(|r| r.2);
+        let mut m = self.metrics.lock().expect("metrics");
+        if !wants && !self.head_out {
+            m.lease_released_bytes += release();
+            m.lease_releases += 1;
+            self.head_out = true;
+        } else if wants && self.head_out {
+            m.lease_returns += 1;
+            self.head_out = false;
+        }
     }
 
     /// Ends a request: the rest of its text, its summary, its metrics
@@ -448,7 +480,15 @@ impl Loop {
     }
 
     /// Copies the gauges (pages, queue, ledger) into the metrics.
-    fn publish(&self, engine: &Engine, ledger: &impl Fn(&Engine) -> snug_core::Ledger) {
+    /// The ledger reads the weights' resident size from /proc, which costs
+    /// milliseconds: it is refreshed when the loop goes idle and at most
+    /// once a second while it works.
+    fn publish(&mut self, engine: &Engine, ledger: &impl Fn(&Engine) -> snug_core::Ledger, idle: bool) {
+        let fresh = idle || self.ledger_at.is_none_or(|t| t.elapsed().as_secs_f64() >= 1.0);
+        let l = fresh.then(|| ledger(engine));
+        if fresh {
+            self.ledger_at = Some(Instant::now());
+        }
         let (total, used, idle) = engine.kv_pages();
         let mut m = self.metrics.lock().expect("metrics");
         m.running = self.sched.running() as u64;
@@ -457,7 +497,9 @@ impl Loop {
         m.kv_pages_used = used.saturating_sub(idle) as u64;
         m.kv_pages_cached = idle as u64;
         m.kv_pages_reserved = self.sched.claimed_pages() as u64;
-        m.ledger = Some(ledger(engine));
+        if l.is_some() {
+            m.ledger = l;
+        }
         if let Some(p) = engine.prefix_stats() {
             m.prefix = p;
         }
