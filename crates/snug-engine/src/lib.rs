@@ -4,6 +4,7 @@
 //! forward over the rows, keep the logits.
 
 pub mod calibrate;
+pub mod decide;
 pub mod generate;
 pub mod prefix_disk;
 pub mod sampling;

@@ -5,6 +5,7 @@
 mod bench;
 mod calibration;
 mod chat;
+mod decide;
 mod eval;
 mod progress;
 mod run;
@@ -55,6 +56,9 @@ enum Command {
     Session(SessionCommand),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
+    /// Answer closed questions about a text with probabilities (choice,
+    /// score, yes/no); `decide calibrate` fits their temperatures.
+    Decide(decide::DecideArgs),
 }
 
 #[derive(Subcommand)]
@@ -83,7 +87,7 @@ struct SessionInfoArgs {
 }
 
 /// The KV cache's formats.
-#[derive(Args)]
+#[derive(Args, Default)]
 struct KvArgs {
     /// KV cache format: f16, f32, q8 (int8 of the rotated vector and a
     /// scale, 51-52% of f16) or tq4 (4-bit codes of the rotated vector and
@@ -349,6 +353,7 @@ fn main() -> ExitCode {
         Command::Session(SessionCommand::Info(a)) => session::cmd_info(a),
         Command::Session(SessionCommand::List(a)) => session::cmd_list(a),
         Command::Serve(a) => serve::cmd_serve(a),
+        Command::Decide(a) => decide::cmd_decide(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

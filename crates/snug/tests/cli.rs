@@ -909,3 +909,84 @@ fn a_chat_session_resumes_in_a_new_process() {
     assert_eq!(lines[1]["name"], "notes");
     assert_eq!(lines[1]["messages"], 4);
 }
+
+#[test]
+fn decide_answers_with_bars_and_calibrates_from_labels() {
+    let Some(model) = model_path("smollm2-135m") else {
+        return;
+    };
+    let out = snug()
+        .arg("decide")
+        .arg(&model)
+        .args([
+            "-t",
+            "2",
+            "--state",
+            "The soup was cold and the waiter ignored us for an hour.",
+        ])
+        .args(["-q", "good:noul:Was the visit a good one?"])
+        .args(["-q", "part:choice:What went wrong?:food,service,both,nothing"])
+        .output()
+        .unwrap();
+    let shown = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(shown.contains("good (noul): P(true) = "), "{shown}");
+    assert!(shown.contains("part (choice): "), "{shown}");
+    assert_eq!(
+        shown.lines().filter(|l| l.contains('█') || l.contains('░')).count(),
+        6,
+        "{shown}"
+    );
+    let bad = snug()
+        .arg("decide")
+        .arg(&model)
+        .args(["--state", "x", "-q", "no-colons"])
+        .output()
+        .unwrap();
+    assert_clean_error(&bad, "NAME:TYPE:INSTRUCTIONS");
+
+    // Calibrate on 24 labeled lines, then evaluate with the fitted file.
+    let dir = tmpdir("decide");
+    let set = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/decide/reviews.jsonl");
+    let lines: Vec<String> = std::fs::read_to_string(set)
+        .unwrap()
+        .lines()
+        .take(24)
+        .map(str::to_string)
+        .collect();
+    let small = dir.join("small.jsonl");
+    std::fs::write(&small, lines.join("\n")).unwrap();
+    let temps = dir.join("temps.json");
+    let out = snug()
+        .args(["decide", "calibrate"])
+        .arg(&model)
+        .arg(&small)
+        .arg("-o")
+        .arg(&temps)
+        .args(["-t", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&temps).unwrap()).unwrap();
+    assert_eq!(t["examples"], 48);
+    let fitted = t["temperature"][0].as_f64().unwrap();
+    assert!((0.5..=5.0).contains(&fitted), "{t}");
+    assert!(
+        t["nll_fitted"].as_f64().unwrap() <= t["nll_at_1"].as_f64().unwrap() + 1e-9,
+        "{t}"
+    );
+    let out = snug()
+        .args(["decide", "eval"])
+        .arg(&model)
+        .arg(&small)
+        .arg("--calibration")
+        .arg(&temps)
+        .args(["-t", "2", "--json"])
+        .output()
+        .unwrap();
+    let e = json_of(&out);
+    assert_eq!(e["questions"], 48);
+    assert_eq!(e["by_type"]["choice"]["questions"], 24);
+    assert!(e["accuracy"].as_f64().unwrap() > 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

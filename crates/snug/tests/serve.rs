@@ -615,3 +615,85 @@ fn a_leased_head_comes_back_with_the_same_logits() {
     assert_eq!(leased["choices"][0]["text"], want["choices"][0]["text"]);
     assert_eq!(plain.metric("snug_lease_releases_total"), 0.0);
 }
+
+#[test]
+fn systemone_answers_typed_questions_as_the_cli_does() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--ctx", "256"]);
+    let request = json!({
+        "state": "The parcel arrived two weeks late and the box was crushed. I want my money back.",
+        "questions": {
+            "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+            "mood": {"type": "choice", "instructions": "How does the customer feel?", "criteria": ["happy", "upset", "neutral"]},
+            "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["low", "medium", "high"]},
+        },
+        "min_confidence": 0.99,
+    });
+    let r = s.post("/v1/systemone", &request);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.header("x-inference-time-ms").is_some());
+    let v = r.json();
+    let a = &v["answers"];
+    assert_eq!(a["mood"]["type"], "choice");
+    assert!(["happy", "upset", "neutral"].contains(&a["mood"]["choice"].as_str().unwrap()));
+    let sum: f64 = a["mood"]["probabilities"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p.as_f64().unwrap())
+        .sum();
+    assert!((sum - 1.0).abs() < 1e-3, "{sum}");
+    let score = a["urgency"]["score"].as_f64().unwrap();
+    assert!((0.0..=2.0).contains(&score));
+    assert_eq!(a["urgency"]["legend"]["2"], "high");
+    let noul = a["refund"]["noul"].as_f64().unwrap();
+    assert_eq!(a["refund"]["probabilities"]["true"].as_f64().unwrap(), noul);
+    // A threshold of 0.99 marks (but keeps) the answers below it.
+    assert!(a
+        .as_object()
+        .unwrap()
+        .values()
+        .all(|x| x["abstention_threshold"] == 0.99));
+    assert_eq!(v["usage"]["output_tokens"], 0);
+
+    // The CLI gives the same numbers.
+    let mut cli = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .arg("decide")
+        .arg(&model)
+        .args(["--json", "--threads", "2", "--ctx", "256"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    cli.stdin
+        .take()
+        .unwrap()
+        .write_all(request.to_string().as_bytes())
+        .unwrap();
+    let out = cli.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let c: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for q in ["refund", "mood", "urgency"] {
+        assert_eq!(c["answers"][q]["probabilities"], a[q]["probabilities"], "{q}");
+    }
+
+    // Errors: a bad question is a 422 naming it; an over-long state is a
+    // capacity error naming the limit; a body without questions is a 400.
+    let bad = s.post(
+        "/v1/systemone",
+        &json!({"state": "x", "questions": {"q": {"type": "vote", "instructions": "?"}}}),
+    );
+    assert_eq!(bad.status, 422, "{}", bad.body);
+    assert!(bad.json()["detail"].as_str().unwrap().contains("unknown type"));
+    let long = s.post(
+        "/v1/systemone",
+        &json!({"state": "word ".repeat(400), "questions": {"q": {"type": "noul", "instructions": "Is it long?"}}}),
+    );
+    assert_eq!(long.status, 422, "{}", long.body);
+    assert!(long.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("the context holds 256"));
+    assert_eq!(s.post("/v1/systemone", &json!({"state": "x"})).status, 400);
+    assert!(s.metric("snug_decide_questions_total") >= 3.0);
+}

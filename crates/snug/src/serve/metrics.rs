@@ -99,6 +99,9 @@ pub struct Metrics {
     pub lease_releases: u64,
     pub lease_released_bytes: u64,
     pub lease_returns: u64,
+    /// Decision requests: questions answered, and time per request.
+    pub decide_questions: u64,
+    pub decide: Histogram,
 }
 
 impl Metrics {
@@ -132,6 +135,8 @@ impl Metrics {
             lease_releases: 0,
             lease_released_bytes: 0,
             lease_returns: 0,
+            decide_questions: 0,
+            decide: Histogram::new(LATENCY_BOUNDS),
         }
     }
 
@@ -174,7 +179,12 @@ impl Metrics {
             "Requests refused, by reason (503s: queue_full, never_fits).",
         );
         labelled(&mut o, "snug_requests_rejected_total", "reason", &self.rejected);
-        let counters: [(&str, &str, u64); 12] = [
+        let counters: [(&str, &str, u64); 13] = [
+            (
+                "snug_decide_questions_total",
+                "Questions answered by /v1/systemone.",
+                self.decide_questions,
+            ),
             (
                 "snug_lease_releases_total",
                 "Times the output head's pages were given back before a forward without logits.",

@@ -41,7 +41,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use api::{ApiError, ChatRequest, CompletionRequest, Prompt, Settings};
 use metrics::Metrics;
-use worker::{Event, Job, Msg};
+use worker::{DecideJob, Event, Job, Msg};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -410,6 +410,27 @@ fn engine_main(
     let pt = engine.options.page_tokens;
     let metrics = Arc::new(Mutex::new(Metrics::new(pt, page)));
     metrics.lock().expect("metrics").kv_pages_total = total as u64;
+    let template = match ChatTemplate::for_model(file.get_str("tokenizer.chat_template")) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = ready.send(Err(e.into()));
+            return;
+        }
+    };
+    let framing = match snug_engine::decide::Framing::new(Some(&template), &tok) {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = ready.send(Err(e.into()));
+            return;
+        }
+    };
+    let temperatures = match crate::decide::load_temperatures(&path, None) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
     let cfg = worker::LoopConfig {
         schedule: ScheduleConfig {
             pages: total,
@@ -422,6 +443,8 @@ fn engine_main(
         },
         speculate,
         metrics_file: a.metrics_file.clone(),
+        framing,
+        temperatures,
     };
     let _ = ready.send(Ok((ctx, model.config.vocab, metrics.clone())));
     let head = model.head_bytes();
@@ -446,6 +469,7 @@ fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/systemone", post(systemone))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -909,4 +933,94 @@ async fn respond(s: &Arc<AppState>, conn: Conn, id: u64, kind: Kind, p: Prepared
     });
     let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+}
+
+/// `POST /v1/systemone`: Laya's typed decisions (see docs/DECIDE.md).
+async fn systemone(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    s.metrics.lock().expect("metrics").request("systemone");
+    match systemone_inner(&s, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            let mut body = e.body();
+            body["detail"] = json!(e.message);
+            let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut r = (status, Json(body)).into_response();
+            if let Some(secs) = e.retry_after {
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            }
+            r
+        }
+    }
+}
+
+fn unprocessable(message: String, code: Option<&'static str>) -> ApiError {
+    ApiError {
+        status: 422,
+        code,
+        ..ApiError::bad(message, None)
+    }
+}
+
+async fn systemone_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    use snug_engine::decide::{self, DecideError, MinConfidence};
+    let body = body_bytes(body, s)?;
+    let v: Value = api::parse(&body).map_err(|e| s.bad(e))?;
+    let Some(obj) = v.as_object().filter(|o| o.contains_key("questions")) else {
+        return Err(s.bad(ApiError::bad(
+            "request body must be an object with a 'questions' field",
+            None,
+        )));
+    };
+    let state = match obj.get("state") {
+        None | Some(Value::Null) => return Err(s.bad(ApiError::bad("'state' is required", Some("state")))),
+        Some(v) => crate::decide::state_text(v),
+    };
+    let questions =
+        decide::parse_questions(&obj["questions"]).map_err(|e| s.bad(unprocessable(e.to_string(), None)))?;
+    let min = match obj.get("min_confidence") {
+        None | Some(Value::Null) => None,
+        Some(m) => Some(MinConfidence::parse(m).map_err(|e| s.bad(unprocessable(e.to_string(), None)))?),
+    };
+    if s.draining.load(Ordering::SeqCst) {
+        return Err(unavailable("the server is shutting down", 5));
+    }
+    let t0 = Instant::now();
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let job = DecideJob {
+        state,
+        questions,
+        reply,
+    };
+    if s.jobs.lock().expect("jobs").send(Msg::Decide(job)).is_err() {
+        return Err(unavailable("the engine has stopped", 5));
+    }
+    let (scored, usage) = match answer.await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e @ DecideError::TooLong { .. })) => {
+            return Err(s.bad(unprocessable(e.to_string(), Some("context_length_exceeded"))))
+        }
+        Ok(Err(e @ DecideError::Invalid(_))) => return Err(s.bad(unprocessable(e.to_string(), None))),
+        Ok(Err(DecideError::Engine(snug_engine::EngineError::Pages(e)))) => {
+            return Err(unavailable(&format!("no KV room for the questions now: {e}"), 1))
+        }
+        Ok(Err(e)) => {
+            return Err(ApiError {
+                status: 500,
+                kind: "server_error",
+                ..ApiError::bad(e.to_string(), None)
+            })
+        }
+        Err(_) => return Err(unavailable("the engine has stopped", 5)),
+    };
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let resp = decide::response_json(&s.model_id, &scored, &usage, min.as_ref());
+    let mut r = Json(resp).into_response();
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&format!("inference;dur={ms:.1}")) {
+        h.insert("server-timing", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("{ms:.1}")) {
+        h.insert("x-inference-time-ms", v);
+    }
+    Ok(r)
 }

@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use snug_core::schedule::{Admission, Outcome, Plan, Refused, RequestId, ScheduleConfig, Scheduler};
 use snug_core::speculate::Mode;
+use snug_engine::decide::{DecideError, DecideUsage, Framing, Question, Scored, Temperatures};
 use snug_engine::generate::{Decoding, FinishReason, GenerateRequest, Generation};
 use snug_engine::sampling::SamplingParams;
 use snug_engine::{Engine, EngineError, SeqId};
@@ -65,9 +66,17 @@ pub struct Summary {
     pub reused_tokens: usize,
 }
 
+/// A decision request (`/v1/systemone`): answered between two steps.
+pub struct DecideJob {
+    pub state: String,
+    pub questions: Vec<Question>,
+    pub reply: tokio::sync::oneshot::Sender<Result<(Vec<Scored>, DecideUsage), DecideError>>,
+}
+
 /// Messages to the engine loop.
 pub enum Msg {
     Job(Job),
+    Decide(DecideJob),
     /// Finish what runs and waits, then return.
     Drain,
 }
@@ -77,6 +86,10 @@ pub struct LoopConfig {
     pub schedule: ScheduleConfig,
     pub speculate: Mode,
     pub metrics_file: Option<std::path::PathBuf>,
+    /// How decision requests are framed for this model, and their
+    /// temperatures.
+    pub framing: Framing,
+    pub temperatures: Temperatures,
 }
 
 /// A job the scheduler knows about.
@@ -132,12 +145,17 @@ pub fn run(
             l.publish(engine, &ledger, true);
             match rx.recv() {
                 Ok(Msg::Job(job)) => l.submit(engine, job),
+                Ok(Msg::Decide(d)) => {
+                    l.decide(engine, tok, d);
+                    continue;
+                }
                 Ok(Msg::Drain) | Err(_) => return,
             }
         }
         loop {
             match rx.try_recv() {
                 Ok(Msg::Job(job)) => l.submit(engine, job),
+                Ok(Msg::Decide(d)) => l.decide(engine, tok, d),
                 Ok(Msg::Drain) => draining = true,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
@@ -187,6 +205,19 @@ impl Loop<'_> {
                 }
             }
         }
+    }
+
+    /// Answers a decision request at once (one prefill of the state and
+    /// one batched forward of its questions), with pages free now.
+    fn decide(&mut self, engine: &mut Engine, tok: &Tokenizer, d: DecideJob) {
+        let t0 = Instant::now();
+        let r = engine.decide(tok, &self.cfg.framing, &d.state, &d.questions, &self.cfg.temperatures);
+        {
+            let mut m = self.metrics.lock().expect("metrics");
+            m.decide_questions += d.questions.len() as u64;
+            m.decide.observe(t0.elapsed().as_secs_f64());
+        }
+        let _ = d.reply.send(r);
     }
 
     /// Starts admitted requests: each takes a sequence and reuses what the

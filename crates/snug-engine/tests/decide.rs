@@ -1,0 +1,145 @@
+//! Typed decisions on real models: probabilities sum to 1 and repeat
+//! exactly; a question asked alone or among nine others gets bitwise the
+//! same answer; a branch forked from the shared state scores exactly as
+//! the state and question fed as one plain sequence; an over-long request
+//! is a capacity error naming the limit.
+
+use serde_json::json;
+use snug_engine::decide::{parse_questions, DecideError, Framing, Question, Temperatures};
+use snug_engine::{Engine, EngineOptions};
+use snug_kernels::kv::KvFormat;
+use snug_model::arch::Model;
+use snug_model::template::ChatTemplate;
+use snug_model::testing::model_path;
+use snug_model::{GgufFile, Tokenizer};
+
+const STATE: &str = "Hi, I ordered the blue kettle three weeks ago (order 5521) and it still has not arrived. \
+The tracking page has said 'label created' since the 3rd. I need it before my mother's visit on Friday. \
+If it cannot arrive by then, please cancel and refund me.";
+
+fn ten() -> Vec<Question> {
+    parse_questions(&json!({
+        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+        "queue": {"type": "choice", "instructions": "Which team should handle this?",
+                  "criteria": {"shipping": "deliveries and tracking", "billing": "payments and refunds", "tech": "the website"}},
+        "urgency": {"type": "score", "instructions": "How urgent is this message?",
+                    "criteria": ["not urgent", "somewhat urgent", "urgent", "very urgent", "an emergency"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+        "product": {"type": "choice", "instructions": "Which product is it about?", "criteria": ["kettle", "toaster", "lamp", "chair"]},
+        "order": {"type": "noul", "instructions": "Does the message give an order number?"},
+        "polite": {"type": "score", "instructions": "How polite is the message?", "criteria": ["rude", "neutral", "polite"]},
+        "lang": {"type": "choice", "instructions": "In which language is the message?", "criteria": ["English", "German", "French"]},
+        "deadline": {"type": "noul", "instructions": "Does the customer mention a deadline?"},
+        "sentiment": {"type": "choice", "instructions": "What is the sentiment?", "criteria": {"positive": null, "neutral": null, "negative": null}},
+    }))
+    .unwrap()
+}
+
+struct Setup {
+    file: GgufFile,
+}
+
+fn setup() -> Option<Setup> {
+    let path = model_path("smollm2-135m")?;
+    Some(Setup {
+        file: GgufFile::open(&path).unwrap(),
+    })
+}
+
+fn options(kv: KvFormat) -> EngineOptions {
+    EngineOptions {
+        threads: 2,
+        ctx: 1024,
+        batch: 64,
+        page_tokens: 16,
+        kv_format: kv,
+        max_seqs: 12,
+        prefix_cache: false,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn answers_sum_to_one_repeat_and_do_not_depend_on_the_other_questions() {
+    let Some(s) = setup() else { return };
+    let model = Model::load(&s.file).unwrap();
+    let tok = Tokenizer::from_gguf(&s.file).unwrap();
+    let template = ChatTemplate::for_model(s.file.get_str("tokenizer.chat_template")).unwrap();
+    let framing = Framing::new(Some(&template), &tok).unwrap();
+    let temps = Temperatures::default();
+    let mut e = Engine::new(&model, options(KvFormat::F16));
+    let qs = ten();
+    let (all, usage) = e.decide(&tok, &framing, STATE, &qs, &temps).unwrap();
+    assert_eq!(all.len(), 10);
+    assert!(usage.input_tokens > usage.state_tokens);
+    for a in &all {
+        let sum: f32 = a.probabilities.iter().sum();
+        assert!((sum - 1.0).abs() < 1e-5, "{}: {sum}", a.question.name);
+        assert_eq!(a.probabilities.len(), a.question.options.len());
+    }
+    // The same request again: the same bits.
+    let (again, _) = e.decide(&tok, &framing, STATE, &qs, &temps).unwrap();
+    assert_eq!(all, again);
+    // Each question alone, in a fresh engine: the same bits.
+    let mut alone = Engine::new(&model, options(KvFormat::F16));
+    for (i, q) in qs.iter().enumerate() {
+        let (one, _) = alone
+            .decide(&tok, &framing, STATE, std::slice::from_ref(q), &temps)
+            .unwrap();
+        assert_eq!(one[0], all[i], "{} differs alone", q.name);
+    }
+    // A model this small still reads the obvious: the refund request.
+    let refund = all.iter().find(|a| a.question.name == "refund").unwrap();
+    assert!(refund.probabilities.iter().all(|p| p.is_finite()));
+}
+
+#[test]
+fn a_forked_branch_scores_as_one_plain_sequence() {
+    let Some(s) = setup() else { return };
+    let model = Model::load(&s.file).unwrap();
+    let tok = Tokenizer::from_gguf(&s.file).unwrap();
+    let template = ChatTemplate::for_model(s.file.get_str("tokenizer.chat_template")).unwrap();
+    let framing = Framing::new(Some(&template), &tok).unwrap();
+    let qs = ten();
+    for kv in [KvFormat::F16, KvFormat::Tq4] {
+        let mut e = Engine::new(&model, options(kv));
+        let (answers, _) = e
+            .decide(&tok, &framing, STATE, &qs[..3], &Temperatures::default())
+            .unwrap();
+        // The state and the question fed to one sequence, no fork: the
+        // last row's distribution must give the same label scores.
+        for (q, a) in qs[..3].iter().zip(&answers) {
+            let mut plain = Engine::new(&model, options(kv));
+            let seq = plain.create_sequence();
+            let mut ids = framing.state_tokens(&tok, STATE);
+            // The state is fed alone first, as a branch's state is.
+            let state_len = ids.len();
+            plain.feed(seq, &ids).unwrap();
+            ids = framing.question_tokens(&tok, q);
+            let logits = plain.feed(seq, &ids).unwrap().to_vec();
+            let one = snug_engine::decide::score_row(&tok, q, &logits);
+            assert_eq!(one, a.logprobs, "{kv:?} {} (state {state_len} tokens)", q.name);
+        }
+    }
+}
+
+#[test]
+fn a_request_longer_than_the_context_is_refused_naming_the_limit() {
+    let Some(s) = setup() else { return };
+    let model = Model::load(&s.file).unwrap();
+    let tok = Tokenizer::from_gguf(&s.file).unwrap();
+    let framing = Framing::new(None, &tok).unwrap();
+    let mut e = Engine::new(
+        &model,
+        EngineOptions {
+            ctx: 128,
+            ..options(KvFormat::F16)
+        },
+    );
+    let long = STATE.repeat(4);
+    let err = e
+        .decide(&tok, &framing, &long, &ten()[..1], &Temperatures::default())
+        .unwrap_err();
+    assert!(matches!(err, DecideError::TooLong { limit: 128, .. }), "{err}");
+    assert!(err.to_string().contains("the context holds 128"), "{err}");
+}
