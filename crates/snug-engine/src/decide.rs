@@ -11,9 +11,15 @@
 //! distribution at each branch's last row scores the options by the
 //! log-probability of their labels (a letter per choice option, a digit or
 //! letter per score level, Yes/No), each label counted with and without a
-//! leading space. Probabilities are a softmax of those log-probabilities
-//! divided by a temperature per question type and option-count bucket
-//! ([`Temperatures`], clamped to [0.5, 5]; 1.0 until calibrated).
+//! leading space. A model's label scores carry a bias of their own
+//! (towards the first letter, or towards "No") whatever the state says,
+//! so each question is also asked about a content-free state ("N/A") and
+//! its label scores there are subtracted (contextual calibration, Zhao et
+//! al. 2021); those priors are kept per question text, so a question
+//! asked again costs no extra rows. Probabilities are a softmax of the
+//! corrected scores divided by a temperature per question type and
+//! option-count bucket ([`Temperatures`], clamped to [0.5, 5]; 1.0 until
+//! calibrated).
 //!
 //! Batch invariance makes every answer the same whether its question is
 //! asked alone or with others.
@@ -389,7 +395,7 @@ fn label(kind: Kind, k: usize, i: usize) -> String {
 fn question_text(q: &Question) -> String {
     use std::fmt::Write;
     let k = q.options.len();
-    let mut s = format!("Question: {}\n", q.instructions.trim());
+    let mut s = format!("{}\n", q.instructions.trim());
     match q.kind {
         Kind::Choice => {
             s.push_str("Options:\n");
@@ -399,7 +405,7 @@ fn question_text(q: &Question) -> String {
                     None => writeln!(s, "{}. {key}", label(q.kind, k, i)),
                 };
             }
-            s.push_str("Answer with the letter of one option.");
+            s.push_str("Reply with one letter.");
         }
         Kind::Score => {
             s.push_str("Scale:\n");
@@ -407,9 +413,9 @@ fn question_text(q: &Question) -> String {
                 let _ = writeln!(s, "{}. {}", label(q.kind, k, i), d.as_deref().unwrap_or(""));
             }
             s.push_str(if k <= 9 {
-                "Answer with the number of one level."
+                "Reply with one number."
             } else {
-                "Answer with the letter of one level."
+                "Reply with one letter."
             });
         }
         Kind::Noul => {
@@ -419,7 +425,7 @@ fn question_text(q: &Question) -> String {
             if let Some(d) = &q.options[0].1 {
                 let _ = writeln!(s, "No means: {d}");
             }
-            s.push_str("Answer Yes or No.");
+            s.push_str("Reply Yes or No.");
         }
     }
     s
@@ -442,11 +448,17 @@ fn label_tokens(tok: &Tokenizer, label: &str) -> Vec<u32> {
     ids
 }
 
+/// The content-free state each question is also asked about.
+pub const NEUTRAL_STATE: &str = "N/A";
+
 /// One question's result before it is written out.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Scored {
     pub question: Question,
-    /// Log-probability of each option's label (at temperature 1).
+    /// Log-probability of each option's label after the state.
+    pub raw: Vec<f32>,
+    /// `raw` less the label's log-probability after the content-free
+    /// state: the scores the temperature divides.
     pub logprobs: Vec<f32>,
     pub temperature: f32,
     pub probabilities: Vec<f32>,
@@ -534,41 +546,78 @@ impl Engine<'_> {
         if questions.is_empty() {
             return Ok((Vec::new(), usage));
         }
+        // Questions whose content-free prior is not known yet.
+        let neutral = framing.state_tokens(tok, NEUTRAL_STATE);
+        let prior_key = |b: &Vec<u32>| -> Vec<u32> { neutral.iter().chain(b).copied().collect() };
+        let mut missing: Vec<usize> = Vec::new();
+        for (i, b) in branches.iter().enumerate() {
+            let k = prior_key(b);
+            if !self.decide_priors.contains_key(&k) && !missing.iter().any(|&j| prior_key(&branches[j]) == k) {
+                missing.push(i);
+            }
+        }
         let seq = self.create_sequence();
+        let prior_seq = if missing.is_empty() {
+            None
+        } else {
+            Some(self.create_sequence())
+        };
         let mut seqs: Vec<SeqId> = Vec::new();
         let result = (|| -> Result<Vec<f32>, DecideError> {
             usage.cached_tokens = self.share_prefix(seq, &state_ids)?;
             let held = self.tokens(seq)?.len();
-            let rest: Vec<(SeqId, u32, bool)> = state_ids[held..].iter().map(|&t| (seq, t, false)).collect();
+            let mut rest: Vec<(SeqId, u32, bool)> = state_ids[held..].iter().map(|&t| (seq, t, false)).collect();
+            if let Some(p) = prior_seq {
+                rest.extend(neutral.iter().map(|&t| (p, t, false)));
+            }
             if !rest.is_empty() {
                 self.step(&rest)?;
             }
             for _ in questions {
                 seqs.push(self.fork(seq)?);
             }
+            if let Some(p) = prior_seq {
+                for _ in &missing {
+                    seqs.push(self.fork(p)?);
+                }
+            }
             let mut rows = Vec::with_capacity(usage.input_tokens);
-            for (&s, b) in seqs.iter().zip(&branches) {
-                rows.extend(b.iter().enumerate().map(|(i, &t)| (s, t, i + 1 == b.len())));
+            let order = (0..questions.len()).chain(missing.iter().copied());
+            for (&s, i) in seqs.iter().zip(order) {
+                let b = &branches[i];
+                rows.extend(b.iter().enumerate().map(|(j, &t)| (s, t, j + 1 == b.len())));
             }
             Ok(self.step(&rows)?.to_vec())
         })();
         for &s in &seqs {
             self.free_sequence(s);
         }
+        if let Some(p) = prior_seq {
+            self.free_sequence(p);
+        }
         self.free_sequence(seq);
         let logits = result?;
         let vocab = self.model.config.vocab;
+        for (n, &i) in missing.iter().enumerate() {
+            let at = questions.len() + n;
+            let row = &logits[at * vocab..(at + 1) * vocab];
+            let prior = score_row(tok, &questions[i], row);
+            self.decide_priors.insert(prior_key(&branches[i]), prior);
+        }
         let scored = questions
             .iter()
-            .zip(&labels)
+            .zip(&branches)
             .enumerate()
-            .map(|(i, (q, _))| {
+            .map(|(i, (q, b))| {
                 let row = &logits[i * vocab..(i + 1) * vocab];
-                let logprobs = score_row(tok, q, row);
+                let raw = score_row(tok, q, row);
+                let prior = &self.decide_priors[&prior_key(b)];
+                let logprobs: Vec<f32> = raw.iter().zip(prior).map(|(r, p)| r - p).collect();
                 let t = temps.get(q.kind, q.options.len());
                 Scored {
                     question: q.clone(),
                     probabilities: softmax_t(&logprobs, t),
+                    raw,
                     logprobs,
                     temperature: t,
                 }
@@ -862,6 +911,7 @@ mod tests {
                 instructions: "x".into(),
                 options: vec![("a".into(), None), ("b".into(), None)],
             },
+            raw: vec![-0.5, -1.0],
             logprobs: vec![-0.5, -1.0],
             temperature: 1.0,
             probabilities: vec![0.6, 0.4],

@@ -159,6 +159,9 @@ pub struct Engine<'m> {
     disk: Option<prefix_disk::DiskTier>,
     /// Rows run through the forward pass so far.
     rows_computed: u64,
+    /// Label scores of decision questions on a content-free state, by
+    /// the tokens of that state and question (see [`decide`]).
+    decide_priors: std::collections::HashMap<Vec<u32>, Vec<f32>>,
 }
 
 impl<'m> Engine<'m> {
@@ -215,6 +218,7 @@ impl<'m> Engine<'m> {
             prefix: options.prefix_cache.then(PrefixCache::new),
             disk: None,
             rows_computed: 0,
+            decide_priors: std::collections::HashMap::new(),
             options,
         }
     }

@@ -118,7 +118,7 @@ fn a_forked_branch_scores_as_one_plain_sequence() {
             ids = framing.question_tokens(&tok, q);
             let logits = plain.feed(seq, &ids).unwrap().to_vec();
             let one = snug_engine::decide::score_row(&tok, q, &logits);
-            assert_eq!(one, a.logprobs, "{kv:?} {} (state {state_len} tokens)", q.name);
+            assert_eq!(one, a.raw, "{kv:?} {} (state {state_len} tokens)", q.name);
         }
     }
 }
