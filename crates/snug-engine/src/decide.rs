@@ -647,6 +647,36 @@ pub fn confidence(kind: Kind, p: &[f32]) -> f64 {
     (1.0 - h / (k as f64).ln()).clamp(0.0, 1.0)
 }
 
+/// Jev's confidence, as Laya adds it for choice and score answers:
+/// choice, (max p - 1/n) / (1 - 1/n); score, 1 - (the mean distance of the
+/// distribution from its mode) / (that of a uniform one from the middle),
+/// at least 0. One option: 1.
+pub fn jev_confidence(kind: Kind, p: &[f32]) -> f64 {
+    let n = p.len();
+    let sum: f64 = p.iter().map(|&x| x as f64).sum();
+    if n <= 1 || sum <= 0.0 {
+        return 1.0;
+    }
+    let p: Vec<f64> = p.iter().map(|&x| x as f64 / sum).collect();
+    let nf = n as f64;
+    match kind {
+        Kind::Score => {
+            let mode = p.iter().enumerate().fold(0, |b, (i, &x)| if x > p[b] { i } else { b });
+            let spread: f64 = p
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| x * (i as f64 - mode as f64).abs())
+                .sum();
+            let d: f64 = (0..n).map(|i| (i as f64 - (nf - 1.0) / 2.0).abs()).sum::<f64>() / nf;
+            (1.0 - spread / d).max(0.0)
+        }
+        _ => {
+            let top = p.iter().copied().fold(0.0, f64::max);
+            (top - 1.0 / nf) / (1.0 - 1.0 / nf)
+        }
+    }
+}
+
 fn round4(x: f64) -> f64 {
     (x * 1e4).round() / 1e4
 }
@@ -746,6 +776,9 @@ pub fn answer_json(s: &Scored, min: Option<&MinConfidence>) -> Value {
     }
     a.insert("confidence".into(), json!(round4(confidence(q.kind, p))));
     a.insert("answer_confidence".into(), json!(round4(top.clamp(0.0, 1.0))));
+    if q.kind != Kind::Noul {
+        a.insert("x_jev_confidence".into(), json!(round4(jev_confidence(q.kind, p))));
+    }
     a.insert("temperature".into(), json!(round4(s.temperature as f64)));
     if let Some(m) = min {
         let t = m.threshold(q.kind, k);
@@ -892,6 +925,12 @@ mod tests {
         assert!((confidence(Kind::Choice, &[0.5, 0.5]) - 0.0).abs() < 1e-9);
         assert!((confidence(Kind::Choice, &[1.0, 0.0]) - 1.0).abs() < 1e-6);
         assert!((confidence(Kind::Noul, &[0.2, 0.8]) - 0.8).abs() < 1e-6);
+        assert!((jev_confidence(Kind::Choice, &[0.5, 0.5])).abs() < 1e-9);
+        assert!((jev_confidence(Kind::Choice, &[1.0, 0.0, 0.0]) - 1.0).abs() < 1e-9);
+        assert!((jev_confidence(Kind::Score, &[0.0, 1.0, 0.0]) - 1.0).abs() < 1e-9);
+        // Uniform over three levels: mean distance from the mode (0) is
+        // 1, from the middle 2/3: clamped to 0.
+        assert_eq!(jev_confidence(Kind::Score, &[1.0 / 3.0; 3]), 0.0);
         assert_eq!(clamp_temperature(0.1), 0.5);
         assert_eq!(clamp_temperature(f32::NAN), 1.0);
         let t = Temperatures {
