@@ -696,4 +696,46 @@ fn systemone_answers_typed_questions_as_the_cli_does() {
         .contains("the context holds 256"));
     assert_eq!(s.post("/v1/systemone", &json!({"state": "x"})).status, 400);
     assert!(s.metric("snug_decide_questions_total") >= 3.0);
+
+    // The batch route: the same questions about several states, each
+    // answered as alone.
+    let mut batch = request.clone();
+    batch.as_object_mut().unwrap().remove("state");
+    batch["states"] = json!([request["state"], "Everything was perfect, thank you!"]);
+    let b = s.post("/v1/systemone/batch", &batch);
+    assert_eq!(b.status, 200, "{}", b.body);
+    let b = b.json();
+    assert_eq!(b["results"].as_array().unwrap().len(), 2);
+    assert_eq!(b["results"][0]["answers"], v["answers"]);
+    assert!(b["total_usage"]["input_tokens"].as_u64().unwrap() > v["usage"]["input_tokens"].as_u64().unwrap());
+    assert_eq!(
+        s.post("/v1/systemone/batch", &json!({"states": [], "questions": {}}))
+            .status,
+        400
+    );
+}
+
+#[test]
+fn decisions_between_decode_steps_leave_a_stream_unchanged() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--speculate", "off"]);
+    let prompt = &prompts()[2];
+    let want = s.post("/v1/completions", &completion(prompt, 48)).json();
+    let addr = s.addr.clone();
+    let body = completion(prompt, 48).to_string();
+    let stream = std::thread::spawn(move || http(&addr, "POST", "/v1/completions", &[], body.as_bytes()));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("snug_requests_running") < 1.0 {
+        assert!(Instant::now() < deadline, "the request never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for _ in 0..3 {
+        let d = s.post(
+            "/v1/systemone",
+            &json!({"state": prompt, "questions": {"long": {"type": "noul", "instructions": "Is this text long?"}}}),
+        );
+        assert_eq!(d.status, 200, "{}", d.body);
+    }
+    let got = stream.join().unwrap().json();
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
 }

@@ -470,6 +470,7 @@ fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/systemone", post(systemone))
+        .route("/v1/systemone/batch", post(systemone_batch))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -938,7 +939,18 @@ async fn respond(s: &Arc<AppState>, conn: Conn, id: u64, kind: Kind, p: Prepared
 /// `POST /v1/systemone`: Laya's typed decisions (see docs/DECIDE.md).
 async fn systemone(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     s.metrics.lock().expect("metrics").request("systemone");
-    match systemone_inner(&s, body).await {
+    laya_errors(systemone_inner(&s, body, false).await)
+}
+
+/// `POST /v1/systemone/batch`: the same questions about several states.
+async fn systemone_batch(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    s.metrics.lock().expect("metrics").request("systemone_batch");
+    laya_errors(systemone_inner(&s, body, true).await)
+}
+
+/// An error as the OpenAI object plus Laya's `detail` string.
+fn laya_errors(r: Result<Response, ApiError>) -> Response {
+    match r {
         Ok(r) => r,
         Err(e) => {
             let mut body = e.body();
@@ -961,8 +973,15 @@ fn unprocessable(message: String, code: Option<&'static str>) -> ApiError {
     }
 }
 
-async fn systemone_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    use snug_engine::decide::{self, DecideError, MinConfidence};
+/// Most states in one batch request.
+const MAX_BATCH_STATES: usize = 64;
+
+async fn systemone_inner(
+    s: &Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    batch: bool,
+) -> Result<Response, ApiError> {
+    use snug_engine::decide::{self, MinConfidence};
     let body = body_bytes(body, s)?;
     let v: Value = api::parse(&body).map_err(|e| s.bad(e))?;
     let Some(obj) = v.as_object().filter(|o| o.contains_key("questions")) else {
@@ -971,9 +990,23 @@ async fn systemone_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>)
             None,
         )));
     };
-    let state = match obj.get("state") {
-        None | Some(Value::Null) => return Err(s.bad(ApiError::bad("'state' is required", Some("state")))),
-        Some(v) => crate::decide::state_text(v),
+    let states: Vec<String> = if batch {
+        match obj.get("states") {
+            Some(Value::Array(a)) if !a.is_empty() && a.len() <= MAX_BATCH_STATES && a.iter().all(|x| !x.is_null()) => {
+                a.iter().map(crate::decide::state_text).collect()
+            }
+            _ => {
+                return Err(s.bad(ApiError::bad(
+                    format!("'states' must be a list of 1 to {MAX_BATCH_STATES} states"),
+                    Some("states"),
+                )))
+            }
+        }
+    } else {
+        match obj.get("state") {
+            None | Some(Value::Null) => return Err(s.bad(ApiError::bad("'state' is required", Some("state")))),
+            Some(v) => vec![crate::decide::state_text(v)],
+        }
     };
     let questions =
         decide::parse_questions(&obj["questions"]).map_err(|e| s.bad(unprocessable(e.to_string(), None)))?;
@@ -981,10 +1014,41 @@ async fn systemone_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>)
         None | Some(Value::Null) => None,
         Some(m) => Some(MinConfidence::parse(m).map_err(|e| s.bad(unprocessable(e.to_string(), None)))?),
     };
+    let t0 = Instant::now();
+    let mut results = Vec::with_capacity(states.len());
+    let mut total = 0;
+    for state in states {
+        let (scored, usage) = decide_one(s, state, questions.clone()).await?;
+        total += usage.input_tokens;
+        results.push(decide::response_json(&s.model_id, &scored, &usage, min.as_ref()));
+    }
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let body = if batch {
+        json!({"results": results, "total_usage": {"input_tokens": total, "output_tokens": 0}})
+    } else {
+        results.pop().expect("one state")
+    };
+    let mut r = Json(body).into_response();
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&format!("inference;dur={ms:.1}")) {
+        h.insert("server-timing", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("{ms:.1}")) {
+        h.insert("x-inference-time-ms", v);
+    }
+    Ok(r)
+}
+
+/// One state's questions, answered by the engine loop.
+async fn decide_one(
+    s: &Arc<AppState>,
+    state: String,
+    questions: Vec<snug_engine::decide::Question>,
+) -> Result<(Vec<snug_engine::decide::Scored>, snug_engine::decide::DecideUsage), ApiError> {
+    use snug_engine::decide::DecideError;
     if s.draining.load(Ordering::SeqCst) {
         return Err(unavailable("the server is shutting down", 5));
     }
-    let t0 = Instant::now();
     let (reply, answer) = tokio::sync::oneshot::channel();
     let job = DecideJob {
         state,
@@ -994,33 +1058,20 @@ async fn systemone_inner(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>)
     if s.jobs.lock().expect("jobs").send(Msg::Decide(job)).is_err() {
         return Err(unavailable("the engine has stopped", 5));
     }
-    let (scored, usage) = match answer.await {
-        Ok(Ok(r)) => r,
+    match answer.await {
+        Ok(Ok(r)) => Ok(r),
         Ok(Err(e @ DecideError::TooLong { .. })) => {
-            return Err(s.bad(unprocessable(e.to_string(), Some("context_length_exceeded"))))
+            Err(s.bad(unprocessable(e.to_string(), Some("context_length_exceeded"))))
         }
-        Ok(Err(e @ DecideError::Invalid(_))) => return Err(s.bad(unprocessable(e.to_string(), None))),
+        Ok(Err(e @ DecideError::Invalid(_))) => Err(s.bad(unprocessable(e.to_string(), None))),
         Ok(Err(DecideError::Engine(snug_engine::EngineError::Pages(e)))) => {
-            return Err(unavailable(&format!("no KV room for the questions now: {e}"), 1))
+            Err(unavailable(&format!("no KV room for the questions now: {e}"), 1))
         }
-        Ok(Err(e)) => {
-            return Err(ApiError {
-                status: 500,
-                kind: "server_error",
-                ..ApiError::bad(e.to_string(), None)
-            })
-        }
-        Err(_) => return Err(unavailable("the engine has stopped", 5)),
-    };
-    let ms = t0.elapsed().as_secs_f64() * 1e3;
-    let resp = decide::response_json(&s.model_id, &scored, &usage, min.as_ref());
-    let mut r = Json(resp).into_response();
-    let h = r.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&format!("inference;dur={ms:.1}")) {
-        h.insert("server-timing", v);
+        Ok(Err(e)) => Err(ApiError {
+            status: 500,
+            kind: "server_error",
+            ..ApiError::bad(e.to_string(), None)
+        }),
+        Err(_) => Err(unavailable("the engine has stopped", 5)),
     }
-    if let Ok(v) = HeaderValue::from_str(&format!("{ms:.1}")) {
-        h.insert("x-inference-time-ms", v);
-    }
-    Ok(r)
 }
