@@ -10,8 +10,9 @@
 //! to the shared state pages and to its own tokens only. The next-token
 //! distribution at each branch's last row scores the options by the
 //! log-probability of their labels (a letter per choice option, a digit or
-//! letter per score level, Yes/No), each label counted with and without a
-//! leading space. A model's label scores carry a bias of their own
+//! letter per score level, Yes/No; numbers past 26 options), each label
+//! counted with and without a leading space; a label of several tokens is
+//! teacher-forced through forks of its branch in one more forward. A model's label scores carry a bias of their own
 //! (towards the first letter, or towards "No") whatever the state says,
 //! so each question is also asked about a content-free state ("N/A") and
 //! its label scores there are subtracted (contextual calibration, Zhao et
@@ -56,9 +57,10 @@ impl Kind {
     }
 }
 
-/// Most options a choice question or levels a score question may have
-/// (each gets a one-token label).
-pub const MAX_OPTIONS: usize = 26;
+/// Most options a choice question may have (as Laya).
+pub const MAX_OPTIONS: usize = 100;
+/// Most levels a score question may have (as Laya).
+pub const MAX_LEVELS: usize = 32;
 /// Most questions in one request.
 pub const MAX_QUESTIONS: usize = 64;
 
@@ -217,9 +219,10 @@ pub fn parse_questions(v: &Value) -> Result<Vec<Question>, DecideError> {
         if options.is_empty() {
             return Err(bad(format!("question {name:?} has no options")));
         }
-        if options.len() > MAX_OPTIONS {
+        let most = if kind == Kind::Score { MAX_LEVELS } else { MAX_OPTIONS };
+        if options.len() > most {
             return Err(bad(format!(
-                "question {name:?} has {} options; at most {MAX_OPTIONS} are supported",
+                "question {name:?} has {} options; at most {most} are supported",
                 options.len()
             )));
         }
@@ -387,7 +390,8 @@ fn label(kind: Kind, k: usize, i: usize) -> String {
     match kind {
         Kind::Noul => ["No", "Yes"][i].to_string(),
         Kind::Score if k <= 9 => (i + 1).to_string(),
-        _ => ((b'A' + i as u8) as char).to_string(),
+        _ if k <= 26 => ((b'A' + i as u8) as char).to_string(),
+        _ => (i + 1).to_string(),
     }
 }
 
@@ -405,7 +409,11 @@ fn question_text(q: &Question) -> String {
                     None => writeln!(s, "{}. {key}", label(q.kind, k, i)),
                 };
             }
-            s.push_str("Reply with one letter.");
+            s.push_str(if k <= 26 {
+                "Reply with one letter."
+            } else {
+                "Reply with one number."
+            });
         }
         Kind::Score => {
             s.push_str("Scale:\n");
@@ -431,21 +439,33 @@ fn question_text(q: &Question) -> String {
     s
 }
 
-/// The one-token spellings of a label (bare and after a space).
-fn label_tokens(tok: &Tokenizer, label: &str) -> Vec<u32> {
+/// The spellings of a label that are scored: bare and after a space, as
+/// token sequences. Where either is one token, only the one-token
+/// spellings; otherwise both, scored by teacher forcing.
+fn label_variants(tok: &Tokenizer, label: &str) -> Vec<Vec<u32>> {
     let opts = EncodeOptions {
         add_special: false,
         parse_special: false,
     };
-    let mut ids: Vec<u32> = [label.to_string(), format!(" {label}")]
+    let mut all: Vec<Vec<u32>> = [label.to_string(), format!(" {label}")]
         .iter()
-        .filter_map(|v| match tok.encode(v, opts)[..] {
-            [one] => Some(one),
-            _ => None,
-        })
+        .map(|v| tok.encode(v, opts))
+        .filter(|ids| !ids.is_empty())
         .collect();
-    ids.dedup();
-    ids
+    all.dedup();
+    if all.iter().any(|v| v.len() == 1) {
+        all.retain(|v| v.len() == 1);
+    }
+    all
+}
+
+/// The one-token spellings of a label (empty when it has none).
+fn label_tokens(tok: &Tokenizer, label: &str) -> Vec<u32> {
+    label_variants(tok, label)
+        .into_iter()
+        .filter(|v| v.len() == 1)
+        .map(|v| v[0])
+        .collect()
 }
 
 /// The content-free state each question is also asked about.
@@ -470,6 +490,13 @@ pub fn softmax_t(z: &[f32], t: f32) -> Vec<f32> {
     let e: Vec<f64> = z.iter().map(|&x| (((x - m) / t) as f64).exp()).collect();
     let s: f64 = e.iter().sum();
     e.iter().map(|&x| (x / s) as f32).collect()
+}
+
+/// Log-softmax value of one token in a row of logits, in f64.
+fn ln_p(row: &[f32], id: u32) -> f64 {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m as f64 + row.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>().ln();
+    row[id as usize] as f64 - lse
 }
 
 /// Log-softmax value of `ids` (summed in probability) in a row of logits.
@@ -525,16 +552,17 @@ impl Engine<'_> {
                 });
             }
         }
-        let labels: Vec<Vec<Vec<u32>>> = questions
+        // Per question, per option: the label's spellings.
+        let labels: Vec<Vec<Vec<Vec<u32>>>> = questions
             .iter()
             .map(|q| {
                 let k = q.options.len();
-                (0..k).map(|i| label_tokens(tok, &label(q.kind, k, i))).collect()
+                (0..k).map(|i| label_variants(tok, &label(q.kind, k, i))).collect()
             })
             .collect();
         if let Some((q, _)) = questions.iter().zip(&labels).find(|(_, l)| l.iter().any(Vec::is_empty)) {
             return Err(DecideError::Invalid(format!(
-                "question {:?}: this model's vocabulary has no one-token label for every option",
+                "question {:?}: an option label has no tokens in this model's vocabulary",
                 q.name
             )));
         }
@@ -563,7 +591,9 @@ impl Engine<'_> {
             Some(self.create_sequence())
         };
         let mut seqs: Vec<SeqId> = Vec::new();
-        let result = (|| -> Result<Vec<f32>, DecideError> {
+        // (branch, option, spelling, first row in the second forward)
+        let mut conts: Vec<(usize, usize, usize, usize)> = Vec::new();
+        let result = (|| -> Result<(Vec<f32>, Vec<f32>), DecideError> {
             usage.cached_tokens = self.share_prefix(seq, &state_ids)?;
             let held = self.tokens(seq)?.len();
             let mut rest: Vec<(SeqId, u32, bool)> = state_ids[held..].iter().map(|&t| (seq, t, false)).collect();
@@ -582,12 +612,32 @@ impl Engine<'_> {
                 }
             }
             let mut rows = Vec::with_capacity(usage.input_tokens);
-            let order = (0..questions.len()).chain(missing.iter().copied());
-            for (&s, i) in seqs.iter().zip(order) {
+            let order: Vec<usize> = (0..questions.len()).chain(missing.iter().copied()).collect();
+            for (&s, &i) in seqs.iter().zip(&order) {
                 let b = &branches[i];
                 rows.extend(b.iter().enumerate().map(|(j, &t)| (s, t, j + 1 == b.len())));
             }
-            Ok(self.step(&rows)?.to_vec())
+            let first = self.step(&rows)?.to_vec();
+            // Labels of several tokens: each spelling's tokens but the last
+            // are fed to a fork of its branch, in one more forward, for the
+            // probabilities of the tokens after the first.
+            let mut more = Vec::new();
+            for (j, &i) in order.iter().enumerate() {
+                for (o, variants) in labels[i].iter().enumerate() {
+                    for (v, ids) in variants.iter().enumerate().filter(|(_, ids)| ids.len() > 1) {
+                        let c = self.fork(seqs[j])?;
+                        seqs.push(c);
+                        conts.push((j, o, v, more.len()));
+                        more.extend(ids[..ids.len() - 1].iter().map(|&t| (c, t, true)));
+                    }
+                }
+            }
+            let second = if more.is_empty() {
+                Vec::new()
+            } else {
+                self.step(&more)?.to_vec()
+            };
+            Ok((first, second))
         })();
         for &s in &seqs {
             self.free_sequence(s);
@@ -596,12 +646,40 @@ impl Engine<'_> {
             self.free_sequence(p);
         }
         self.free_sequence(seq);
-        let logits = result?;
+        let (logits, second) = result?;
         let vocab = self.model.config.vocab;
+        // A branch's label scores: one-token spellings from its last row;
+        // longer ones chained through the second forward's rows.
+        let scores = |j: usize, i: usize| -> Vec<f32> {
+            let row = &logits[j * vocab..(j + 1) * vocab];
+            labels[i]
+                .iter()
+                .enumerate()
+                .map(|(o, variants)| {
+                    if variants.iter().all(|v| v.len() == 1) {
+                        let ids: Vec<u32> = variants.iter().map(|v| v[0]).collect();
+                        return logprob_of(row, &ids);
+                    }
+                    let p: f64 = variants
+                        .iter()
+                        .enumerate()
+                        .map(|(v, ids)| {
+                            let mut lp = ln_p(row, ids[0]);
+                            if let Some(&(_, _, _, at)) = conts.iter().find(|c| c.0 == j && c.1 == o && c.2 == v) {
+                                for (m, &t) in ids[1..].iter().enumerate() {
+                                    let r = &second[(at + m) * vocab..(at + m + 1) * vocab];
+                                    lp += ln_p(r, t);
+                                }
+                            }
+                            lp.exp()
+                        })
+                        .sum();
+                    p.max(1e-30).ln() as f32
+                })
+                .collect()
+        };
         for (n, &i) in missing.iter().enumerate() {
-            let at = questions.len() + n;
-            let row = &logits[at * vocab..(at + 1) * vocab];
-            let prior = score_row(tok, &questions[i], row);
+            let prior = scores(questions.len() + n, i);
             self.decide_priors.insert(prior_key(&branches[i]), prior);
         }
         let scored = questions
@@ -609,8 +687,7 @@ impl Engine<'_> {
             .zip(&branches)
             .enumerate()
             .map(|(i, (q, b))| {
-                let row = &logits[i * vocab..(i + 1) * vocab];
-                let raw = score_row(tok, q, row);
+                let raw = scores(i, i);
                 let prior = &self.decide_priors[&prior_key(b)];
                 let logprobs: Vec<f32> = raw.iter().zip(prior).map(|(r, p)| r - p).collect();
                 let t = temps.get(q.kind, q.options.len());

@@ -143,3 +143,61 @@ fn a_request_longer_than_the_context_is_refused_naming_the_limit() {
     assert!(matches!(err, DecideError::TooLong { limit: 128, .. }), "{err}");
     assert!(err.to_string().contains("the context holds 128"), "{err}");
 }
+
+#[test]
+fn labels_of_several_tokens_are_teacher_forced_exactly() {
+    let Some(s) = setup() else { return };
+    let model = Model::load(&s.file).unwrap();
+    let tok = Tokenizer::from_gguf(&s.file).unwrap();
+    let template = ChatTemplate::for_model(s.file.get_str("tokenizer.chat_template")).unwrap();
+    let framing = Framing::new(Some(&template), &tok).unwrap();
+    // 30 options: labels 1..30, the two-digit ones more than one token.
+    let items: Vec<String> = (1..=30).map(|i| format!("shelf {i}")).collect();
+    let qs = parse_questions(
+        &json!({"where": {"type": "choice", "instructions": "Which shelf holds the kettle?", "criteria": items}}),
+    )
+    .unwrap();
+    let mut e = Engine::new(&model, options(KvFormat::F16));
+    let (a, _) = e.decide(&tok, &framing, STATE, &qs, &Temperatures::default()).unwrap();
+    let p = &a[0].probabilities;
+    assert_eq!(p.len(), 30);
+    assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+    // Label "27", every spelling fed token by token to one plain sequence.
+    let opts = snug_model::EncodeOptions {
+        add_special: false,
+        parse_special: false,
+    };
+    let spellings: Vec<Vec<u32>> = ["27", " 27"].iter().map(|l| tok.encode(l, opts)).collect();
+    assert!(
+        spellings.iter().all(|v| v.len() > 1),
+        "{spellings:?}: pick a label of several tokens"
+    );
+    let mut total = 0.0f64;
+    for v in &spellings {
+        let mut plain = Engine::new(&model, options(KvFormat::F16));
+        let seq = plain.create_sequence();
+        plain.feed(seq, &framing.state_tokens(&tok, STATE)).unwrap();
+        let mut logits = plain
+            .feed(seq, &framing.question_tokens(&tok, &qs[0]))
+            .unwrap()
+            .to_vec();
+        let mut lp = 0.0f64;
+        for (m, &t) in v.iter().enumerate() {
+            let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = mx as f64 + logits.iter().map(|&x| ((x - mx) as f64).exp()).sum::<f64>().ln();
+            lp += logits[t as usize] as f64 - lse;
+            if m + 1 < v.len() {
+                logits = plain.feed(seq, &[t]).unwrap().to_vec();
+            }
+        }
+        total += lp.exp();
+    }
+    assert_eq!(a[0].raw[26], total.max(1e-30).ln() as f32);
+    // And the same answer when asked beside a one-token question.
+    let mut both = qs.clone();
+    both.extend(ten().into_iter().take(1));
+    let (two, _) = Engine::new(&model, options(KvFormat::F16))
+        .decide(&tok, &framing, STATE, &both, &Temperatures::default())
+        .unwrap();
+    assert_eq!(two[0], a[0]);
+}
