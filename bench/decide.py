@@ -13,11 +13,16 @@ P50 and P95 of each, and the ratio of the medians.
 
 import argparse
 import json
+import sys
+import os
 import socket
 import statistics
 import subprocess
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servelib import free_port  # noqa: E402
 
 STATE = ("Hello, I bought the Aurora 2 desk lamp from your online shop on 12 March (order 88213). "
          "Since last week it flickers whenever I switch it to the brightest setting, and yesterday it "
@@ -44,12 +49,6 @@ QUESTIONS = {
 }
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def post(port, body):

@@ -27,41 +27,18 @@ import threading
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servelib import free_port, get, wait_up, metric  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
-def get(port, path):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-        return r.read().decode()
 
 
-def wait_up(p, port):
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if p.poll() is not None:
-            raise SystemExit(f"server exited: {p.stderr.read()[-3000:]}")
-        try:
-            if json.loads(get(port, "/health")).get("status") == "ok":
-                return
-        except Exception:
-            time.sleep(0.2)
-    raise SystemExit("server did not start")
 
 
-def metric(text, name):
-    total = None
-    for line in text.splitlines():
-        if line.startswith(name):
-            total = (total or 0) + float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def peak_rss(pid):

@@ -15,6 +15,7 @@ and the head bytes given back. Medians over repetitions.
 
 import argparse
 import json
+import sys
 import os
 import socket
 import statistics
@@ -23,27 +24,16 @@ import threading
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servelib import free_port, get, metric  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
-def get(port, path):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-        return r.read().decode()
 
 
-def metric(text, name):
-    for line in text.splitlines():
-        if line.startswith(name):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 def one(snug, model, lease, prompt, threads):

@@ -24,16 +24,13 @@ import threading
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servelib import free_port  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = open(os.path.join(HERE, "..", "crates", "snug-engine", "src", "calibration.txt")).read().split()
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def start(kind, binary, model, port, threads, parallel, extra):

@@ -754,6 +754,11 @@ pub fn jev_confidence(kind: Kind, p: &[f32]) -> f64 {
     }
 }
 
+/// The index of the first of the highest probabilities.
+pub fn argmax(p: &[f32]) -> usize {
+    p.iter().enumerate().fold(0, |b, (i, &x)| if x > p[b] { i } else { b })
+}
+
 fn round4(x: f64) -> f64 {
     (x * 1e4).round() / 1e4
 }
@@ -816,17 +821,15 @@ pub fn answer_json(s: &Scored, min: Option<&MinConfidence>) -> Value {
     let top = p.iter().copied().fold(0.0f32, f32::max) as f64;
     let mut a = Map::new();
     a.insert("type".into(), json!(q.kind.name()));
+    let probs: Map<String, Value> = q
+        .options
+        .iter()
+        .zip(p)
+        .map(|((key, _), &x)| (key.clone(), json!(r(x))))
+        .collect();
     match q.kind {
         Kind::Choice => {
-            // The first of the highest probabilities.
-            let best = p.iter().enumerate().fold(0, |b, (i, &x)| if x > p[b] { i } else { b });
-            a.insert("choice".into(), json!(q.options[best].0));
-            let probs: Map<String, Value> = q
-                .options
-                .iter()
-                .zip(p)
-                .map(|((key, _), &x)| (key.clone(), json!(r(x))))
-                .collect();
+            a.insert("choice".into(), json!(q.options[argmax(p)].0));
             a.insert("probabilities".into(), Value::Object(probs));
         }
         Kind::Score => {
@@ -838,12 +841,6 @@ pub fn answer_json(s: &Scored, min: Option<&MinConfidence>) -> Value {
                 .map(|(key, d)| (key.clone(), json!(d.clone().unwrap_or_default())))
                 .collect();
             a.insert("legend".into(), Value::Object(legend));
-            let probs: Map<String, Value> = q
-                .options
-                .iter()
-                .zip(p)
-                .map(|((key, _), &x)| (key.clone(), json!(r(x))))
-                .collect();
             a.insert("probabilities".into(), Value::Object(probs));
         }
         Kind::Noul => {

@@ -387,10 +387,6 @@ fn score_file(input: &LabeledArgs, temps: Option<&Temperatures>) -> Result<(Path
     Ok((path, out))
 }
 
-fn argmax(p: &[f32]) -> usize {
-    p.iter().enumerate().fold(0, |b, (i, &x)| if x > p[b] { i } else { b })
-}
-
 /// Accuracy, expected calibration error (10 equal bins of the top
 /// probability) and mean NLL of scored examples.
 fn quality(xs: &[&Labeled]) -> (f64, f64, f64) {
@@ -399,7 +395,7 @@ fn quality(xs: &[&Labeled]) -> (f64, f64, f64) {
     let (mut right, mut nll) = (0usize, 0.0f64);
     for x in xs {
         let p = &x.probabilities;
-        let best = argmax(p);
+        let best = decide::argmax(p);
         let ok = best == x.example.truth;
         right += usize::from(ok);
         nll -= (p[x.example.truth].max(1e-30) as f64).ln();
@@ -474,7 +470,7 @@ fn cmd_calibrate(c: CalibrateArgs) -> Result<()> {
     let examples: Vec<Example> = scored.iter().map(|x| x.example.clone()).collect();
     let correct = scored
         .iter()
-        .filter(|x| argmax(&x.probabilities) == x.example.truth)
+        .filter(|x| decide::argmax(&x.probabilities) == x.example.truth)
         .count();
     let temps = decide::calibrate(&examples, 10, 30);
     let refs: Vec<&Example> = examples.iter().collect();

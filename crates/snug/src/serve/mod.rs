@@ -373,11 +373,21 @@ fn engine_main(
         let page = snug_engine::kv_page_bytes(&model, &o);
         if let Some(b) = &a.budget {
             let budget = crate::parse_size(b)?;
-            if budget < page + snug_engine::kv_twin_bytes(&model, &o) {
+            let twins = snug_engine::kv_twin_bytes(&model, &o);
+            if budget < page + twins {
                 bail!(
-                    "--memory-budget {b} holds no KV page ({} each for {} positions in these formats)",
+                    "--memory-budget {b} holds no KV page: a page takes {} ({} positions in these formats){}",
                     crate::human_bytes(page as u64),
-                    o.page_tokens
+                    o.page_tokens,
+                    if twins > 0 {
+                        format!(
+                            " after the exact window's F16 twin pages, {} for --parallel {}",
+                            crate::human_bytes(twins as u64),
+                            a.parallel
+                        )
+                    } else {
+                        String::new()
+                    }
                 );
             }
             o.kv_budget = Some(budget);
