@@ -171,6 +171,13 @@ impl Conn {
     }
 }
 
+/// The value behind a lock, even if a thread panicked while holding it:
+/// the counters and the job sender stay usable, and one failure does not
+/// turn every later request into a panic.
+pub(crate) fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -250,7 +257,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         let state = http_state;
         let listener = tokio::net::TcpListener::from_std(std_listener)?;
         let tokens = {
-            let m = state.metrics.lock().expect("metrics");
+            let m = locked(&state.metrics);
             m.kv_pages_total * m.kv_page_tokens
         };
         eprintln!(
@@ -271,7 +278,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         anyhow::Ok(())
     })?;
     // Every connection is closed: let the engine finish and stop.
-    let _ = state.jobs.lock().expect("jobs").send(Msg::Drain);
+    let _ = locked(&state.jobs).send(Msg::Drain);
     let _ = engine_thread.join();
     eprintln!("snug serve: stopped");
     Ok(())
@@ -419,7 +426,7 @@ fn engine_main(
     let (total, ..) = engine.kv_pages();
     let pt = engine.options.page_tokens;
     let metrics = Arc::new(Mutex::new(Metrics::new(pt, page)));
-    metrics.lock().expect("metrics").kv_pages_total = total as u64;
+    locked(&metrics).kv_pages_total = total as u64;
     let template = match ChatTemplate::for_model(file.get_str("tokenizer.chat_template")) {
         Ok(t) => t,
         Err(e) => {
@@ -510,7 +517,7 @@ async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> 
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
             if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-                s.metrics.lock().expect("metrics").rejected("unauthorized");
+                locked(&s.metrics).rejected("unauthorized");
                 return ApiError {
                     status: 401,
                     message: "missing or wrong API key (send Authorization: Bearer KEY)".into(),
@@ -542,7 +549,7 @@ async fn not_found(req: Request) -> ApiError {
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
-    let m = s.metrics.lock().expect("metrics").clone();
+    let m = locked(&s.metrics).clone();
     let draining = s.draining.load(Ordering::SeqCst);
     let body = json!({
         "status": if draining { "draining" } else { "ok" },
@@ -561,7 +568,7 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
 
 async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
     let text = {
-        let mut m = s.metrics.lock().expect("metrics");
+        let mut m = locked(&s.metrics);
         m.request("metrics");
         m.render(crate::run::rss_bytes("VmRSS:"), crate::run::peak_rss_bytes())
     };
@@ -573,7 +580,7 @@ async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
-    s.metrics.lock().expect("metrics").request("models");
+    locked(&s.metrics).request("models");
     Json(json!({
         "object": "list",
         "data": [{
@@ -682,7 +689,7 @@ impl AppState {
             events,
             received: Instant::now(),
         };
-        if self.jobs.lock().expect("jobs").send(Msg::Job(job)).is_err() {
+        if locked(&self.jobs).send(Msg::Job(job)).is_err() {
             return Err(unavailable("the engine has stopped", 5));
         }
         match rx.recv().await {
@@ -731,7 +738,7 @@ async fn chat_completions(
     ConnectInfo(conn): ConnectInfo<Conn>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    s.metrics.lock().expect("metrics").request("chat_completions");
+    locked(&s.metrics).request("chat_completions");
     match chat_inner(&s, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -792,7 +799,7 @@ async fn completions(
     ConnectInfo(conn): ConnectInfo<Conn>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    s.metrics.lock().expect("metrics").request("completions");
+    locked(&s.metrics).request("completions");
     match completion_inner(&s, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -948,13 +955,13 @@ async fn respond(s: &Arc<AppState>, conn: Conn, id: u64, kind: Kind, p: Prepared
 
 /// `POST /v1/systemone`: Laya's typed decisions (see docs/DECIDE.md).
 async fn systemone(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    s.metrics.lock().expect("metrics").request("systemone");
+    locked(&s.metrics).request("systemone");
     laya_errors(systemone_inner(&s, body, false).await)
 }
 
 /// `POST /v1/systemone/batch`: the same questions about several states.
 async fn systemone_batch(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    s.metrics.lock().expect("metrics").request("systemone_batch");
+    locked(&s.metrics).request("systemone_batch");
     laya_errors(systemone_inner(&s, body, true).await)
 }
 
@@ -1065,7 +1072,7 @@ async fn decide_one(
         questions,
         reply,
     };
-    if s.jobs.lock().expect("jobs").send(Msg::Decide(job)).is_err() {
+    if locked(&s.jobs).send(Msg::Decide(job)).is_err() {
         return Err(unavailable("the engine has stopped", 5));
     }
     match answer.await {

@@ -29,6 +29,7 @@ use snug_engine::{Engine, EngineError, SeqId};
 use snug_model::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::locked;
 use super::metrics::Metrics;
 
 /// A generation asked for by a client.
@@ -187,7 +188,7 @@ impl Loop<'_> {
         let id = job.id;
         match self.sched.submit(id, job.prompt.len(), job.max_tokens) {
             Err(r) => {
-                let mut m = self.metrics.lock().expect("metrics");
+                let mut m = locked(&self.metrics);
                 m.rejected(match r {
                     Refused::QueueFull { .. } => "queue_full",
                     Refused::NeverFits { .. } => "never_fits",
@@ -196,7 +197,7 @@ impl Loop<'_> {
             }
             Ok(a) => {
                 if a != Admission::Running {
-                    self.metrics.lock().expect("metrics").queued += 1;
+                    locked(&self.metrics).queued += 1;
                 }
                 let _ = job.events.send(Event::Accepted);
                 self.active.insert(id, Active { job, run: None });
@@ -213,7 +214,7 @@ impl Loop<'_> {
         let t0 = Instant::now();
         let r = engine.decide(tok, &self.cfg.framing, &d.state, &d.questions, &self.cfg.temperatures);
         {
-            let mut m = self.metrics.lock().expect("metrics");
+            let mut m = locked(&self.metrics);
             m.decide_questions += d.questions.len() as u64;
             m.decide.observe(t0.elapsed().as_secs_f64());
         }
@@ -274,7 +275,7 @@ impl Loop<'_> {
     fn fail(&mut self, id: RequestId, e: &EngineError) {
         if let Some(a) = self.active.remove(&id) {
             let _ = a.job.events.send(Event::Failed(e.to_string()));
-            self.metrics.lock().expect("metrics").finished("error");
+            locked(&self.metrics).finished("error");
         }
     }
 
@@ -291,7 +292,7 @@ impl Loop<'_> {
             if let Some(Active { run: Some(r), .. }) = self.active.remove(&id) {
                 engine.free_sequence(r.seq);
             }
-            self.metrics.lock().expect("metrics").finished("cancelled");
+            locked(&self.metrics).finished("cancelled");
         }
         let admitted = self.sched.admit();
         self.start(engine, admitted);
@@ -414,7 +415,7 @@ impl Loop<'_> {
                 }
                 outcome.gained.push((id, held.saturating_sub(before)));
             }
-            let mut m = self.metrics.lock().expect("metrics");
+            let mut m = locked(&self.metrics);
             m.steps += 1;
             m.rows += rows.len() as u64;
         }
@@ -432,7 +433,7 @@ impl Loop<'_> {
     fn lease_head(&mut self, rows: &[(SeqId, u32, bool)]) {
         let Some(release) = self.lease else { return };
         let wants = rows.iter().any(|r| r.2);
-        let mut m = self.metrics.lock().expect("metrics");
+        let mut m = locked(&self.metrics);
         if !wants && !self.head_out {
             m.lease_released_bytes += release();
             m.lease_releases += 1;
@@ -470,20 +471,14 @@ impl Loop<'_> {
             Ok(g) => g,
             Err(e) => {
                 let _ = events.send(Event::Failed(e.to_string()));
-                self.metrics.lock().expect("metrics").finished("error");
+                locked(&self.metrics).finished("error");
                 return;
             }
         };
-        let _ = events.send(Event::Done(Summary {
-            finish_reason: g.finish_reason,
-            prompt_tokens: g.prompt_tokens,
-            completion_tokens: g.tokens.len(),
-            reused_tokens: g.reused_tokens,
-        }));
         let ttft_ms = first_token.map(|t| (t - job.received).as_secs_f64() * 1e3);
         let queue_ms = (started - job.received).as_secs_f64() * 1e3;
         {
-            let mut m = self.metrics.lock().expect("metrics");
+            let mut m = locked(&self.metrics);
             m.finished(g.finish_reason.as_str());
             m.prompt_tokens += g.prompt_tokens as u64;
             m.reused_tokens += g.reused_tokens as u64;
@@ -508,6 +503,14 @@ impl Loop<'_> {
                 eprintln!("warning: writing the metrics file {}: {e}", path.display());
             }
         }
+        // Last, so that the request's metrics are recorded by the time
+        // its client has the answer.
+        let _ = events.send(Event::Done(Summary {
+            finish_reason: g.finish_reason,
+            prompt_tokens: g.prompt_tokens,
+            completion_tokens: g.tokens.len(),
+            reused_tokens: g.reused_tokens,
+        }));
     }
 
     /// Copies the gauges (pages, queue, ledger) into the metrics.
@@ -521,7 +524,7 @@ impl Loop<'_> {
             self.ledger_at = Some(Instant::now());
         }
         let (total, used, idle) = engine.kv_pages();
-        let mut m = self.metrics.lock().expect("metrics");
+        let mut m = locked(&self.metrics);
         m.running = self.sched.running() as u64;
         m.waiting = self.sched.waiting() as u64;
         m.kv_pages_total = total as u64;
@@ -548,7 +551,7 @@ fn note_tokens(r: &mut Running, n: usize, metrics: &Mutex<Metrics>) {
         None => r.first_token = Some(now),
         Some(t) => {
             let gap = (now - t).as_secs_f64() / n as f64;
-            let mut m = metrics.lock().expect("metrics");
+            let mut m = locked(metrics);
             for _ in 0..n {
                 r.gaps_ms.push(gap * 1e3);
                 m.token_latency.observe(gap);
