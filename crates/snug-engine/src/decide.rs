@@ -92,6 +92,9 @@ pub enum DecideError {
         needed: usize,
         limit: usize,
     },
+    /// A question's options do not fit the encoder's token budget (HTTP 422).
+    #[error("{0}")]
+    Capacity(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error("the chat template failed: {0}")]
@@ -129,7 +132,8 @@ pub fn parse_questions(v: &Value) -> Result<Vec<Question>, DecideError> {
             Some("noul") => Kind::Noul,
             other => {
                 return Err(bad(format!(
-                    "question {name:?}: unknown type {other:?}; use one of choice, score, noul"
+                    "question {name:?}: unknown type {}; use one of choice, score, noul",
+                    other.map_or("(none)".to_string(), |t| format!("{t:?}"))
                 )))
             }
         };
@@ -800,7 +804,8 @@ impl MinConfidence {
         }
     }
 
-    fn threshold(&self, kind: Kind, k: usize) -> f64 {
+    /// The threshold for an answer of `kind` with `k` options.
+    pub fn threshold(&self, kind: Kind, k: usize) -> f64 {
         match self {
             MinConfidence::All(t) => *t,
             MinConfidence::ByBucket(m) => m

@@ -6,6 +6,7 @@
 pub mod calibrate;
 pub mod decide;
 pub mod generate;
+pub mod laya;
 pub mod prefix_disk;
 pub mod sampling;
 pub mod session;

@@ -7,6 +7,8 @@
 //! - [`dot`]: quantized dot products with a scalar reference and AVX2 /
 //!   AVX-512 VNNI paths that are bitwise equal to it.
 //! - [`matmul`]: batched matrix multiplication over [`pool`]'s threads.
+//! - [`dense`]: f16 / f32 weight matrices times f32 activations, for
+//!   encoder checkpoints held to a float32 reference.
 //! - [`panel`]: row-interleaved weight panels, the matrix-product kernel
 //!   for many activation rows.
 //! - [`kv`]: KV page storage and attention through page lists.
@@ -14,6 +16,7 @@
 //! - [`cpu`]: which SIMD path runs.
 
 pub mod cpu;
+pub mod dense;
 pub mod dot;
 pub mod kv;
 pub mod kvbasis;

@@ -2,13 +2,15 @@
 //! runs. GGUF parsing ([`gguf`]), tokenizers built from its metadata
 //! ([`tokenizer`]), chat templates ([`template`]), model facts for `snug
 //! info` ([`info`]), and the catalog of known models with the pull that
-//! fetches them ([`catalog`], [`pull`]).
+//! fetches them ([`catalog`], [`pull`]), and Laya decision checkpoints
+//! with their encoder ([`laya`]).
 
 pub mod arch;
 pub mod catalog;
 pub mod fingerprint;
 pub mod gguf;
 pub mod info;
+pub mod laya;
 pub mod packed;
 pub mod pull;
 pub mod template;

@@ -212,6 +212,9 @@ pub fn cmd_decide(a: DecideArgs) -> Result<()> {
             serde_json::from_str(&text).context("standard input is not a JSON request object")?
         }
     };
+    if snug_model::laya::is_checkpoint(Path::new(&a.model)) {
+        return decide_laya(&a, request);
+    }
     let state = request
         .get("state")
         .filter(|s| !s.is_null())
@@ -246,6 +249,48 @@ pub fn cmd_decide(a: DecideArgs) -> Result<()> {
         scored.len(),
         usage.state_tokens,
         usage.input_tokens
+    );
+    Ok(())
+}
+
+/// `snug decide` on a Laya checkpoint directory: the native encoder.
+fn decide_laya(a: &DecideArgs, mut request: Value) -> Result<()> {
+    if let Some(m) = a.min_confidence {
+        request["min_confidence"] = json!(m);
+    }
+    let req = snug_engine::laya::parse_request(&request)?;
+    let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
+    let dir = Path::new(&a.model);
+    let agent = snug_engine::laya::LayaAgent::open(dir, threads).with_context(|| format!("{}", dir.display()))?;
+    let t0 = std::time::Instant::now();
+    let (resp, answers) = agent.answer(&req)?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&resp)?);
+        return Ok(());
+    }
+    let scored: Vec<decide::Scored> = answers
+        .into_iter()
+        .map(|x| decide::Scored {
+            question: x.question,
+            raw: x.logits.clone(),
+            logprobs: x.logits,
+            temperature: x.temperature,
+            probabilities: x.probabilities,
+        })
+        .collect();
+    print!("{}", pretty(&scored, &resp, std::io::stdout().is_terminal()));
+    let usage = &resp["usage"];
+    let truncated = if usage["truncated"] == true {
+        format!(", {} state tokens cut", usage["state_tokens_dropped"])
+    } else {
+        String::new()
+    };
+    eprintln!(
+        "[{} questions, {} state tokens{truncated}, {} input tokens in one batch, {ms:.0} ms]",
+        scored.len(),
+        usage["state_tokens"],
+        usage["input_tokens"]
     );
     Ok(())
 }

@@ -1,8 +1,11 @@
 //! The `snug` binary as a user runs it: `info`, `tokenize` and `pull` on real
 //! models, and one-line errors (never a panic) on bad input.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use serde_json::Value;
 
 use snug_model::testing::model_path;
 
@@ -989,4 +992,64 @@ fn decide_answers_with_bars_and_calibrates_from_labels() {
     assert_eq!(e["by_type"]["choice"]["questions"], 24);
     assert!(e["accuracy"].as_f64().unwrap() > 0.0);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn decide_reads_a_laya_checkpoint_directory() {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/laya");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("reference.json")).unwrap()).unwrap();
+    let case = &reference["tiny-mmbert"]["cases"][0];
+    let mut child = snug()
+        .arg("decide")
+        .arg(data.join("tiny-mmbert"))
+        .args(["-t", "2", "--json"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(case["request"].to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let want = &case["response"];
+    assert_eq!(got["usage"], want["usage"]);
+    for (q, a) in want["answers"].as_object().unwrap() {
+        assert_eq!(got["answers"][q]["type"], a["type"]);
+        let key = a["type"].as_str().unwrap();
+        let (g, w) = (got["answers"][q][key].clone(), a[key].clone());
+        match (g.as_f64(), w.as_f64()) {
+            (Some(g), Some(w)) => assert!((g - w).abs() <= 1.0001e-4, "{q}: {g} vs {w}"),
+            _ => assert_eq!(g, w, "{q}"),
+        }
+    }
+    // Pretty output, and a checkpoint directory with a broken config.
+    let shown = snug()
+        .arg("decide")
+        .arg(data.join("tiny-modernbert"))
+        .args([
+            "--state",
+            "The lid is cracked.",
+            "-q",
+            "broken:noul:Is something broken?",
+        ])
+        .output()
+        .unwrap();
+    assert!(shown.status.success(), "{}", text(&shown.stderr));
+    assert!(text(&shown.stdout).contains("broken (noul): P(true) = "));
+    let dir = tmpdir("laya-broken");
+    std::fs::write(dir.join("rl_agent_config.json"), "{not json").unwrap();
+    let bad = snug()
+        .arg("decide")
+        .arg(&dir)
+        .args(["--state", "x", "-q", "a:noul:b"])
+        .output()
+        .unwrap();
+    assert_clean_error(&bad, "rl_agent_config.json");
 }

@@ -739,3 +739,78 @@ fn decisions_between_decode_steps_leave_a_stream_unchanged() {
     let got = stream.join().unwrap().json();
     assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
 }
+
+fn laya_data() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/laya")
+}
+
+#[test]
+fn a_laya_checkpoint_is_served_as_the_reference_answers_it() {
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(laya_data().join("reference.json")).unwrap()).unwrap();
+    let s = Server::start(&laya_data().join("tiny-modernbert"), &[]);
+    assert_eq!(s.get("/health").json()["status"], "ok");
+    assert_eq!(s.get("/v1/models").json()["data"][0]["meta"]["kind"], "laya");
+    let cases = reference["tiny-modernbert"]["cases"].as_array().unwrap();
+    // Every case at once from its own client: the encoder thread batches
+    // whatever is waiting, and each answer must still be the reference's.
+    let addr = s.addr.clone();
+    let replies: Vec<(Value, Reply)> = std::thread::scope(|sc| {
+        let handles: Vec<_> = cases
+            .iter()
+            .map(|c| {
+                let addr = &addr;
+                sc.spawn(move || {
+                    let body = c["request"].to_string();
+                    (c.clone(), http(addr, "POST", "/v1/systemone", &[], body.as_bytes()))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (case, r) in replies {
+        let name = case["name"].as_str().unwrap();
+        if let Some(err) = case.get("error") {
+            assert_eq!(r.status, 422, "{name}: {}", r.body);
+            assert_eq!(r.json()["detail"], *err, "{name}");
+            continue;
+        }
+        assert_eq!(r.status, 200, "{name}: {}", r.body);
+        assert!(r.header("x-inference-time-ms").is_some());
+        let got = r.json();
+        let want = &case["response"];
+        for (q, a) in want["answers"].as_object().unwrap() {
+            let g = &got["answers"][q];
+            for key in ["choice", "type", "legend", "abstention"] {
+                assert_eq!(g.get(key), a.get(key), "{name}/{q}: {key}");
+            }
+            for key in ["noul", "score", "confidence", "answer_confidence"] {
+                if let Some(w) = a.get(key).and_then(Value::as_f64) {
+                    assert!((g[key].as_f64().unwrap() - w).abs() <= 1.0001e-4, "{name}/{q}: {key}");
+                }
+            }
+            if let Some(p) = a.get("probabilities").and_then(Value::as_object) {
+                for (k, w) in p {
+                    assert!((g["probabilities"][k].as_f64().unwrap() - w.as_f64().unwrap()).abs() <= 1.0001e-4);
+                }
+            }
+        }
+        assert_eq!(got["usage"], want["usage"], "{name}: usage");
+    }
+    // The batch route, and errors.
+    let batch = s.post(
+        "/v1/systemone/batch",
+        &json!({"states": ["one text", {"k": "two"}], "questions": cases[0]["request"]["questions"]}),
+    );
+    assert_eq!(batch.status, 200, "{}", batch.body);
+    assert_eq!(batch.json()["results"].as_array().unwrap().len(), 2);
+    let bad = s.post(
+        "/v1/systemone",
+        &json!({"state": "x", "questions": {"q": {"type": "vote"}}}),
+    );
+    assert_eq!(bad.status, 422);
+    assert!(bad.json()["detail"].as_str().unwrap().contains("unknown type"));
+    let no_state = s.post("/v1/systemone", &json!({"questions": {}}));
+    assert_eq!(no_state.status, 400);
+    assert!(s.metric("snug_decide_questions_total") >= 20.0);
+}

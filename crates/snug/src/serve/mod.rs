@@ -8,6 +8,7 @@
 //! inside it admits, queues or refuses (503) each job under the KV budget.
 
 pub mod api;
+pub mod laya;
 pub mod metrics;
 pub mod worker;
 
@@ -178,7 +179,7 @@ pub(crate) fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -199,7 +200,12 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     if a.parallel == 0 || a.prefill_chunk == 0 {
         bail!("--parallel and --prefill-chunk must be at least 1");
     }
-    let (path, file) = crate::open_model_at(&a.model)?;
+    let laya_dir = snug_model::laya::is_checkpoint(std::path::Path::new(&a.model));
+    let opened = if laya_dir {
+        None
+    } else {
+        Some(crate::open_model_at(&a.model)?)
+    };
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
         .parse()
         .or_else(|_| {
@@ -211,6 +217,9 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     // Bind first: a port in use is a clear error before the model loads.
     let std_listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     std_listener.set_nonblocking(true)?;
+    let Some((path, file)) = opened else {
+        return laya::serve(&a, std::path::Path::new(&a.model), std_listener, max_body);
+    };
 
     let tok = Tokenizer::from_gguf(&file)?;
     let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
@@ -284,7 +293,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -533,7 +542,7 @@ async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> 
     next.run(req).await
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
