@@ -149,6 +149,16 @@ fn a_question_gets_the_same_bits_alone_or_with_others() {
         assert_eq!(bits(&a[0].probabilities), bits(&together[i].probabilities));
         assert_eq!(a[0].act_probability.to_bits(), together[i].act_probability.to_bits());
     }
+    // Passes of one row each: the same bits again.
+    let mut agent = agent;
+    agent.model.set_forward_tokens(1);
+    let (_, split) = agent.answer(&req).unwrap();
+    for (a, b) in split.iter().zip(&together) {
+        assert_eq!(
+            a.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            b.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
 }
 
 #[test]

@@ -471,7 +471,12 @@ pub struct LayaModel {
     tensors: Tensors,
     norms: Norms,
     pool: ThreadPool,
+    forward_tokens: usize,
 }
+
+/// Tokens a pass holds activations for, by default: about 100 MB of
+/// activations for ModernBERT-large, and room for four 512-token rows.
+pub const FORWARD_TOKENS: usize = 2048;
 
 struct Norms {
     embed: Norm,
@@ -560,6 +565,7 @@ impl LayaModel {
             tensors,
             norms,
             pool: ThreadPool::new(threads.max(1)),
+            forward_tokens: FORWARD_TOKENS,
         };
         model.check_matrices()?;
         if model.tokenizer.get_vocab_size(true) > model.encoder.vocab {
@@ -690,8 +696,46 @@ impl LayaModel {
         }
     }
 
-    /// Runs `rows` through the encoder and the decision head.
+    /// Tokens one pass holds activations for (see [`LayaModel::forward`]).
+    pub fn forward_tokens(&self) -> usize {
+        self.forward_tokens
+    }
+
+    /// Sets the tokens one pass holds activations for (at least one row
+    /// always runs). Answers do not depend on it.
+    pub fn set_forward_tokens(&mut self, tokens: usize) {
+        self.forward_tokens = tokens.max(1);
+    }
+
+    /// Bytes of activations a pass over `tokens` tokens allocates.
+    pub fn scratch_bytes(&self, tokens: usize) -> usize {
+        let e = &self.encoder;
+        let d = e.hidden;
+        let wide = (3 * d).max(2 * e.intermediate).max(4 * d);
+        tokens * (3 * d + wide + e.intermediate) * 4
+    }
+
+    /// Runs `rows` through the encoder and the decision head. Rows run in
+    /// passes of at most [`LayaModel::forward_tokens`] tokens, so the
+    /// activations stay bounded however many questions and states come
+    /// at once; rows never interact, so the grouping changes no bits.
     pub fn forward(&self, rows: &[Row]) -> Vec<RowOutput> {
+        let mut out = Vec::with_capacity(rows.len());
+        let mut start = 0;
+        while start < rows.len() {
+            let mut end = start;
+            let mut tokens = 0;
+            while end < rows.len() && (end == start || tokens + rows[end].ids.len() <= self.forward_tokens) {
+                tokens += rows[end].ids.len();
+                end += 1;
+            }
+            out.extend(self.forward_pass(&rows[start..end]));
+            start = end;
+        }
+        out
+    }
+
+    fn forward_pass(&self, rows: &[Row]) -> Vec<RowOutput> {
         if rows.is_empty() {
             return Vec::new();
         }

@@ -68,6 +68,8 @@ struct LayaState {
     max_len: usize,
     head_max_len: usize,
     weight_bytes: usize,
+    /// Activation bytes of the largest pass.
+    scratch_bytes: usize,
     waiting: AtomicUsize,
     max_queue: usize,
     stats: Arc<Mutex<Stats>>,
@@ -98,6 +100,9 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
         max_len: agent.model.config.max_len,
         head_max_len: agent.model.config.head_max_len,
         weight_bytes: agent.model.weight_bytes(),
+        scratch_bytes: agent
+            .model
+            .scratch_bytes(agent.model.forward_tokens().max(agent.model.config.max_len)),
         waiting: AtomicUsize::new(0),
         max_queue: a.max_queue,
         stats: stats.clone(),
@@ -127,11 +132,13 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         eprintln!(
-            "snug serve: Laya checkpoint {} on http://{} (max_len {}, head_max_len {})",
+            "snug serve: Laya checkpoint {} on http://{} (max_len {}, head_max_len {}; {} MiB of weights mapped, at most {} MiB of activations a pass)",
             http_state.model_id,
             listener.local_addr()?,
             http_state.max_len,
-            http_state.head_max_len
+            http_state.head_max_len,
+            http_state.weight_bytes >> 20,
+            http_state.scratch_bytes >> 20
         );
         let s = http_state.clone();
         axum::serve(listener, app)
@@ -461,6 +468,11 @@ async fn metrics(State(s): State<Arc<LayaState>>) -> Response {
         o,
         "# HELP snug_weights_bytes Mapped checkpoint bytes.\n# TYPE snug_weights_bytes gauge\nsnug_weights_bytes {}",
         s.weight_bytes
+    );
+    let _ = writeln!(
+        o,
+        "# HELP snug_decide_scratch_bytes Activation bytes of the largest encoder pass.\n# TYPE snug_decide_scratch_bytes gauge\nsnug_decide_scratch_bytes {}",
+        s.scratch_bytes
     );
     let rss = crate::run::rss_bytes("VmRSS:");
     {
