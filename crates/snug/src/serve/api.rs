@@ -285,6 +285,80 @@ impl ChatMessage {
     }
 }
 
+/// Request bodies sent with `Content-Encoding: zstd` or `gzip` are
+/// decoded before any route reads them (Laya's Python SDK sends bodies of
+/// 1 KiB or more as zstd). The decoded body is held to `max` bytes like
+/// any other: past it, 413 (a small compressed body cannot expand without
+/// limit). An encoding other than these, or a body that does not decode,
+/// is a 415 or a 400 naming it.
+pub async fn decompress(
+    axum::extract::State(max): axum::extract::State<usize>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::http::header::{CONTENT_ENCODING, CONTENT_LENGTH};
+    use axum::response::IntoResponse;
+    let encoding = req
+        .headers()
+        .get(CONTENT_ENCODING)
+        .map(|v| v.to_str().unwrap_or("").trim().to_ascii_lowercase());
+    let Some(encoding) = encoding.filter(|e| !e.is_empty() && e != "identity") else {
+        return next.run(req).await;
+    };
+    let too_large = || ApiError {
+        status: 413,
+        message: format!("the request body is larger than {max} bytes (decoded)"),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("body_too_large"),
+        retry_after: None,
+    };
+    if encoding != "zstd" && encoding != "gzip" {
+        return ApiError {
+            status: 415,
+            message: format!("Content-Encoding {encoding:?} is not supported; send zstd, gzip or identity"),
+            ..ApiError::bad("", None)
+        }
+        .into_response();
+    }
+    let (mut parts, body) = req.into_parts();
+    let Ok(raw) = axum::body::to_bytes(body, max).await else {
+        return too_large().into_response();
+    };
+    let decoded = match decode(&encoding, &raw, max) {
+        Ok(Some(d)) => d,
+        Ok(None) => return too_large().into_response(),
+        Err(e) => {
+            return ApiError::bad(format!("the {encoding} request body does not decode: {e}"), None).into_response()
+        }
+    };
+    parts.headers.remove(CONTENT_ENCODING);
+    parts.headers.insert(CONTENT_LENGTH, decoded.len().into());
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(decoded),
+    ))
+    .await
+}
+
+/// `raw` decoded, or `None` when it holds more than `max` bytes.
+fn decode(encoding: &str, raw: &[u8], max: usize) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    let limit = max as u64 + 1;
+    match encoding {
+        "zstd" => {
+            let dec = ruzstd::decoding::StreamingDecoder::new(raw)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+            dec.take(limit).read_to_end(&mut out)?;
+        }
+        _ => {
+            flate2::read::GzDecoder::new(raw).take(limit).read_to_end(&mut out)?;
+        }
+    }
+    Ok((out.len() <= max).then_some(out))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

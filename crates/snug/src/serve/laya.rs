@@ -121,6 +121,7 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(max_body, super::api::decompress))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state.clone());

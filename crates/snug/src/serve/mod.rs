@@ -500,6 +500,7 @@ fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(max_body, api::decompress))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
