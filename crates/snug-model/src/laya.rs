@@ -668,6 +668,15 @@ impl LayaModel {
         Ok(())
     }
 
+    /// Parameters in the weight file (the temperature buffer included).
+    pub fn parameters(&self) -> u64 {
+        self.tensors
+            .entries
+            .values()
+            .map(|e| e.shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
     /// Bytes of the mapped weight file.
     pub fn weight_bytes(&self) -> usize {
         self.tensors.mapped_bytes()

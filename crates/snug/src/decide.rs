@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use snug_engine::decide::{self, Example, Framing, Kind, MinConfidence, Question, Temperatures};
+use snug_engine::laya::LayaAgent;
 use snug_engine::{Engine, EngineOptions};
 use snug_model::arch::Model;
 use snug_model::template::ChatTemplate;
@@ -125,6 +126,29 @@ pub fn load_temperatures(model: &Path, explicit: Option<&Path>) -> Result<Temper
     let t: Temperatures =
         serde_json::from_str(&text).with_context(|| format!("{}: not a temperatures file", path.display()))?;
     Ok(t.clamped())
+}
+
+/// A Laya checkpoint directory's agent, with temperatures from
+/// `explicit`, else from the file beside the directory (`DIR.decide.json`,
+/// written by `snug decide calibrate`), else the checkpoint's own. Laya's
+/// own calibration files (`temperature`, `temperature_by_options`) read
+/// the same way.
+pub fn laya_agent(dir: &Path, threads: Option<usize>, explicit: Option<&Path>) -> Result<LayaAgent> {
+    let threads = threads.unwrap_or_else(snug_kernels::pool::physical_cores);
+    let mut agent = LayaAgent::open(dir, threads).with_context(|| format!("{}", dir.display()))?;
+    if explicit.is_some() || calibration_path(dir).exists() {
+        agent.temperatures = load_temperatures(dir, explicit)?;
+    }
+    Ok(agent)
+}
+
+/// Where a model's calibration file goes: beside a GGUF file (pulled if
+/// an alias) or a Laya checkpoint directory.
+fn model_location(name: &str) -> Result<PathBuf> {
+    if snug_model::laya::is_checkpoint(Path::new(name)) {
+        return Ok(PathBuf::from(name));
+    }
+    Ok(crate::open_model_at(name)?.0)
 }
 
 /// The state as the model reads it: text as is, anything else as JSON.
@@ -259,9 +283,7 @@ fn decide_laya(a: &DecideArgs, mut request: Value) -> Result<()> {
         request["min_confidence"] = json!(m);
     }
     let req = snug_engine::laya::parse_request(&request)?;
-    let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
-    let dir = Path::new(&a.model);
-    let agent = snug_engine::laya::LayaAgent::open(dir, threads).with_context(|| format!("{}", dir.display()))?;
+    let agent = laya_agent(Path::new(&a.model), a.threads, a.calibration.as_deref())?;
     let t0 = std::time::Instant::now();
     let (resp, answers) = agent.answer(&req)?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -397,10 +419,36 @@ fn score_file(input: &LabeledArgs, temps: Option<&Temperatures>) -> Result<(Path
                 .with_context(|| format!("line {}: no label for {:?}", n + 1, q.name))?;
             truths.push(truth(q, l).with_context(|| format!("line {}", n + 1))?);
         }
-        items.push((state, qs, truths));
+        items.push((state, qs, truths, v));
     }
     if items.is_empty() {
         bail!("{}: no examples", input.file.display());
+    }
+    let default = Temperatures::default();
+    let temps = temps.unwrap_or(&default);
+    if snug_model::laya::is_checkpoint(Path::new(&input.model)) {
+        let dir = PathBuf::from(&input.model);
+        let mut agent = laya_agent(&dir, input.threads, None)?;
+        agent.temperatures = temps.clone();
+        let bar = crate::progress::bar(items.len() as u64, "scoring");
+        let mut out = Vec::new();
+        for (_, _, truths, v) in &items {
+            let req = snug_engine::laya::parse_request(v)?;
+            let (_, answers) = agent.answer(&req)?;
+            for (a, &t) in answers.iter().zip(truths) {
+                out.push(Labeled {
+                    example: Example {
+                        kind: a.question.kind,
+                        logprobs: a.logits.clone(),
+                        truth: t,
+                    },
+                    probabilities: a.probabilities.clone(),
+                });
+            }
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        return Ok((dir, out));
     }
     let (path, file) = crate::open_model_at(&input.model)?;
     let model = Model::load(&file)?;
@@ -410,11 +458,9 @@ fn score_file(input: &LabeledArgs, temps: Option<&Temperatures>) -> Result<(Path
     let most = items.iter().map(|i| i.1.len()).max().unwrap_or(1);
     let opts = engine_options(&model, &tok, input.threads, None, &crate::KvArgs::default(), most)?;
     let mut engine = Engine::new(&model, opts);
-    let default = Temperatures::default();
-    let temps = temps.unwrap_or(&default);
     let bar = crate::progress::bar(items.len() as u64, "scoring");
     let mut out = Vec::new();
-    for (state, qs, truths) in &items {
+    for (state, qs, truths, _) in &items {
         let (scored, _) = engine.decide(&tok, &framing, state, qs, temps)?;
         for (s, &t) in scored.iter().zip(truths) {
             out.push(Labeled {
@@ -459,9 +505,11 @@ fn quality(xs: &[&Labeled]) -> (f64, f64, f64) {
 }
 
 fn cmd_eval(e: EvalArgs) -> Result<()> {
-    let (path, _) = crate::open_model_at(&e.input.model)?;
+    let path = model_location(&e.input.model)?;
     let temps = if e.uncalibrated {
         Temperatures::default()
+    } else if snug_model::laya::is_checkpoint(&path) {
+        laya_agent(&path, Some(1), e.calibration.as_deref())?.temperatures
     } else {
         load_temperatures(&path, e.calibration.as_deref())?
     };

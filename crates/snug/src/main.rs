@@ -13,7 +13,7 @@ mod serve;
 mod session;
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -463,7 +463,88 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_string(), |v| v.to_string())
 }
 
+/// `snug info DIR` for a Laya checkpoint directory.
+fn laya_info(a: &InfoArgs) -> Result<()> {
+    let dir = Path::new(&a.model);
+    let agent = decide::laya_agent(dir, Some(1), None)?;
+    let m = &agent.model;
+    let (c, e) = (&m.config, &m.encoder);
+    let global = e.global.iter().filter(|&&g| g).count();
+    let v = serde_json::json!({
+        "kind": "laya",
+        "encoder": c.encoder,
+        "parameters": m.parameters(),
+        "file_bytes": m.weight_bytes(),
+        "layers": e.layers,
+        "hidden": e.hidden,
+        "heads": e.heads,
+        "intermediate": e.intermediate,
+        "vocab": e.vocab,
+        "global_layers": global,
+        "local_window": e.window,
+        "rope_theta": {"global": e.global_theta, "local": e.local_theta},
+        "head_layers": c.head_layers,
+        "actions": c.n_act,
+        "max_len": c.max_len,
+        "head_max_len": c.head_max_len,
+        "temperatures": agent.temperatures,
+        "tokenizer_vocab": m.tokenizer.get_vocab_size(true),
+    });
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let t = &agent.temperatures;
+    println!(
+        "kind:            Laya decision checkpoint (encoder {})",
+        opt(Some(c.encoder.as_str()).filter(|s| !s.is_empty()))
+    );
+    println!(
+        "file:            {} (safetensors)",
+        human_bytes(m.weight_bytes() as u64)
+    );
+    println!("parameters:      {:.1} M", m.parameters() as f64 / 1e6);
+    println!(
+        "encoder:         {} layers, {} wide, {} heads, MLP {}, vocabulary {}",
+        e.layers, e.hidden, e.heads, e.intermediate, e.vocab
+    );
+    println!(
+        "attention:       {global} global (RoPE theta {}), {} local within +-{} (theta {})",
+        e.global_theta,
+        e.layers - global,
+        e.window,
+        e.local_theta
+    );
+    println!("decision head:   {} layers, {} actions", c.head_layers, c.n_act);
+    println!(
+        "budgets:         max_len {}, head_max_len {}",
+        c.max_len, c.head_max_len
+    );
+    println!(
+        "temperatures:    choice {}, score {}, noul {}{}",
+        t.temperature[0],
+        t.temperature[1],
+        t.temperature[2],
+        if t.temperature_by_options.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; {}",
+                t.temperature_by_options
+                    .iter()
+                    .map(|(k, v)| format!("{k} {v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    );
+    Ok(())
+}
+
 fn cmd_info(a: InfoArgs) -> Result<()> {
+    if snug_model::laya::is_checkpoint(Path::new(&a.model)) {
+        return laya_info(&a);
+    }
     let file = open_model(&a.model)?;
     let info = ModelInfo::from_header(&file, file.file_size());
     if a.json {

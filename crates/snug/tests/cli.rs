@@ -1052,4 +1052,48 @@ fn decide_reads_a_laya_checkpoint_directory() {
         .output()
         .unwrap();
     assert_clean_error(&bad, "rl_agent_config.json");
+
+    // Calibrate a copy of the checkpoint on 24 labeled lines: the file
+    // lands beside the directory, and eval and decide read it.
+    let work = tmpdir("laya-calibrate");
+    let ckpt = work.join("ckpt");
+    for sub in ["", "encoder", "tokenizer"] {
+        std::fs::create_dir_all(ckpt.join(sub)).unwrap();
+        for f in std::fs::read_dir(data.join("tiny-modernbert").join(sub)).unwrap() {
+            let f = f.unwrap();
+            if f.path().is_file() {
+                std::fs::copy(f.path(), ckpt.join(sub).join(f.file_name())).unwrap();
+            }
+        }
+    }
+    let set = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/decide/reviews.jsonl");
+    let lines: Vec<String> = std::fs::read_to_string(set)
+        .unwrap()
+        .lines()
+        .take(24)
+        .map(str::to_string)
+        .collect();
+    let labeled = work.join("labeled.jsonl");
+    std::fs::write(&labeled, lines.join("\n")).unwrap();
+    let cal = snug()
+        .args(["decide", "calibrate"])
+        .arg(&ckpt)
+        .arg(&labeled)
+        .output()
+        .unwrap();
+    assert!(cal.status.success(), "{}", text(&cal.stderr));
+    let written = work.join("ckpt.decide.json");
+    assert_eq!(text(&cal.stdout).trim(), written.display().to_string());
+    let temps: Value = serde_json::from_str(&std::fs::read_to_string(&written).unwrap()).unwrap();
+    assert_eq!(temps["examples"], 48);
+    let eval = snug()
+        .args(["decide", "eval", "--json"])
+        .arg(&ckpt)
+        .arg(&labeled)
+        .output()
+        .unwrap();
+    assert!(eval.status.success(), "{}", text(&eval.stderr));
+    let v: Value = serde_json::from_slice(&eval.stdout).unwrap();
+    assert_eq!(v["by_type"]["choice"]["questions"], 24);
+    assert_eq!(v["temperatures"]["temperature"], temps["temperature"]);
 }

@@ -85,8 +85,7 @@ impl LayaState {
 
 /// Serves the checkpoint in `dir` on `listener` until SIGINT or SIGTERM.
 pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) -> Result<()> {
-    let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
-    let agent = LayaAgent::open(dir, threads).with_context(|| format!("{}", dir.display()))?;
+    let agent = crate::decide::laya_agent(dir, a.threads, None)?;
     let stats = Arc::new(Mutex::new(Stats {
         latency: vec![0; LATENCY_BOUNDS.len() + 1],
         ..Stats::default()
