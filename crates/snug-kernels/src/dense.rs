@@ -203,6 +203,59 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// Attention for one query: `out = sum_j e^(s_j - m) v_j / sum_j e^(s_j - m)`
+/// with `s_j = dot(q, k_j) * scale` over the `n = scores.len()` rows of
+/// `k` and `v` (each `hd` wide), `m` the largest score. Each score is this
+/// module's dot product; exponentials are [`crate::ops::exp_fixed`]; the
+/// sums and the weighted sum of values run in key order, one fused
+/// multiply-add per element. `scores` is scratch.
+pub fn attend(q: &[f32], k: &[f32], v: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    attend_with(simd(), q, k, v, scale, scores, out)
+}
+
+/// [`attend`] on a chosen SIMD level.
+pub fn attend_with(level: Simd, q: &[f32], k: &[f32], v: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let hd = q.len();
+    let n = scores.len();
+    assert!(
+        k.len() >= n * hd && v.len() >= n * hd && out.len() == hd,
+        "attend: shapes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if level >= Simd::Avx2 {
+        // SAFETY: AVX2/FMA present (see `tile`); shapes checked above.
+        unsafe { avx2::attend(q, k, v, scale, scores, out) };
+        return;
+    }
+    let _ = level;
+    let mut m = f32::NEG_INFINITY;
+    for (j, s) in scores.iter_mut().enumerate() {
+        *s = dot_f32_scalar(&k[j * hd..(j + 1) * hd], q) * scale;
+        m = m.max(*s);
+    }
+    finish_attend(m, v, scores, out);
+}
+
+/// Exponentials, their sum, and the weighted sum of values (shared by
+/// both levels; the compiler vectorizes it where the caller enables AVX2).
+#[inline(always)]
+fn finish_attend(m: f32, v: &[f32], scores: &mut [f32], out: &mut [f32]) {
+    let hd = out.len();
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = crate::ops::exp_fixed(*s - m);
+        sum += *s;
+    }
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (j, &p) in scores.iter().enumerate() {
+        for (o, &x) in out.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
+            *o = p.mul_add(x, *o);
+        }
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -308,6 +361,26 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn attend(q: &[f32], k: &[f32], v: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let hd = q.len();
+        let n = scores.len();
+        let mut res: Tile = [[0.0; TILE_OUTS]; TILE_ROWS];
+        let mut m = f32::NEG_INFINITY;
+        let mut j = 0;
+        while j < n {
+            let no = TILE_OUTS.min(n - j);
+            dispatch(k.as_ptr().add(j * hd), q.as_ptr(), hd, no, 1, &mut res);
+            for (o, &r) in res[0].iter().enumerate().take(no) {
+                let s = r * scale;
+                scores[j + o] = s;
+                m = m.max(s);
+            }
+            j += no;
+        }
+        super::finish_attend(m, v, scores, out);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
         let k = y.len().min(x.len());
         let body = k - k % 8;
@@ -367,6 +440,37 @@ mod tests {
                         assert!(same, "{level:?} width {width} {rows}x{cols}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_for_one_query_matches_the_reference_on_every_level() {
+        let mut seed = 3;
+        for &(n, hd) in &[(1usize, 64usize), (7, 32), (130, 48), (5, 20)] {
+            let q: Vec<f32> = (0..hd).map(|_| lcg(&mut seed)).collect();
+            let k: Vec<f32> = (0..n * hd).map(|_| lcg(&mut seed)).collect();
+            let v: Vec<f32> = (0..n * hd).map(|_| lcg(&mut seed)).collect();
+            let mut want = vec![0f32; hd];
+            attend_with(Simd::Scalar, &q, &k, &v, 0.125, &mut vec![0f32; n], &mut want);
+            // Against a plain f64 softmax, loosely.
+            let s: Vec<f64> = (0..n)
+                .map(|j| (0..hd).map(|c| q[c] as f64 * k[j * hd + c] as f64).sum::<f64>() * 0.125)
+                .collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for c in 0..hd {
+                let r: f64 = (0..n).map(|j| e[j] * v[j * hd + c] as f64).sum::<f64>() / z;
+                assert!((want[c] as f64 - r).abs() < 1e-5, "{n}x{hd}: {} vs {r}", want[c]);
+            }
+            for level in Simd::available() {
+                let mut got = vec![0f32; hd];
+                attend_with(level, &q, &k, &v, 0.125, &mut vec![0f32; n], &mut got);
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{level:?} {n}x{hd}"
+                );
             }
         }
     }

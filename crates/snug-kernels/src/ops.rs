@@ -171,6 +171,44 @@ pub fn gelu_mul_scalar(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// Abramowitz and Stegun 7.1.26: `erf(z) = 1 - t (a1 + t (a2 + ... a5)) e^(-z^2)`
+/// for `z >= 0`, `t = 1 / (1 + p z)`; absolute error below 1.5e-7.
+const ERF_P: f32 = 0.327_591_1;
+const ERF_A: [f32; 5] = [0.254_829_6, -0.284_496_74, 1.421_413_8, -1.453_152_1, 1.061_405_4];
+
+/// GELU, exact (erf) form: `0.5 x (1 + erf(x / sqrt 2))`, erf as
+/// [`ERF_A`] with [`exp_fixed`]; the vector code gives the same bits.
+#[inline(always)]
+fn gelu_erf1(x: f32) -> f32 {
+    let z = x * std::f32::consts::FRAC_1_SQRT_2;
+    let a = z.abs();
+    let t = 1.0 / a.mul_add(ERF_P, 1.0);
+    let mut p = ERF_A[4];
+    for c in ERF_A[..4].iter().rev() {
+        p = p.mul_add(t, *c);
+    }
+    let p = p * t;
+    let e = exp_fixed(-(a * a));
+    let erf = (1.0 - p * e).copysign(z);
+    0.5 * x * (1.0 + erf)
+}
+
+/// GELU (erf form) in place, as PyTorch's default GELU (encoder
+/// checkpoints); within 2e-7 of the exact function times `|x|`.
+pub fn gelu_erf(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd() >= crate::cpu::Simd::Avx2 {
+        // SAFETY: AVX2 and FMA detected.
+        return unsafe { x86::gelu_erf(x) };
+    }
+    gelu_erf_scalar(x)
+}
+
+/// The scalar reference of [`gelu_erf`].
+pub fn gelu_erf_scalar(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = gelu_erf1(*v));
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     //! Eight lanes of the scalar code's exact operations.
@@ -194,6 +232,31 @@ mod x86 {
         }
         let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
         _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gelu_erf(x: &mut [f32]) {
+        use super::{ERF_A, ERF_P};
+        let n8 = x.len() / 8 * 8;
+        let sign = _mm256_set1_ps(-0.0);
+        let one = _mm256_set1_ps(1.0);
+        for i in (0..n8).step_by(8) {
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            let z = _mm256_mul_ps(v, _mm256_set1_ps(std::f32::consts::FRAC_1_SQRT_2));
+            let a = _mm256_andnot_ps(sign, z);
+            let t = _mm256_div_ps(one, _mm256_fmadd_ps(a, _mm256_set1_ps(ERF_P), one));
+            let mut p = _mm256_set1_ps(ERF_A[4]);
+            for k in (0..4).rev() {
+                p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(ERF_A[k]));
+            }
+            let p = _mm256_mul_ps(p, t);
+            let e = exp8(_mm256_xor_ps(_mm256_mul_ps(a, a), sign));
+            let m = _mm256_sub_ps(one, _mm256_mul_ps(p, e));
+            let erf = _mm256_or_ps(_mm256_andnot_ps(sign, m), _mm256_and_ps(sign, z));
+            let y = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5), v), _mm256_add_ps(one, erf));
+            _mm256_storeu_ps(x.as_mut_ptr().add(i), y);
+        }
+        super::gelu_erf_scalar(&mut x[n8..]);
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -247,6 +310,45 @@ pub fn softmax(x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gelu_erf_is_exact_gelu_to_2e7_and_the_same_bits_on_every_level() {
+        let xs: Vec<f32> = (-4000..=4000)
+            .map(|i| i as f32 * 0.0025)
+            .chain([-30.0, 30.0, 0.0, -0.0, 1e-6])
+            .collect();
+        let mut got = xs.clone();
+        gelu_erf_scalar(&mut got);
+        for (&x, &g) in xs.iter().zip(&got) {
+            let exact = 0.5 * x as f64 * (1.0 + erf_ref(x as f64 / std::f64::consts::SQRT_2));
+            assert!(
+                (g as f64 - exact).abs() <= 2.5e-7 * (1.0 + (x as f64).abs()),
+                "{x}: {g} vs {exact}"
+            );
+        }
+        let mut simd = xs.clone();
+        gelu_erf(&mut simd);
+        assert!(simd.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    /// erf by its Taylor series (|x| < 3) or continued fraction: slow, exact enough.
+    fn erf_ref(x: f64) -> f64 {
+        if x.abs() > 5.0 {
+            return x.signum();
+        }
+        let mut sum = 0.0f64;
+        let mut term = x;
+        let mut n = 0.0f64;
+        while term.abs() > 1e-17 * sum.abs().max(1e-300) || n < 5.0 {
+            sum += term / (2.0 * n + 1.0);
+            n += 1.0;
+            term *= -x * x / n;
+            if n > 400.0 {
+                break;
+            }
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    }
 
     #[test]
     fn rms_norm_normalizes() {

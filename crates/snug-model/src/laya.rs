@@ -28,7 +28,8 @@ use std::path::{Path, PathBuf};
 use half::{bf16, f16};
 use memmap2::Mmap;
 use serde_json::Value;
-use snug_kernels::dense::{axpy, dense_matmul, dot_f32, Dense, DenseData};
+use snug_kernels::dense::{attend, dense_matmul, Dense, DenseData};
+use snug_kernels::ops::gelu_erf;
 use snug_kernels::pool::ThreadPool;
 
 /// Why a checkpoint cannot be used.
@@ -436,12 +437,6 @@ impl Norm {
     }
 }
 
-/// GELU, exact (erf) form, as PyTorch's default.
-fn gelu(x: f32) -> f32 {
-    let x = x as f64;
-    (0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))) as f32
-}
-
 /// A row for the forward: one question's sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Row {
@@ -804,9 +799,10 @@ impl LayaModel {
             for t in 0..n {
                 let r = &mut big[t * 2 * inter..(t + 1) * 2 * inter];
                 let (input, gate) = r.split_at_mut(inter);
+                gelu_erf(input);
                 let g = &mut mlp[t * inter..(t + 1) * inter];
                 for c in 0..inter {
-                    g[c] = gelu(input[c]) * gate[c];
+                    g[c] = input[c] * gate[c];
                 }
             }
             self.linear(&format!("{p}.mlp.Wo"), d, inter, &mlp, n, &mut a);
@@ -860,7 +856,7 @@ impl LayaModel {
         self.norms.scorer.apply(&m, &mut normed);
         let mut hidden = vec![0f32; k * d];
         self.linear("scorer.1", d, d, &normed, k, &mut hidden);
-        hidden.iter_mut().for_each(|v| *v = gelu(*v));
+        gelu_erf(&mut hidden);
         let mut logits = vec![0f32; k];
         self.linear("scorer.3", 1, d, &hidden, k, &mut logits);
 
@@ -879,7 +875,7 @@ impl LayaModel {
         input.extend_from_slice(&[top1, top1 - top2, ent, kk / 255.0]);
         let mut mid = vec![0f32; 256];
         self.linear("act_head.0", 256, d + 4, &input, 1, &mut mid);
-        mid.iter_mut().for_each(|v| *v = gelu(*v));
+        gelu_erf(&mut mid);
         let mut act = vec![0f32; self.config.n_act];
         self.linear("act_head.2", self.config.n_act, 256, &mid, 1, &mut act);
         RowOutput { logits, act }
@@ -922,25 +918,17 @@ impl LayaModel {
                     Some(w) => (i.saturating_sub(w), (i + w + 1).min(len)),
                     None => (0, len),
                 };
-                let mut mx = f32::NEG_INFINITY;
-                for j in lo..hi {
-                    let sc = dot_f32(q, &k[j * hd..(j + 1) * hd]) * scale;
-                    scores[j] = sc;
-                    mx = mx.max(sc);
-                }
-                let mut sum = 0f32;
-                for sc in &mut scores[lo..hi] {
-                    *sc = (*sc - mx).exp();
-                    sum += *sc;
-                }
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                for j in lo..hi {
-                    axpy(&mut acc, scores[j], &v[j * hd..(j + 1) * hd]);
-                }
-                let inv = 1.0 / sum;
+                attend(
+                    q,
+                    &k[lo * hd..hi * hd],
+                    &v[lo * hd..hi * hd],
+                    scale,
+                    &mut scores[..hi - lo],
+                    &mut acc,
+                );
                 for (c, &a) in acc.iter().enumerate() {
                     // SAFETY: each (token, head) slice is written by one task.
-                    unsafe { *op.0.add((s + i) * d + hh * hd + c) = a * inv };
+                    unsafe { *op.0.add((s + i) * d + hh * hd + c) = a };
                 }
             }
         });
