@@ -838,14 +838,7 @@ pub fn answer_json(s: &Scored, min: Option<&MinConfidence>) -> Value {
             a.insert("probabilities".into(), Value::Object(probs));
         }
         Kind::Score => {
-            let expected: f64 = p.iter().enumerate().map(|(i, &x)| i as f64 * x as f64).sum();
-            a.insert("score".into(), json!(round4(expected)));
-            let legend: Map<String, Value> = q
-                .options
-                .iter()
-                .map(|(key, d)| (key.clone(), json!(d.clone().unwrap_or_default())))
-                .collect();
-            a.insert("legend".into(), Value::Object(legend));
+            score_fields(q, p, &mut a);
             a.insert("probabilities".into(), Value::Object(probs));
         }
         Kind::Noul => {
@@ -860,15 +853,34 @@ pub fn answer_json(s: &Scored, min: Option<&MinConfidence>) -> Value {
     }
     a.insert("temperature".into(), json!(round4(s.temperature as f64)));
     if let Some(m) = min {
-        let t = m.threshold(q.kind, k);
-        let passed = top >= t;
-        a.insert("abstention".into(), json!(if passed { "passed" } else { "abstained" }));
-        a.insert("abstention_threshold".into(), json!(t));
-        if !passed {
-            a.insert("low_confidence".into(), json!(true));
-        }
+        gate(&mut a, m, q.kind, k, top);
     }
     Value::Object(a)
+}
+
+/// A score answer's `score` (the expected level) and `legend`.
+pub fn score_fields(q: &Question, p: &[f32], a: &mut Map<String, Value>) {
+    let expected: f64 = p.iter().enumerate().map(|(i, &x)| i as f64 * x as f64).sum();
+    a.insert("score".into(), json!(round4(expected)));
+    let legend: Map<String, Value> = q
+        .options
+        .iter()
+        .map(|(key, d)| (key.clone(), json!(d.clone().unwrap_or_default())))
+        .collect();
+    a.insert("legend".into(), Value::Object(legend));
+}
+
+/// The `min_confidence` gate on one answer: `abstention` (`passed` or
+/// `abstained`, comparing `conf` with the threshold of the answer's
+/// bucket), `abstention_threshold`, and `low_confidence` when abstained.
+pub fn gate(a: &mut Map<String, Value>, m: &MinConfidence, kind: Kind, k: usize, conf: f64) {
+    let t = m.threshold(kind, k);
+    let passed = conf >= t;
+    a.insert("abstention".into(), json!(if passed { "passed" } else { "abstained" }));
+    a.insert("abstention_threshold".into(), json!(t));
+    if !passed {
+        a.insert("low_confidence".into(), json!(true));
+    }
 }
 
 /// The whole response: `model`, `answers` (in the request's order),

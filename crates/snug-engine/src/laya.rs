@@ -556,14 +556,7 @@ fn answer_json(a: &LayaAnswer, min: Option<&MinConfidence>) -> Value {
             o.insert("confidence".into(), json!(round4(confidence(q.kind, p))));
         }
         Kind::Score => {
-            let expected: f64 = p.iter().enumerate().map(|(i, &x)| i as f64 * x as f64).sum();
-            o.insert("score".into(), json!(round4(expected)));
-            let legend: Map<String, Value> = q
-                .options
-                .iter()
-                .map(|(key, d)| (key.clone(), json!(d.clone().unwrap_or_default())))
-                .collect();
-            o.insert("legend".into(), Value::Object(legend));
+            decide::score_fields(q, p, &mut o);
             let probs: Map<String, Value> = (0..k).map(|i| (i.to_string(), json!(r(p[i])))).collect();
             o.insert("probabilities".into(), Value::Object(probs));
             o.insert("confidence".into(), json!(round4(confidence(q.kind, p))));
@@ -576,14 +569,7 @@ fn answer_json(a: &LayaAnswer, min: Option<&MinConfidence>) -> Value {
     o.insert("answer_confidence".into(), json!(answer_conf));
     o.insert("action".into(), json!({"act_probability": r(a.act_probability)}));
     if let Some(m) = min {
-        let t = m.threshold(q.kind, k);
-        if answer_conf < t {
-            o.insert("low_confidence".into(), json!(true));
-            o.insert("abstention".into(), json!("abstained"));
-        } else {
-            o.insert("abstention".into(), json!("passed"));
-        }
-        o.insert("abstention_threshold".into(), json!(t));
+        decide::gate(&mut o, m, q.kind, k, answer_conf);
     }
     Value::Object(o)
 }

@@ -847,4 +847,19 @@ fn a_laya_checkpoint_is_served_as_the_reference_answers_it() {
     let no_state = s.post("/v1/systemone", &json!({"questions": {}}));
     assert_eq!(no_state.status, 400);
     assert!(s.metric("snug_decide_questions_total") >= 20.0);
+    drop(s);
+
+    // The API key guards every route but /health.
+    let k = Server::start(&laya_data().join("tiny-mmbert"), &["--api-key", "sekrit"]);
+    assert_eq!(k.get("/health").status, 200);
+    let r = k.post("/v1/systemone", &cases[0]["request"]);
+    assert_eq!(r.status, 401, "{}", r.body);
+    let r = http(
+        &k.addr,
+        "POST",
+        "/v1/systemone",
+        &[("Authorization", "Bearer sekrit")],
+        cases[0]["request"].to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
 }

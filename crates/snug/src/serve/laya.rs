@@ -27,7 +27,7 @@ use snug_engine::decide::DecideError;
 use snug_engine::laya::{parse_request, LayaAgent, LayaRequest};
 
 use super::api::ApiError;
-use super::{constant_time_eq, locked, shutdown_signal, unix_now, ServeArgs};
+use super::{key_ok, locked, shutdown_signal, unauthorized, unix_now, ServeArgs};
 
 /// Most rows (questions times states) one forward takes from the queue.
 pub const MAX_BATCH_ROWS: usize = 64;
@@ -198,24 +198,8 @@ fn work(agent: LayaAgent, rx: mpsc::Receiver<Job>, state: &LayaState) {
 }
 
 async fn authorize(State(s): State<Arc<LayaState>>, req: Request, next: Next) -> Response {
-    if let Some(key) = &s.api_key {
-        if req.uri().path() != "/health" {
-            let given = req
-                .headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
-            if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-                return laya_error(s.count_error(ApiError {
-                    status: 401,
-                    message: "missing or wrong API key (send Authorization: Bearer KEY)".into(),
-                    kind: "invalid_request_error",
-                    param: None,
-                    code: Some("invalid_api_key"),
-                    retry_after: None,
-                }));
-            }
-        }
+    if !key_ok(&req, s.api_key.as_deref()) {
+        return laya_error(s.count_error(unauthorized()));
     }
     next.run(req).await
 }

@@ -517,33 +517,42 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Whether `req` may pass: no key is set, the route is /health, or it
+/// sends `Authorization: Bearer KEY` (compared in constant time).
+pub(crate) fn key_ok(req: &Request, key: Option<&str>) -> bool {
+    let Some(key) = key else { return true };
+    if req.uri().path() == "/health" {
+        return true;
+    }
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()))
+}
+
+/// The 401 for a missing or wrong key.
+pub(crate) fn unauthorized() -> ApiError {
+    ApiError {
+        status: 401,
+        message: "missing or wrong API key (send Authorization: Bearer KEY)".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("invalid_api_key"),
+        retry_after: None,
+    }
+}
+
 /// Checks the API key on every route but /health.
 async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if let Some(key) = &s.api_key {
-        if req.uri().path() != "/health" {
-            let given = req
-                .headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
-            if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-                locked(&s.metrics).rejected("unauthorized");
-                return ApiError {
-                    status: 401,
-                    message: "missing or wrong API key (send Authorization: Bearer KEY)".into(),
-                    kind: "invalid_request_error",
-                    param: None,
-                    code: Some("invalid_api_key"),
-                    retry_after: None,
-                }
-                .into_response();
-            }
-        }
+    if !key_ok(&req, s.api_key.as_deref()) {
+        locked(&s.metrics).rejected("unauthorized");
+        return unauthorized().into_response();
     }
     next.run(req).await
 }
 
-pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
