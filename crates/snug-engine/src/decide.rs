@@ -763,7 +763,8 @@ pub fn argmax(p: &[f32]) -> usize {
     p.iter().enumerate().fold(0, |b, (i, &x)| if x > p[b] { i } else { b })
 }
 
-fn round4(x: f64) -> f64 {
+/// Rounded to 4 decimals, as Laya writes every number.
+pub fn round4(x: f64) -> f64 {
     (x * 1e4).round() / 1e4
 }
 

@@ -30,48 +30,15 @@
 use serde_json::{json, Map, Value};
 use snug_model::laya::{LayaError, LayaModel, Row, RowOutput};
 
-use crate::decide::{self, clamp_temperature, confidence, DecideError, Kind, MinConfidence, Question};
+use crate::decide::{self, clamp_temperature, confidence, round4, DecideError, Kind, MinConfidence, Question};
 
 /// Tokens an option's text may take.
 const OPTION_TOKENS: usize = 48;
 
-/// Python's `json.dumps(v, ensure_ascii=False)`: `", "` between members,
-/// `": "` before a value.
+/// Python's `json.dumps(v, ensure_ascii=False)`, which the SDK renders
+/// structured text with (the token ids depend on it).
 pub fn py_json(v: &Value) -> String {
-    let mut out = String::new();
-    write_py_json(v, &mut out);
-    out
-}
-
-fn write_py_json(v: &Value, out: &mut String) {
-    match v {
-        Value::Array(a) => {
-            out.push('[');
-            for (i, x) in a.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_py_json(x, out);
-            }
-            out.push(']');
-        }
-        Value::Object(m) => {
-            out.push('{');
-            for (i, (k, x)) in m.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                out.push_str(&serde_json::to_string(k).unwrap_or_default());
-                out.push_str(": ");
-                write_py_json(x, out);
-            }
-            out.push('}');
-        }
-        Value::Bool(true) => out.push_str("true"),
-        Value::Bool(false) => out.push_str("false"),
-        Value::Null => out.push_str("null"),
-        other => out.push_str(&other.to_string()),
-    }
+    snug_model::template::python_json(v)
 }
 
 /// A criterion as text: strings as they are, anything else as JSON.
@@ -122,7 +89,11 @@ fn bad(m: String) -> DecideError {
 /// [`decide::parse_questions`], then Laya's option texts).
 pub fn parse_laya_questions(v: &Value) -> Result<Vec<LayaQuestion>, DecideError> {
     let checked = decide::parse_questions(v)?;
-    let obj = v.as_object().expect("checked");
+    let Some(obj) = v.as_object() else {
+        return Err(bad(
+            "'questions' must be an object from question name to question".into()
+        ));
+    };
     let mut out = Vec::with_capacity(checked.len());
     for question in checked {
         let q = &obj[&question.name];
@@ -316,10 +287,6 @@ pub struct LayaAnswer {
 pub struct LayaAgent {
     pub model: LayaModel,
     pub temperatures: decide::Temperatures,
-}
-
-fn round4(x: f64) -> f64 {
-    (x * 1e4).round() / 1e4
 }
 
 impl LayaAgent {

@@ -285,6 +285,12 @@ impl Tensors {
         for (name, info) in meta.tensors() {
             let (start, end) = info.data_offsets;
             let range = base + start..base + end;
+            if range.end > map.len() || start > end {
+                return Err(format_err(
+                    path,
+                    format!("tensor {name} lies past the end of the file (truncated?)"),
+                ));
+            }
             let storage = match info.dtype {
                 safetensors::Dtype::F16 if (map.as_ptr() as usize + range.start).is_multiple_of(2) => Storage::Mapped {
                     dtype: Dtype::F16,
@@ -550,6 +556,13 @@ impl LayaModel {
         let encoder = EncoderConfig::read(&dir.join("encoder").join("config.json"))?;
         let (tokenizer, specials) = load_tokenizer(dir)?;
         let tensors = Tensors::open(&dir.join("model.safetensors"))?;
+        let d = encoder.hidden;
+        if d % (d / 64).max(1) != 0 {
+            return Err(format_err(
+                dir,
+                format!("hidden_size {d} does not split into the decision head's 64-wide heads"),
+            ));
+        }
         let norms = Self::load_small(&tensors, &config, &encoder)?;
         let model = LayaModel {
             dir: dir.to_path_buf(),

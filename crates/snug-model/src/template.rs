@@ -164,6 +164,17 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     Ok(Value::from_safe_string(out))
 }
 
+/// Python's `json.dumps(v, ensure_ascii=False)` of a JSON value: the
+/// `tojson` filter's writer (`", "` and `": "` separators, Python's float
+/// repr, non-ASCII kept).
+pub fn python_json(v: &serde_json::Value) -> String {
+    let mut out = String::new();
+    // A JSON value always converts; the writer fails only on values
+    // minijinja cannot iterate, which JSON does not make.
+    let _ = write_json(&Value::from_serialize(v), None, 0, &mut out);
+    out
+}
+
 fn write_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) -> Result<(), Error> {
     use minijinja::value::ValueKind;
     let newline = |out: &mut String, depth: usize| {
