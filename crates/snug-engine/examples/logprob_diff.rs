@@ -61,6 +61,9 @@ fn main() {
             },
         );
         let (mut rsum, mut rworst, mut rn) = (0f64, 0f64, 0usize);
+        // The top-2 margin's error needs no normalisation, so it is free of
+        // how the reference's probabilities were renormalised.
+        let (mut msum, mut mn) = (0f64, 0usize);
         for case in m["cases"].as_array().unwrap() {
             let seq = engine.create_sequence();
             let prompt: Vec<u32> = case["prompt_ids"]
@@ -122,6 +125,12 @@ fn main() {
                     n += 1;
                 }
                 let margin = top[0]["logprob"].as_f64().unwrap() - top[1]["logprob"].as_f64().unwrap();
+                let (id0, id1) = (
+                    top[0]["id"].as_u64().unwrap() as usize,
+                    top[1]["id"].as_u64().unwrap() as usize,
+                );
+                msum += ((lp[id0] - lp[id1]) - margin).abs();
+                mn += 1;
                 let ours = snug_engine::sampling::argmax(&logits);
                 if margin > 0.5 && ours != top[0]["id"].as_u64().unwrap() as u32 {
                     misses += 1;
@@ -151,9 +160,10 @@ fn main() {
             );
         }
         println!(
-            "{alias}: top-5 logprob |diff| mean {:.4} max {:.4}; top-1 misses where margin > 0.5: {misses}",
+            "{alias}: top-5 logprob |diff| mean {:.4} max {:.4}; top-2 margin |diff| mean {:.4}; top-1 misses where margin > 0.5: {misses}",
             sum / n as f64,
-            worst
+            worst,
+            msum / mn as f64
         );
     }
 }

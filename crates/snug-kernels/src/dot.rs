@@ -95,11 +95,120 @@ fn f16_round(x: f32) -> f32 {
 /// Quantizes `x` (a multiple of 32 long; of 256 for `Q8K`) into `out`.
 pub fn quantize_row(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
     match simd() {
+        // SAFETY: AVX-512 F/BW/VL and the AVX2 set are present (`simd`).
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512Vnni => unsafe { quant512::quantize_row(format, x, out) },
         // The same code compiled with SSE4.1 and F16C rounds and converts
         // with single instructions instead of library calls; same results.
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 | Simd::Avx512Vnni => unsafe { quantize_row_x86(format, x, out) },
+        Simd::Avx2 => unsafe { quantize_row_x86(format, x, out) },
         _ => quantize_row_body(format, x, out),
+    }
+}
+
+/// [`quantize_row`]'s scalar reference (what every path must equal).
+pub fn quantize_row_scalar(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
+    quantize_row_body(format, x, out)
+}
+
+/// Activation quantization with 512-bit vectors: 16 elements an
+/// instruction for the largest magnitude, the scaled rounding (to nearest,
+/// ties to even, as `round_ties_even`), the saturation and the block sums.
+/// Where the scalar code's float-to-integer cast has semantics a vector
+/// conversion lacks (NaN to 0, infinity saturating), the values are
+/// clamped and masked first, so every block is bitwise the reference's.
+#[cfg(target_arch = "x86_64")]
+mod quant512 {
+    use super::{f16_round, ActFormat, BlockQ8, QK8};
+    use std::arch::x86_64::*;
+
+    /// `round_even(y)` clamped to `-128..=127`, NaN to 0, as i32 lanes.
+    #[inline(always)]
+    unsafe fn levels(y: __m512) -> __m512i {
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
+        // `max` returns its second operand when the first is NaN; those
+        // lanes are zeroed after.
+        let c = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-128.0)), _mm512_set1_ps(127.0));
+        let r = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(c);
+        _mm512_maskz_mov_epi32(!nan, r)
+    }
+
+    /// Stores two vectors of levels as the block's 32 bytes; returns their sum.
+    #[inline(always)]
+    unsafe fn store(ob: &mut BlockQ8, a: __m512i, b: __m512i) -> i32 {
+        let p = ob.qs.as_mut_ptr() as *mut __m128i;
+        _mm_storeu_si128(p, _mm512_cvtepi32_epi8(a));
+        _mm_storeu_si128(p.add(1), _mm512_cvtepi32_epi8(b));
+        _mm512_reduce_add_epi32(_mm512_add_epi32(a, b))
+    }
+
+    /// `max(|x|)` over `xs`, NaN ignored (as the scalar fold's `f32::max`).
+    #[inline(always)]
+    unsafe fn amax(xs: &[f32]) -> f32 {
+        let mut m = _mm512_setzero_ps();
+        for c in xs.chunks_exact(16) {
+            // `max` returns its second operand (the running maximum) for
+            // a NaN first operand.
+            m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(c.as_ptr())), m);
+        }
+        _mm512_reduce_max_ps(m)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_row(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
+        assert_eq!(x.len(), out.len() * QK8, "quantize_row: length");
+        match format {
+            ActFormat::Q8_0 | ActFormat::Q8_1 => {
+                for (xb, ob) in x.chunks_exact(QK8).zip(out.iter_mut()) {
+                    let amax = amax(xb);
+                    let d = amax / 127.0;
+                    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                    let v = _mm512_set1_ps(id);
+                    let a = levels(_mm512_mul_ps(_mm512_loadu_ps(xb.as_ptr()), v));
+                    let b = levels(_mm512_mul_ps(_mm512_loadu_ps(xb.as_ptr().add(16)), v));
+                    let sum = store(ob, a, b);
+                    ob.d = f16_round(d);
+                    ob.sum = sum;
+                    ob.s = if format == ActFormat::Q8_1 {
+                        f16_round(d * sum as f32)
+                    } else {
+                        0.0
+                    };
+                }
+            }
+            ActFormat::Q8K => {
+                assert_eq!(x.len() % 256, 0, "q8_K rows are whole 256-element blocks");
+                for (xs, os) in x.chunks_exact(256).zip(out.chunks_exact_mut(8)) {
+                    let amax = amax(xs);
+                    if amax == 0.0 || amax.is_nan() {
+                        // The scalar code found no element above 0.
+                        os.iter_mut().for_each(|b| *b = BlockQ8::default());
+                        continue;
+                    }
+                    // The first element of that magnitude, with its sign.
+                    let t = _mm512_set1_ps(amax);
+                    let mut max = 0.0;
+                    for (i, c) in xs.chunks_exact(16).enumerate() {
+                        let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(_mm512_loadu_ps(c.as_ptr())), t);
+                        if hit != 0 {
+                            max = xs[16 * i + hit.trailing_zeros() as usize];
+                            break;
+                        }
+                    }
+                    let iscale = -127.0 / max;
+                    let d = 1.0 / iscale;
+                    let v = _mm512_set1_ps(iscale);
+                    for (xb, ob) in xs.chunks_exact(QK8).zip(os.iter_mut()) {
+                        let a = levels(_mm512_mul_ps(v, _mm512_loadu_ps(xb.as_ptr())));
+                        let b = levels(_mm512_mul_ps(v, _mm512_loadu_ps(xb.as_ptr().add(16))));
+                        let sum = store(ob, a, b);
+                        ob.d = d;
+                        ob.s = d * sum as f32;
+                        ob.sum = sum;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -1252,6 +1361,51 @@ mod tests {
         let mut q = vec![BlockQ8::default(); n_elems / QK8];
         quantize_row(act_format(ty), &x, &mut q);
         q
+    }
+
+    #[test]
+    fn vector_quantization_equals_the_scalar_reference_bitwise() {
+        let mut rng = Rng(11);
+        for format in [ActFormat::Q8_0, ActFormat::Q8_1, ActFormat::Q8K] {
+            for case in 0..64 {
+                let mut x: Vec<f32> = (0..1024).map(|_| rng.f32() * 3.0).collect();
+                match case % 8 {
+                    // Exact halves after scaling: ties go to even.
+                    1 => x.iter_mut().for_each(|v| *v = (*v * 8.0).round() / 8.0 + 1.0 / 254.0),
+                    // Zero blocks and blocks with one non-zero element.
+                    2 => x[..256]
+                        .iter_mut()
+                        .enumerate()
+                        .for_each(|(i, v)| *v = if i == 77 { -0.5 } else { 0.0 }),
+                    // Values too small for 127 / amax to be finite.
+                    3 => x[256..512].iter_mut().for_each(|v| *v *= 1e-38),
+                    // The largest magnitude twice, with both signs.
+                    4 => {
+                        x[3] = 9.0;
+                        x[40] = -9.0;
+                        x[300] = -9.0;
+                        x[301] = 9.0;
+                    }
+                    // NaN and infinities.
+                    5 => {
+                        x[5] = f32::NAN;
+                        x[600] = f32::INFINITY;
+                        x[900] = f32::NEG_INFINITY;
+                    }
+                    _ => {}
+                }
+                let mut a = vec![BlockQ8::default(); x.len() / QK8];
+                let mut b = a.clone();
+                quantize_row(format, &x, &mut a);
+                quantize_row_scalar(format, &x, &mut b);
+                for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                    assert_eq!(p.qs, q.qs, "{format:?} case {case} block {i}");
+                    assert_eq!(p.sum, q.sum, "{format:?} case {case} block {i}");
+                    assert_eq!(p.d.to_bits(), q.d.to_bits(), "{format:?} case {case} block {i}");
+                    assert_eq!(p.s.to_bits(), q.s.to_bits(), "{format:?} case {case} block {i}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -165,20 +165,19 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     let aux = &scratch.aux[..n_rows * al];
     if let Some(pk) = packed {
         // Panels packed at load: no per-task set-up beyond the panel's
-        // place, the activation rows handed over four at a time.
+        // place, the activation rows handed over in tiles (`panel::tiles`).
         pool.run(tasks, &|t| {
             let op = &out_ptr;
             let o0 = t * FEATURES_PER_TASK;
             let lanes = (n - o0).min(FEATURES_PER_TASK);
             let panel = PanelRef::of_matrix(ty, k, pk, t);
-            for r0 in (0..n_rows).step_by(4) {
-                let m = (n_rows - r0).min(4);
-                let acts: [&[BlockQ8]; 4] = std::array::from_fn(|i| {
-                    let r = (r0 + i).min(n_rows - 1);
+            for (r0, m) in panel::tiles(n_rows) {
+                let acts: [&[BlockQ8]; panel::TILE_ROWS] = std::array::from_fn(|i| {
+                    let r = r0 + i.min(m - 1);
                     &q8[r * nb..(r + 1) * nb]
                 });
-                let auxs: [&[i32]; 4] = std::array::from_fn(|i| {
-                    let r = (r0 + i).min(n_rows - 1);
+                let auxs: [&[i32]; panel::TILE_ROWS] = std::array::from_fn(|i| {
+                    let r = r0 + i.min(m - 1);
                     &aux[r * al..(r + 1) * al]
                 });
                 // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`;

@@ -45,6 +45,26 @@ use crate::quant::GgmlType;
 /// Weight rows per panel (the lanes of a 512-bit vector of 32-bit sums).
 pub const PANEL_ROWS: usize = 16;
 
+/// The most activation rows one kernel call takes against a panel: each
+/// unpacked weight vector serves this many rows before the next is made.
+pub const TILE_ROWS: usize = 8;
+
+/// `n` activation rows split into tiles of at most [`TILE_ROWS`], as even
+/// as possible (9 rows: 5 and 4, not 8 and 1, whose one-row tile would
+/// unpack the weights for a single row): `(first row, rows)` each. A row's
+/// arithmetic is the same in a tile of any size, so the split changes no
+/// bits.
+pub fn tiles(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    let k = n.div_ceil(TILE_ROWS);
+    let (base, extra) = (n.checked_div(k).unwrap_or(0), n.checked_rem(k).unwrap_or(0));
+    (0..k).scan(0, move |r0, t| {
+        let rt = base + usize::from(t < extra);
+        let at = *r0;
+        *r0 += rt;
+        Some((at, rt))
+    })
+}
+
 /// Whether panels run on this machine for weight type `ty`.
 pub fn available(ty: GgmlType) -> bool {
     simd() == Simd::Avx512Vnni && supports(ty)
@@ -321,10 +341,9 @@ impl<'a> PanelRef<'a> {
     /// As [`PanelRef::dot`], handing each activation row's results (its
     /// first `lanes` lanes) to `put(r, values)`.
     pub fn dot_with(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize, mut put: impl FnMut(usize, &[f32])) {
-        let mut tile = [[0f32; PANEL_ROWS]; 4];
-        for r0 in (0..acts.len()).step_by(4) {
-            let rt = (acts.len() - r0).min(4);
-            // SAFETY: the tile holds 4 rows of 16 lanes.
+        let mut tile = [[0f32; PANEL_ROWS]; TILE_ROWS];
+        for (r0, rt) in tiles(acts.len()) {
+            // SAFETY: the tile holds `TILE_ROWS` rows of 16 lanes.
             unsafe {
                 self.dot_into(
                     &acts[r0..r0 + rt],
@@ -365,8 +384,7 @@ impl<'a> PanelRef<'a> {
         } else {
             (1u16 << lanes) - 1
         };
-        for r0 in (0..acts.len()).step_by(4) {
-            let rt = (acts.len() - r0).min(4);
+        for (r0, rt) in tiles(acts.len()) {
             // SAFETY: `available` checked the CPU; shapes checked above; the
             // caller vouches for the output.
             #[cfg(target_arch = "x86_64")]
@@ -677,15 +695,21 @@ mod x86 {
                 let mut isum = [_mm512_setzero_si512(); R];
                 for pair in 0..4 {
                     // Low nibbles: block 2 * pair; high: block 2 * pair + 1.
-                    let mut lo = [zero; 8];
-                    let mut hi = [zero; 8];
-                    for t in 0..8 {
-                        (lo[t], hi[t]) = nibbles(load(q.add(Q4K_QS + (pair * 8 + t) * 64)), m0f);
-                    }
-                    for (h, w) in [(0, &lo), (1, &hi)] {
+                    // Each half loads the words again (from L1) rather than
+                    // keep sixteen vectors live beside a tile's sums.
+                    for h in 0..2 {
+                        let mut w = [zero; 8];
+                        for t in 0..8 {
+                            let v = load(q.add(Q4K_QS + (pair * 8 + t) * 64));
+                            w[t] = if h == 0 {
+                                _mm512_and_si512(v, m0f)
+                            } else {
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f)
+                            };
+                        }
                         let j = 2 * pair + h;
                         let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(Q4K_SC + 16 * j) as *const __m128i));
-                        block_isum::<R, false>(w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
+                        block_isum::<R, false>(&w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
                     }
                 }
                 let d = f16x16(q.add(Q4K_D));
@@ -809,7 +833,7 @@ mod x86 {
         }
     }
 
-    /// Up to four activation rows against one panel at `p`.
+    /// Up to [`TILE_ROWS`] activation rows against one panel at `p`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn dot(
         p: *const u8,
@@ -823,7 +847,11 @@ mod x86 {
             1 => dot_r::<1>(p, ty, n_blocks, acts, aux, out),
             2 => dot_r::<2>(p, ty, n_blocks, acts, aux, out),
             3 => dot_r::<3>(p, ty, n_blocks, acts, aux, out),
-            _ => dot_r::<4>(p, ty, n_blocks, acts, aux, out),
+            4 => dot_r::<4>(p, ty, n_blocks, acts, aux, out),
+            5 => dot_r::<5>(p, ty, n_blocks, acts, aux, out),
+            6 => dot_r::<6>(p, ty, n_blocks, acts, aux, out),
+            7 => dot_r::<7>(p, ty, n_blocks, acts, aux, out),
+            _ => dot_r::<8>(p, ty, n_blocks, acts, aux, out),
         }
     }
 }
@@ -833,6 +861,23 @@ mod tests {
     use super::*;
     use crate::dot::test_support::{weights, Rng, TYPES};
     use crate::dot::{act_format, dot_rows_with, quantize_row, QK8};
+
+    #[test]
+    fn tiles_cover_the_rows_evenly() {
+        for n in 0..100 {
+            let t: Vec<(usize, usize)> = tiles(n).collect();
+            assert_eq!(t.len(), n.div_ceil(TILE_ROWS), "{n}");
+            let mut next = 0;
+            for &(r0, rt) in &t {
+                assert_eq!(r0, next, "{n}: tiles are contiguous");
+                assert!((1..=TILE_ROWS).contains(&rt), "{n}: tile of {rt}");
+                next += rt;
+            }
+            assert_eq!(next, n);
+            let (lo, hi) = (t.iter().map(|x| x.1).min(), t.iter().map(|x| x.1).max());
+            assert!(hi.unwrap_or(0) - lo.unwrap_or(0) <= 1, "{n}: {t:?}");
+        }
+    }
 
     #[test]
     fn panels_equal_the_scalar_reference_bitwise() {
@@ -849,7 +894,7 @@ mod tests {
                 for n_w in [16, 5, 1] {
                     let ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
                     let wrefs: Vec<&[u8]> = ws.iter().map(|v| v.as_slice()).collect();
-                    let n_r = 7;
+                    let n_r = 17;
                     let acts: Vec<Vec<BlockQ8>> = (0..n_r)
                         .map(|r| {
                             let x: Vec<f32> = (0..n).map(|_| rng.f32() * (0.5 + r as f32)).collect();
@@ -875,7 +920,8 @@ mod tests {
                     let mut packed = vec![0u8; packed_matrix_bytes(ty, n_w, n)];
                     pack_matrix(ty, &flat, n_w, n, &mut packed);
                     assert_eq!(&packed[..], panel.as_ref().data, "{ty}: matrix and panel packing");
-                    for rows in [n_r, 4, 3, 1] {
+                    // Every tile size, and splits into two and three tiles.
+                    for rows in [n_r, 9, 8, 7, 6, 5, 4, 3, 2, 1] {
                         let mut got = vec![0f32; n_w * rows];
                         panel.dot(&arefs[..rows], &xrefs[..rows], &mut got);
                         for w in 0..n_w {
