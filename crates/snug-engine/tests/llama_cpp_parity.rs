@@ -8,7 +8,9 @@
 //! amplify such differences: measured against an all-f32 reference, each
 //! runtime's log-probabilities move by about 0.05–0.1 nats on average, so
 //! at near-ties either token is a legitimate greedy choice. The threshold is
-//! a named constant; the figures measured at 0.5 are in docs/BENCHMARKS.md.
+//! a named constant; the one position past it where snug chooses otherwise
+//! is listed with the reason (`EXPLAINED`), and `bench/greedy.py` measures
+//! how often llama.cpp's own settings agree with each other (docs/BENCHMARKS.md).
 
 use snug_engine::sampling::argmax;
 use snug_engine::{Engine, EngineOptions};
@@ -17,7 +19,15 @@ use snug_model::testing::{fixtures_dir, model_path, MODELS};
 use snug_model::GgufFile;
 
 /// llama.cpp top-2 margin (nats) above which the top-1 tokens must agree.
-const CLEAR_MARGIN: f64 = 1.0;
+const CLEAR_MARGIN: f64 = 0.5;
+
+/// Positions past `CLEAR_MARGIN` where snug's top-1 differs, each with why
+/// that is not an error: (model, prompt, step).
+///
+/// - Qwen2.5 0.5B, "Water boils at", step 13 (margin 0.656): llama.cpp itself,
+///   same build, with its weight repacking off (`--no-repack`, which only
+///   changes the order of its float sums), chooses snug's token there.
+const EXPLAINED: &[(&str, &str, usize)] = &[("qwen2.5-coder-0.5b", "Water boils at", 13)];
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
@@ -57,11 +67,10 @@ fn top1_agrees_with_llama_cpp_where_the_margin_is_clear() {
                 let margin = top[0]["logprob"].as_f64().unwrap() - top[1]["logprob"].as_f64().unwrap();
                 if margin > CLEAR_MARGIN {
                     checked += 1;
-                    if top1 != top[0]["id"].as_u64().unwrap() as u32 {
-                        misses.push(format!(
-                            "{:?} step {i} (margin {margin:.2})",
-                            case["prompt"].as_str().unwrap()
-                        ));
+                    let prompt = case["prompt"].as_str().unwrap();
+                    let explained = EXPLAINED.contains(&(alias, prompt, i));
+                    if top1 != top[0]["id"].as_u64().unwrap() as u32 && !explained {
+                        misses.push(format!("{prompt:?} step {i} (margin {margin:.2})"));
                     }
                 }
                 if i + 1 < reference.len() {
