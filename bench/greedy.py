@@ -3,13 +3,16 @@
 and for llama.cpp itself under other settings of its own.
 
     bench/greedy.py LLAMA_BIN_DIR OUT.json [--models a,b] [--snug target/release/snug]
+                    [--build LABEL=DIR ...]
 
 The fixture (../shared/fixtures/greedy/llama.cpp.json) holds 32 greedy
 tokens per prompt from `llama-server` (2 threads, f16 KV, flash attention
 at its default). Each llama.cpp variant here starts `llama-server` on
 loopback with those settings changed in one way (flash attention off, one
 thread, weight repacking off) and
-asks the same raw prompts for 32 greedy tokens; snug answers through
+asks the same raw prompts for 32 greedy tokens (`--build` adds another
+build of llama.cpp, such as one for another instruction set, run with the
+fixture's settings); snug answers through
 `snug run -p PROMPT -n 32 --json`. For every pair of runs the script counts
 the prompts whose 32 tokens are identical, and where they part, the
 fixture's top-2 log-probability margin at that step. A variant that
@@ -106,6 +109,8 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--snug", default=os.path.join(HERE, "..", "target", "release", "snug"))
+    ap.add_argument("--build", action="append", default=[],
+                    help="LABEL=DIR: another llama.cpp build, run with the fixture's settings")
     args = ap.parse_args()
     fixture = json.load(open(FIXTURE))["models"]
     server = os.path.join(args.llama_bin, "llama-server")
@@ -118,6 +123,9 @@ def main():
         runs = {"snug": snug_runs(args.snug, alias, cases)}
         for name, flags in VARIANTS.items():
             runs[name] = llama_runs(server, path, flags, cases)
+        for b in args.build:
+            label, folder = b.split("=", 1)
+            runs[label] = llama_runs(os.path.join(folder, "llama-server"), path, VARIANTS["llama.cpp as the fixture"], cases)
         fx = [c["ids"] for c in cases]
         report[alias] = {}
         for name, r in runs.items():
