@@ -106,6 +106,19 @@ pub fn quantize_row(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
     }
 }
 
+/// A q8_0 / q8_1 block's scale (`amax / 127`, as f16), level sum and, for
+/// q8_1, the f16 product of the two; every quantization path ends with it.
+#[inline(always)]
+fn set_q8_header(ob: &mut BlockQ8, format: ActFormat, d: f32, sum: i32) {
+    ob.d = f16_round(d);
+    ob.sum = sum;
+    ob.s = if format == ActFormat::Q8_1 {
+        f16_round(d * sum as f32)
+    } else {
+        0.0
+    };
+}
+
 /// [`quantize_row`]'s scalar reference (what every path must equal).
 pub fn quantize_row_scalar(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
     quantize_row_body(format, x, out)
@@ -119,7 +132,7 @@ pub fn quantize_row_scalar(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
 /// clamped and masked first, so every block is bitwise the reference's.
 #[cfg(target_arch = "x86_64")]
 mod quant512 {
-    use super::{f16_round, ActFormat, BlockQ8, QK8};
+    use super::{set_q8_header, ActFormat, BlockQ8, QK8};
     use std::arch::x86_64::*;
 
     /// `round_even(y)` clamped to `-128..=127`, NaN to 0, as i32 lanes.
@@ -167,13 +180,7 @@ mod quant512 {
                     let a = levels(_mm512_mul_ps(_mm512_loadu_ps(xb.as_ptr()), v));
                     let b = levels(_mm512_mul_ps(_mm512_loadu_ps(xb.as_ptr().add(16)), v));
                     let sum = store(ob, a, b);
-                    ob.d = f16_round(d);
-                    ob.sum = sum;
-                    ob.s = if format == ActFormat::Q8_1 {
-                        f16_round(d * sum as f32)
-                    } else {
-                        0.0
-                    };
+                    set_q8_header(ob, format, d, sum);
                 }
             }
             ActFormat::Q8K => {
@@ -235,13 +242,7 @@ fn quantize_row_body(format: ActFormat, x: &[f32], out: &mut [BlockQ8]) {
                     *q = r as i8;
                     sum += r;
                 }
-                ob.d = f16_round(d);
-                ob.sum = sum;
-                ob.s = if format == ActFormat::Q8_1 {
-                    f16_round(d * sum as f32)
-                } else {
-                    0.0
-                };
+                set_q8_header(ob, format, d, sum);
             }
         }
         ActFormat::Q8K => {
