@@ -82,12 +82,12 @@ fn main() {
         // Packed once, as a model's matrices are at load.
         let mut packed = vec![0u8; packed_matrix_bytes(ty, rows, k)];
         pack_matrix(ty, &w, rows, k, &mut packed);
-        for n in [1usize, 2, 4, 8, 64] {
+        for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 64] {
             let mut out = vec![0f32; 16 * n];
             let reps = if n == 1 {
                 (51200 / rows).max(2)
             } else {
-                (1024 / rows).max(1)
+                (16384 / rows / n.min(16)).max(2)
             };
             let t = Instant::now();
             for _ in 0..reps {

@@ -613,16 +613,10 @@ fn q8_encode(x: &[f32], codes: &mut [i8]) -> u16 {
     s16.to_bits()
 }
 
-/// Softmax of one head's scores in place: max, exp, sum in position order.
+/// Softmax of one head's scores in place ([`crate::ops::softmax_fixed`]:
+/// the same bits on every path, in an order fixed by the row's length).
 fn softmax_row(row: &mut [f32]) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let mut sum = 0f32;
-    for s in row.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|s| *s *= inv);
+    crate::ops::softmax_fixed(row)
 }
 
 /// One query row's attention inputs.
@@ -722,8 +716,13 @@ pub fn attend_group(
     ) {
         let n = query.end - query.start;
         let scores = &mut scratch.scores[..q.len() / kv.shape.head_dim * n];
-        // SAFETY: AVX2, FMA and F16C are present (checked by `simd`).
-        unsafe { x86::attend_group_f16(dk, dv, kv, layer, kv_head, query, q, scale, out, scores) };
+        if crate::cpu::simd() >= crate::cpu::Simd::Avx512Vnni {
+            // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C are present.
+            unsafe { x86_f16_512::attend_group_f16(dk, dv, kv, layer, kv_head, query, q, scale, out, scores) };
+        } else {
+            // SAFETY: AVX2, FMA and F16C are present (checked by `simd`).
+            unsafe { x86::attend_group_f16(dk, dv, kv, layer, kv_head, query, q, scale, out, scores) };
+        }
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -1293,7 +1292,7 @@ mod tests {
                     kv.write(1, slot_at(&pages, p), &k, &v);
                 }
                 let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 3.0).collect();
-                for (start, end) in [(0, 1), (0, 60), (13, 47)] {
+                for (start, end) in [(0, 1), (0, 60), (13, 47), (5, 6), (31, 58)] {
                     let query = AttnQuery {
                         pages: &pages,
                         twins: &[],
@@ -1309,6 +1308,29 @@ mod tests {
                         a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                         "head dim {hd}, group {group}, {start}..{end}"
                     );
+                    // Each vector path on its own, whichever one dispatch picks.
+                    #[cfg(target_arch = "x86_64")]
+                    if group <= 8 {
+                        use crate::cpu::Simd;
+                        let (Data::F16(dk), Data::F16(dv)) = (&kv.k, &kv.v) else {
+                            unreachable!()
+                        };
+                        let scores = &mut s1.scores[..group * (end - start)];
+                        if Simd::detect() >= Simd::Avx2 {
+                            a.fill(f32::NAN);
+                            // SAFETY: AVX2, FMA and F16C detected.
+                            unsafe { x86::attend_group_f16(dk, dv, &kv, 1, 1, &query, &q, 0.125, &mut a, scores) };
+                            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "avx2");
+                        }
+                        if Simd::detect() >= Simd::Avx512Vnni {
+                            a.fill(f32::NAN);
+                            // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C detected.
+                            unsafe {
+                                x86_f16_512::attend_group_f16(dk, dv, &kv, 1, 1, &query, &q, 0.125, &mut a, scores)
+                            };
+                            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "avx512");
+                        }
+                    }
                 }
             }
         }
@@ -1432,6 +1454,302 @@ mod x86 {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop, clippy::int_plus_one)] // register arrays indexed by head and position; blocks of `$p`
+mod x86_f16_512 {
+    //! Attention over F16 pages with 512-bit vectors: a register holds one
+    //! 16-element chunk, which is exactly the dot product's 16 lanes, so
+    //! each lane takes the same fused multiply-adds as `dot_f32` and the
+    //! value sums the same as `axpy`, and the lanes are folded by the same
+    //! tree. Scores of several (position, head) pairs share one fold
+    //! (`hsums`); value sums keep up to 64 dimensions of every head of the
+    //! group in registers over all positions; each page is walked as one
+    //! contiguous run of vectors.
+
+    use std::arch::x86_64::*;
+
+    use super::x86_coded::hsums;
+    use super::{softmax_row, AttnQuery, KvStorage};
+
+    /// Positions the prefetch cursor runs ahead of the scores (measured
+    /// with `attnbench`, keys and values in memory: 8 to 64 all gain about
+    /// a third over none; 16 was best).
+    const AHEAD: usize = 16;
+
+    /// The query range's runs of consecutive positions within one page:
+    /// (index in the range of the run's first position, element offset of
+    /// its vector, positions).
+    fn runs<'a>(
+        kv: &'a KvStorage,
+        layer: usize,
+        is_v: bool,
+        kv_head: usize,
+        query: &'a AttnQuery,
+    ) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+        let pt = kv.shape.page_tokens;
+        let mut p = query.start;
+        std::iter::from_fn(move || {
+            if p >= query.end {
+                return None;
+            }
+            let (index, first) = (p / pt, p % pt);
+            let len = (pt - first).min(query.end - p);
+            let run = (
+                p - query.start,
+                kv.offset(query.pages[index], layer, is_v, kv_head, first),
+                len,
+            );
+            p += len;
+            Some(run)
+        })
+    }
+
+    /// A cursor some positions ahead of the scores' pass: at each step it
+    /// asks for the key and the value there to be brought into cache, so
+    /// the keys arrive before the pass reaches them and the values before
+    /// the value pass does. A page's vectors are a few KiB in one place,
+    /// pages anywhere, which the hardware's prefetchers do not follow.
+    struct Ahead<'a> {
+        kv: &'a KvStorage,
+        pages: &'a [u32],
+        layer: usize,
+        kv_head: usize,
+        pos: usize,
+        end: usize,
+        off: usize,
+    }
+
+    impl<'a> Ahead<'a> {
+        fn new(kv: &'a KvStorage, layer: usize, kv_head: usize, query: &'a AttnQuery, distance: usize) -> Ahead<'a> {
+            let mut a = Ahead {
+                kv,
+                pages: query.pages,
+                layer,
+                kv_head,
+                pos: query.start,
+                end: query.end,
+                off: 0,
+            };
+            a.seek();
+            for _ in 0..distance {
+                a.advance();
+            }
+            a
+        }
+
+        #[inline(always)]
+        fn seek(&mut self) {
+            if self.pos < self.end {
+                let pt = self.kv.shape.page_tokens;
+                self.off = self.kv.offset(
+                    self.pages[self.pos / pt],
+                    self.layer,
+                    false,
+                    self.kv_head,
+                    self.pos % pt,
+                );
+            }
+        }
+
+        #[inline(always)]
+        fn advance(&mut self) {
+            self.pos += 1;
+            if self.pos.is_multiple_of(self.kv.shape.page_tokens) {
+                self.seek();
+            } else {
+                self.off += self.kv.shape.head_dim;
+            }
+        }
+
+        /// Prefetches the key and the value at the cursor, then moves on.
+        #[inline(always)]
+        unsafe fn step(&mut self, dk: *const u16, dv: *const u16) {
+            if self.pos >= self.end {
+                return;
+            }
+            for l in (0..self.kv.shape.head_dim).step_by(32) {
+                _mm_prefetch::<_MM_HINT_T0>(dk.add(self.off + l) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(dv.add(self.off + l) as *const i8);
+            }
+            self.advance();
+        }
+    }
+
+    /// Scores of `P` consecutive positions (keys at `k`, `hd` apart) for
+    /// `G` heads, `P * G <= 16`, written to `scores[g * n + j]`.
+    #[inline(always)]
+    unsafe fn score_block<const G: usize, const P: usize>(
+        k: *const u16,
+        hd: usize,
+        q: *const f32,
+        scale: f32,
+        scores: *mut f32,
+        n: usize,
+    ) {
+        let mut a = [[_mm512_setzero_ps(); G]; P];
+        for c in (0..hd).step_by(16) {
+            let mut kc = [_mm512_setzero_ps(); P];
+            for (j, kj) in kc.iter_mut().enumerate() {
+                *kj = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(j * hd + c) as *const __m256i));
+            }
+            for g in 0..G {
+                let qv = _mm512_loadu_ps(q.add(g * hd + c));
+                for j in 0..P {
+                    a[j][g] = _mm512_fmadd_ps(qv, kc[j], a[j][g]);
+                }
+            }
+        }
+        let mut flat = [[_mm512_setzero_ps(); 8]; 2];
+        for j in 0..P {
+            for g in 0..G {
+                flat[(j * G + g) / 8][(j * G + g) % 8] = a[j][g];
+            }
+        }
+        let mut sums = [[0f32; 8]; 2];
+        sums[0] = hsums(&flat[0]);
+        if P * G > 8 {
+            sums[1] = hsums(&flat[1]);
+        }
+        for j in 0..P {
+            for g in 0..G {
+                *scores.add(g * n + j) = sums[(j * G + g) / 8][(j * G + g) % 8] * scale;
+            }
+        }
+    }
+
+    /// Attention of `G` heads, value sums `R` registers (`16 * R`
+    /// dimensions) wide; `R` divides `head_dim / 16`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn group<const G: usize, const R: usize>(
+        dk: &[u16],
+        dv: &[u16],
+        kv: &KvStorage,
+        layer: usize,
+        kv_head: usize,
+        query: &AttnQuery,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        scores: &mut [f32],
+    ) {
+        let hd = kv.shape.head_dim;
+        let n = query.end - query.start;
+        // Positions a block of scores takes: their accumulators fill at most
+        // 16 registers (and the keys at most 8 more).
+        const fn per_block(g: usize) -> usize {
+            match g {
+                1 | 2 => 8,
+                3 | 4 => 4,
+                _ => 2,
+            }
+        }
+        let sp = scores.as_mut_ptr();
+        let mut ahead = Ahead::new(kv, layer, kv_head, query, AHEAD);
+        for (i0, off, len) in runs(kv, layer, false, kv_head, query) {
+            let k = dk.as_ptr().add(off);
+            let mut t = 0;
+            macro_rules! blocks {
+                ($p:expr) => {
+                    while t + $p <= len {
+                        for _ in 0..$p {
+                            ahead.step(dk.as_ptr(), dv.as_ptr());
+                        }
+                        score_block::<G, { $p }>(k.add(t * hd), hd, q.as_ptr(), scale, sp.add(i0 + t), n);
+                        t += $p;
+                    }
+                };
+            }
+            match per_block(G) {
+                8 => blocks!(8),
+                4 => blocks!(4),
+                2 => blocks!(2),
+                _ => {}
+            }
+            blocks!(1);
+        }
+        for g in 0..G {
+            softmax_row(&mut scores[g * n..(g + 1) * n]);
+        }
+        let sp = scores.as_ptr();
+        for d0 in (0..hd).step_by(16 * R) {
+            let mut o = [[_mm512_setzero_ps(); R]; G];
+            for (i0, off, len) in runs(kv, layer, true, kv_head, query) {
+                let v = dv.as_ptr().add(off + d0);
+                for t in 0..len {
+                    let mut vr = [_mm512_setzero_ps(); R];
+                    for (r, x) in vr.iter_mut().enumerate() {
+                        *x = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + 16 * r) as *const __m256i));
+                    }
+                    for (g, og) in o.iter_mut().enumerate() {
+                        let w = _mm512_set1_ps(*sp.add(g * n + i0 + t));
+                        for r in 0..R {
+                            og[r] = _mm512_fmadd_ps(w, vr[r], og[r]);
+                        }
+                    }
+                }
+            }
+            for (g, og) in o.iter().enumerate() {
+                for (r, x) in og.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + d0 + 16 * r), *x);
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_group_f16(
+        dk: &[u16],
+        dv: &[u16],
+        kv: &KvStorage,
+        layer: usize,
+        kv_head: usize,
+        query: &AttnQuery,
+        q: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        scores: &mut [f32],
+    ) {
+        let hd = kv.shape.head_dim;
+        debug_assert_eq!(hd % 16, 0);
+        let chunks = hd / 16;
+        // Value registers a head: as many as leave room for the group's
+        // accumulators, the values and a weight in 32 registers, dividing
+        // the head's chunks.
+        let most = match q.len() / hd {
+            1 | 2 => 8,
+            3..=6 => 4,
+            _ => 2,
+        };
+        let r = [8, 4, 2, 1]
+            .into_iter()
+            .find(|&r| r <= most && chunks.is_multiple_of(r))
+            .unwrap_or(1);
+        macro_rules! by_group {
+            ($r:literal) => {
+                match q.len() / hd {
+                    1 => group::<1, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    2 => group::<2, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    3 => group::<3, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    4 => group::<4, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    5 => group::<5, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    6 => group::<6, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    7 => group::<7, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    8 => group::<8, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                    g => unreachable!("attention: {g} query heads per KV head take the generic path"),
+                }
+            };
+        }
+        match r {
+            8 => by_group!(8),
+            4 => by_group!(4),
+            2 => by_group!(2),
+            _ => by_group!(1),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 mod x86_coded {
     //! Attention over coded keys and values (TQ4 or Q8) with AVX-512: TQ4
     //! codes are looked up in the 16-level codebook held in one register (`vpermps`), 16
@@ -1448,6 +1766,7 @@ mod x86_coded {
     use std::arch::x86_64::*;
 
     use super::{AttnQuery, AttnScratch, Data, KvStorage};
+    use crate::ops::x86_512::exp16;
 
     /// Position in the nibble order of coordinate `e` of a 16-block.
     #[inline(always)]
@@ -1465,30 +1784,11 @@ mod x86_coded {
         _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)), book)
     }
 
-    /// Sixteen lanes of [`crate::ops::exp_fixed`]'s exact operations.
-    #[inline(always)]
-    unsafe fn exp16(x: __m512) -> __m512 {
-        use crate::ops::{EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO};
-        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-            x,
-            _mm512_set1_ps(std::f32::consts::LOG2_E),
-        ));
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-        let mut p = _mm512_set1_ps(EXP_C[7]);
-        for k in (0..7).rev() {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C[k]));
-        }
-        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
-        _mm512_mul_ps(p, _mm512_castsi512_ps(e))
-    }
-
     /// The horizontal sums of up to eight registers at once: halves added,
     /// then pairs of registers folded together by `hadd`, so the sums
     /// share their shuffles.
     #[inline(always)]
-    unsafe fn hsums<const G: usize>(a: &[__m512; G]) -> [f32; 8] {
+    pub(super) unsafe fn hsums<const G: usize>(a: &[__m512; G]) -> [f32; 8] {
         let mut y = [_mm256_setzero_ps(); 8];
         for g in 0..G {
             let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a[g])));

@@ -115,6 +115,43 @@ pub(crate) const EXP_C: [f32; 8] = [
     1.0 / 5040.0,
 ];
 
+/// The canonical sum of 16 lanes, folded as a dot product folds its
+/// lanes: lane `k` plus lane `k + 8`, then `((0+1)+(2+3))+((4+5)+(6+7))`.
+#[inline(always)]
+pub(crate) fn fold16(l: &[f32; 16]) -> f32 {
+    let s: [f32; 8] = std::array::from_fn(|k| l[k] + l[k + 8]);
+    ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+}
+
+/// Softmax of one head's attention scores in place, by fixed operations:
+/// the maximum, `exp_fixed(x - max)` of every score, the exponentials
+/// summed in 16 lanes (score `i` into lane `i % 16`, each lane in order)
+/// and folded by [`fold16`], then every exponential times the sum's
+/// reciprocal. The order depends on the length alone; the vector paths
+/// run the same operations 8 or 16 lanes at a time and give the same bits.
+pub fn softmax_fixed(x: &mut [f32]) {
+    match crate::cpu::simd() {
+        // SAFETY: the level's features were detected.
+        #[cfg(target_arch = "x86_64")]
+        crate::cpu::Simd::Avx512Vnni => unsafe { x86_512::softmax_fixed(x) },
+        #[cfg(target_arch = "x86_64")]
+        crate::cpu::Simd::Avx2 => unsafe { x86::softmax_fixed(x) },
+        _ => softmax_fixed_scalar(x),
+    }
+}
+
+/// The scalar reference of [`softmax_fixed`].
+pub fn softmax_fixed_scalar(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let mut lanes = [0f32; 16];
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = exp_fixed(*v - max);
+        lanes[i % 16] += *v;
+    }
+    let inv = 1.0 / fold16(&lanes);
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
 /// `sqrt(2 / pi)`, of GELU's tanh approximation.
 const GELU_S: f32 = 0.797_884_6;
 const GELU_A: f32 = 0.044715;
@@ -234,6 +271,45 @@ mod x86 {
         _mm256_mul_ps(p, _mm256_castsi256_ps(e))
     }
 
+    /// [`super::softmax_fixed_scalar`], 8 lanes at a time: the 16 sum
+    /// lanes are two registers.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn softmax_fixed(x: &mut [f32]) {
+        let n = x.len();
+        let (n8, n16) = (n / 8 * 8, n / 16 * 16);
+        let p = x.as_mut_ptr();
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n8).step_by(8) {
+            m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
+        }
+        let mut ml = [0f32; 8];
+        _mm256_storeu_ps(ml.as_mut_ptr(), m);
+        let max = ml.iter().chain(&x[n8..]).fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+        let mv = _mm256_set1_ps(max);
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for i in (0..n16).step_by(16) {
+            let e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
+            let e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i + 8)), mv));
+            _mm256_storeu_ps(p.add(i), e0);
+            _mm256_storeu_ps(p.add(i + 8), e1);
+            a0 = _mm256_add_ps(a0, e0);
+            a1 = _mm256_add_ps(a1, e1);
+        }
+        let mut lanes = [0f32; 16];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), a0);
+        _mm256_storeu_ps(lanes.as_mut_ptr().add(8), a1);
+        for i in n16..n {
+            x[i] = super::exp_fixed(x[i] - max);
+            lanes[i % 16] += x[i];
+        }
+        let inv = 1.0 / super::fold16(&lanes);
+        let iv = _mm256_set1_ps(inv);
+        for i in (0..n8).step_by(8) {
+            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), iv));
+        }
+        x[n8..].iter_mut().for_each(|v| *v *= inv);
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn gelu_erf(x: &mut [f32]) {
         use super::{ERF_A, ERF_P};
@@ -307,6 +383,67 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_512 {
+    //! Sixteen lanes of the scalar code's exact operations.
+    use std::arch::x86_64::*;
+
+    use super::{EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO};
+
+    /// Sixteen lanes of [`super::exp_fixed`].
+    #[inline(always)]
+    pub(crate) unsafe fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_C[7]);
+        for k in (0..7).rev() {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C[k]));
+        }
+        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+        _mm512_mul_ps(p, _mm512_castsi512_ps(e))
+    }
+
+    /// [`super::softmax_fixed_scalar`], 16 lanes at a time: the sum lanes
+    /// are one register.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn softmax_fixed(x: &mut [f32]) {
+        let n = x.len();
+        let n16 = n / 16 * 16;
+        let p = x.as_mut_ptr();
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n16).step_by(16) {
+            m = _mm512_max_ps(m, _mm512_loadu_ps(p.add(i)));
+        }
+        let mut ml = [0f32; 16];
+        _mm512_storeu_ps(ml.as_mut_ptr(), m);
+        let max = ml.iter().chain(&x[n16..]).fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+        let mv = _mm512_set1_ps(max);
+        let mut a = _mm512_setzero_ps();
+        for i in (0..n16).step_by(16) {
+            let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), mv));
+            _mm512_storeu_ps(p.add(i), e);
+            a = _mm512_add_ps(a, e);
+        }
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), a);
+        for i in n16..n {
+            x[i] = super::exp_fixed(x[i] - max);
+            lanes[i % 16] += x[i];
+        }
+        let inv = 1.0 / super::fold16(&lanes);
+        let iv = _mm512_set1_ps(inv);
+        for i in (0..n16).step_by(16) {
+            _mm512_storeu_ps(p.add(i), _mm512_mul_ps(_mm512_loadu_ps(p.add(i)), iv));
+        }
+        x[n16..].iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,6 +466,70 @@ mod tests {
         let mut simd = xs.clone();
         gelu_erf(&mut simd);
         assert!(simd.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn fixed_softmax_is_a_softmax_and_the_same_bits_on_every_level() {
+        let mut x = 0x2545_f491u32;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x % 20000) as f32 / 1000.0 - 10.0
+        };
+        for n in [1, 2, 7, 8, 15, 16, 17, 31, 33, 100, 2049] {
+            let mut row: Vec<f32> = (0..n).map(|_| rnd()).collect();
+            // Ties, the maximum repeated, a score far below the rest.
+            if n > 3 {
+                row[1] = row[0];
+                row[2] = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+                row[3] = -200.0;
+            }
+            let mut want = row.clone();
+            softmax_fixed_scalar(&mut want);
+            let sum: f64 = want.iter().map(|&v| v as f64).sum();
+            assert!((sum - 1.0).abs() < 1e-5, "length {n}: sums to {sum}");
+            let m = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
+            let z: f64 = row.iter().map(|&v| (v as f64 - m).exp()).sum();
+            for (&r, &w) in row.iter().zip(&want) {
+                let exact = (r as f64 - m).exp() / z;
+                // `x - max` is rounded to f32 first: its error, up to
+                // |x - max| * 2^-24, is a relative error of the result.
+                let tol = 3e-7 + (r as f64 - m).abs() * 6e-8;
+                assert!(
+                    (w as f64 - exact).abs() <= tol * exact + 1e-30,
+                    "length {n}: {r} {w} {exact}"
+                );
+            }
+            let mut got = row.clone();
+            softmax_fixed(&mut got);
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "length {n}"
+            );
+            #[cfg(target_arch = "x86_64")]
+            {
+                use crate::cpu::Simd;
+                if Simd::detect() >= Simd::Avx2 {
+                    let mut got = row.clone();
+                    // SAFETY: AVX2 and FMA detected.
+                    unsafe { x86::softmax_fixed(&mut got) };
+                    assert!(
+                        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "avx2, length {n}"
+                    );
+                }
+                if Simd::detect() >= Simd::Avx512Vnni {
+                    let mut got = row.clone();
+                    // SAFETY: AVX-512 F detected.
+                    unsafe { x86_512::softmax_fixed(&mut got) };
+                    assert!(
+                        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "avx512, length {n}"
+                    );
+                }
+            }
+        }
     }
 
     /// erf by its Taylor series (|x| < 3) or continued fraction: slow, exact enough.
