@@ -306,9 +306,10 @@ impl Acc {
         Acc([[0.0; 8]; 2])
     }
 
+    /// The 16 lanes folded by [`crate::ops::fold16`].
     fn finish(&self) -> f32 {
-        let s: [f32; 8] = std::array::from_fn(|k| self.0[0][k] + self.0[1][k]);
-        ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+        let lanes: [f32; 16] = std::array::from_fn(|k| self.0[k / 8][k % 8]);
+        crate::ops::fold16(&lanes)
     }
 }
 
