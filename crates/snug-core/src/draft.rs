@@ -19,6 +19,10 @@ use std::collections::HashMap;
 /// Longest n-gram the index can key (four 32-bit ids fit one `u128`).
 pub const MAX_N: usize = 4;
 
+/// How far [`PromptLookup::draft_match`] follows a longest-n match back,
+/// comparing token by token: the length it reports is at most this.
+pub const LONG_MATCH: usize = 8;
+
 fn key(gram: &[u32]) -> u128 {
     gram.iter().fold(0u128, |k, &t| (k << 32) | t as u128)
 }
@@ -133,8 +137,12 @@ impl PromptLookup {
         self.draft_match(k).0
     }
 
-    /// [`PromptLookup::draft`] and the length n of the match that found it
-    /// (0 when none).
+    /// [`PromptLookup::draft`] and the length of the match that found it
+    /// (0 when none): n for the n-gram found, and for a match of the
+    /// longest n, how far the two places agree going back, up to
+    /// [`LONG_MATCH`] tokens (at most `LONG_MATCH - n` comparisons, never a
+    /// scan). Text being copied matches far back; a chance repeat rarely
+    /// does, so the length predicts whether the draft will be accepted.
     pub fn draft_match(&self, k: usize) -> (&[u32], usize) {
         let len = self.tokens.len();
         if k == 0 {
@@ -147,7 +155,14 @@ impl PromptLookup {
             }
             if let Some(&at) = self.latest[slot].get(&key(&self.tokens[len - n..])) {
                 let at = at as usize;
-                return (&self.tokens[at..(at + k).min(len)], n);
+                let mut m = n;
+                if n == self.max_n {
+                    // tokens[at - m..at] == tokens[len - m..len]; at < len.
+                    while m < LONG_MATCH && m < at && self.tokens[at - m - 1] == self.tokens[len - m - 1] {
+                        m += 1;
+                    }
+                }
+                return (&self.tokens[at..(at + k).min(len)], m);
             }
         }
         (&[], 0)
@@ -214,6 +229,25 @@ mod tests {
         assert_eq!(d.draft_match(1), (&[30][..], 3));
         d.push(7);
         assert_eq!(d.draft_match(1), (&[][..], 0));
+    }
+
+    #[test]
+    fn a_longest_n_match_reports_how_far_back_it_agrees() {
+        let mut d = PromptLookup::new(2, 4);
+        // "9 1 2 3 4 5 | 0 1 2 3 4": the 4-gram agrees 4 back, then 9 != 0.
+        d.extend(&[9, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]);
+        assert_eq!(d.draft_match(1), (&[5][..], 4));
+        // A copy of a longer run agrees as far back as LONG_MATCH.
+        let text: Vec<u32> = (10..30).collect();
+        let mut d = PromptLookup::new(2, 4);
+        d.extend(&text);
+        d.push(0);
+        d.extend(&text[..12]);
+        assert_eq!(d.draft_match(2), (&[22, 23][..], LONG_MATCH));
+        // ... and no further back than the history goes.
+        let mut d = PromptLookup::new(2, 4);
+        d.extend(&[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]);
+        assert_eq!(d.draft_match(1), (&[6][..], 5));
     }
 
     #[test]

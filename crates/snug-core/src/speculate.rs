@@ -44,8 +44,19 @@ impl Mode {
 /// Most draft tokens verified at once.
 pub const MAX_DRAFT: usize = 8;
 
-/// Longest n-gram match the acceptance statistics distinguish.
-const MAX_MATCH: usize = crate::draft::MAX_N;
+/// Classes of matches the acceptance statistics keep apart: by the length
+/// n of the n-gram that found the draft (0 to `draft::MAX_N`), and one
+/// more for matches that agree back to `draft::LONG_MATCH` tokens.
+const CLASSES: usize = crate::draft::MAX_N + 2;
+
+/// The acceptance class of a draft found by a match of `n` tokens.
+fn class(n: usize) -> usize {
+    if n >= crate::draft::LONG_MATCH {
+        CLASSES - 1
+    } else {
+        n.min(crate::draft::MAX_N)
+    }
+}
 
 /// Declined drafts after which `auto` verifies one token to re-measure; the
 /// interval doubles after each probe that fails, up to `MAX_PROBE_EVERY`,
@@ -53,8 +64,10 @@ const MAX_MATCH: usize = crate::draft::MAX_N;
 const PROBE_EVERY: u32 = 8;
 const MAX_PROBE_EVERY: u32 = 128;
 
-/// Prior acceptance rate of a draft found by an n-token match, by n.
-const PRIOR: [f64; MAX_MATCH + 1] = [0.2, 0.2, 0.3, 0.45, 0.6];
+/// Prior acceptance rate of a draft, by class: found by an n-token match
+/// (n = 0 to 4), or by a match that agrees 8 tokens back (text being
+/// copied, where a long draft pays from the first verify).
+const PRIOR: [f64; CLASSES] = [0.2, 0.2, 0.3, 0.45, 0.6, 0.8];
 
 /// The speculation policy of one generation.
 #[derive(Clone, Debug)]
@@ -64,11 +77,12 @@ pub struct Policy {
     /// Measured seconds per forward of `r` rows at index `r - 1` (a moving
     /// average), for 1..=MAX_DRAFT+1; `None` where not measured.
     measured: [Option<f64>; MAX_DRAFT + 1],
-    /// Per length of the n-gram that found the draft (index n, up to
-    /// `draft::MAX_N`): decayed counts of accepted draft tokens and of draft
-    /// tokens tested. A 4-token match predicts better than a 2-token one.
-    succ: [f64; MAX_MATCH + 1],
-    tried: [f64; MAX_MATCH + 1],
+    /// Per class of the match that found the draft (see [`class`]): decayed
+    /// counts of accepted draft tokens and of draft tokens tested. A 4-token
+    /// match predicts better than a 2-token one, and one that agrees 8
+    /// tokens back better still.
+    succ: [f64; CLASSES],
+    tried: [f64; CLASSES],
     declined: u32,
     probe_every: u32,
     /// Whether the last draft length handed out was a probe.
@@ -87,7 +101,7 @@ impl Policy {
             // matches (a wasted verify costs more than a missed one gains)
             // and hopeful for long ones, which rarely occur by chance.
             succ: std::array::from_fn(|n| 2.0 * PRIOR[n]),
-            tried: [2.0; MAX_MATCH + 1],
+            tried: [2.0; CLASSES],
             declined: 0,
             probe_every: PROBE_EVERY,
             probing: false,
@@ -145,10 +159,11 @@ impl Policy {
     }
 
     /// The current estimate of the per-token acceptance rate of drafts
-    /// found by an n-gram of `n` tokens.
+    /// found by a match of `n` tokens (as `draft::PromptLookup::draft_match`
+    /// reports it).
     pub fn acceptance(&self, n: usize) -> f64 {
-        let n = n.min(MAX_MATCH);
-        self.succ[n] / self.tried[n]
+        let c = class(n);
+        self.succ[c] / self.tried[c]
     }
 
     /// Expected tokens per second gained by verifying `k` draft tokens found
@@ -200,7 +215,7 @@ impl Policy {
     /// of which the first `accepted` matched.
     pub fn record(&mut self, n: usize, drafted: usize, accepted: usize) {
         const DECAY: f64 = 0.9;
-        let n = n.min(MAX_MATCH);
+        let n = class(n);
         // Tokens actually tested: the accepted ones and the first rejected.
         let tested = (accepted + usize::from(accepted < drafted)) as f64;
         self.succ[n] = self.succ[n] * DECAY + accepted as f64;
@@ -290,6 +305,27 @@ mod tests {
         p.record(2, 1, 1);
         let lens: Vec<usize> = (0..PROBE_EVERY).map(|_| p.draft_len(8, 2)).collect();
         assert_eq!(lens[PROBE_EVERY as usize - 1], 1);
+    }
+
+    #[test]
+    fn a_copy_drafts_long_from_the_first_verify() {
+        use crate::draft::LONG_MATCH;
+        // A 9-row verify costs 2.7 decode steps (compute-bound rows): a
+        // fresh 4-gram match is not worth a verify, one that agrees 8
+        // tokens back is worth the longest.
+        let p = Policy::new(Mode::Auto, &[(1, 1.0), (9, 2.7)]);
+        assert_eq!(p.clone().draft_len(8, 4), 0);
+        assert_eq!(p.clone().draft_len(8, LONG_MATCH), 8);
+        // Lengths between 4 and LONG_MATCH count as 4; past it, as long.
+        assert_eq!(p.acceptance(6), p.acceptance(4));
+        assert_eq!(p.acceptance(LONG_MATCH + 3), p.acceptance(LONG_MATCH));
+        // Long matches keep their own statistics: failures lower them.
+        let mut p = p;
+        for _ in 0..30 {
+            p.record(LONG_MATCH, 8, 0);
+        }
+        assert_eq!(p.draft_len(8, LONG_MATCH), 0);
+        assert!(p.acceptance(4) > 0.5);
     }
 
     #[test]

@@ -182,7 +182,7 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
                 });
                 // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`;
                 // each (r, o) is written by exactly one task.
-                unsafe { panel.dot_into(&acts[..m], &auxs[..m], lanes, op.0.add(r0 * n + o0), n) };
+                unsafe { panel.dot_into(&acts[..m], &auxs[..m], lanes, op.0.add(r0 * n + o0), n, r0 == 0) };
             }
         });
         return;

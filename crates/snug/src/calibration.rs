@@ -1,5 +1,5 @@
 //! A per-machine cache of the forward costs that `--speculate auto`
-//! measures before its first draft (a 1-row and a 9-row forward), so that
+//! measures before its first draft (forwards of 1, 2, 3, 5 and 9 rows), so that
 //! later runs of the same model file with the same thread count skip the
 //! measurement. One small JSON file per (model file, size, threads, SIMD
 //! path, panels packed or not) under `~/.cache/snug/calibration/`; delete it to measure again.
@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use snug_engine::Engine;
 
-const VERSION: u64 = 1;
+const VERSION: u64 = 2;
 
 /// Where one model's costs are cached, and whether they were loaded.
 pub struct Calibration {
@@ -103,8 +103,9 @@ mod tests {
         let got = parse(&fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(got, vec![(1, 0.01), (9, 0.03)]);
         assert!(parse("{").is_none());
-        assert!(parse(r#"{"version": 2, "costs": [[1, 0.01]]}"#).is_none());
-        assert!(parse(r#"{"version": 1, "costs": [[1, "x"]]}"#).is_none());
+        // A file of an earlier version (1: two row counts) is measured again.
+        assert!(parse(r#"{"version": 1, "costs": [[1, 0.01], [9, 0.03]]}"#).is_none());
+        assert!(parse(r#"{"version": 2, "costs": [[1, "x"]]}"#).is_none());
         fs::remove_dir_all(&dir).unwrap();
     }
 }
