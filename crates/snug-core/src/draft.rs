@@ -21,7 +21,7 @@ pub const MAX_N: usize = 4;
 
 /// How far [`PromptLookup::draft_match`] follows a longest-n match back,
 /// comparing token by token: the length it reports is at most this.
-pub const LONG_MATCH: usize = 8;
+pub const LONG_MATCH: usize = 16;
 
 fn key(gram: &[u32]) -> u128 {
     gram.iter().fold(0u128, |k, &t| (k << 32) | t as u128)
@@ -238,12 +238,14 @@ mod tests {
         d.extend(&[9, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]);
         assert_eq!(d.draft_match(1), (&[5][..], 4));
         // A copy of a longer run agrees as far back as LONG_MATCH.
-        let text: Vec<u32> = (10..30).collect();
+        let text: Vec<u32> = (10..40).collect();
         let mut d = PromptLookup::new(2, 4);
         d.extend(&text);
         d.push(0);
-        d.extend(&text[..12]);
-        assert_eq!(d.draft_match(2), (&[22, 23][..], LONG_MATCH));
+        d.extend(&text[..10]);
+        assert_eq!(d.draft_match(2), (&[20, 21][..], 10));
+        d.extend(&text[10..20]);
+        assert_eq!(d.draft_match(2), (&[30, 31][..], LONG_MATCH));
         // ... and no further back than the history goes.
         let mut d = PromptLookup::new(2, 4);
         d.extend(&[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]);

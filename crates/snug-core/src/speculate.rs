@@ -45,14 +45,19 @@ impl Mode {
 pub const MAX_DRAFT: usize = 8;
 
 /// Classes of matches the acceptance statistics keep apart: by the length
-/// n of the n-gram that found the draft (0 to `draft::MAX_N`), and one
-/// more for matches that agree back to `draft::LONG_MATCH` tokens.
-const CLASSES: usize = crate::draft::MAX_N + 2;
+/// n of the n-gram that found the draft (0 to `draft::MAX_N`), then
+/// matches that agree back [`AGREES`] tokens and `draft::LONG_MATCH`.
+const CLASSES: usize = crate::draft::MAX_N + 3;
+
+/// How far back a match agrees for the first of the two long classes.
+const AGREES: usize = 8;
 
 /// The acceptance class of a draft found by a match of `n` tokens.
 fn class(n: usize) -> usize {
     if n >= crate::draft::LONG_MATCH {
         CLASSES - 1
+    } else if n >= AGREES {
+        CLASSES - 2
     } else {
         n.min(crate::draft::MAX_N)
     }
@@ -65,9 +70,12 @@ const PROBE_EVERY: u32 = 8;
 const MAX_PROBE_EVERY: u32 = 128;
 
 /// Prior acceptance rate of a draft, by class: found by an n-token match
-/// (n = 0 to 4), or by a match that agrees 8 tokens back (text being
-/// copied, where a long draft pays from the first verify).
-const PRIOR: [f64; CLASSES] = [0.2, 0.2, 0.3, 0.45, 0.6, 0.8];
+/// (n = 0 to 4), or by a match that agrees 8 or 16 tokens back. Text being
+/// copied agrees far back, and there the longest draft pays from the first
+/// verify: at a rate of 0.8, 4 draft tokens have the better expected gain
+/// than 8 whenever 9 rows cost more than 1.29 times 5 rows (as where the
+/// rows' multiply-adds set a verify's pace), at 0.95 only past 1.63 times.
+const PRIOR: [f64; CLASSES] = [0.2, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95];
 
 /// The speculation policy of one generation.
 #[derive(Clone, Debug)]
@@ -79,8 +87,8 @@ pub struct Policy {
     measured: [Option<f64>; MAX_DRAFT + 1],
     /// Per class of the match that found the draft (see [`class`]): decayed
     /// counts of accepted draft tokens and of draft tokens tested. A 4-token
-    /// match predicts better than a 2-token one, and one that agrees 8
-    /// tokens back better still.
+    /// match predicts better than a 2-token one, and one that agrees 8 or
+    /// 16 tokens back better still.
     succ: [f64; CLASSES],
     tried: [f64; CLASSES],
     declined: u32,
@@ -315,9 +323,16 @@ mod tests {
         // tokens back is worth the longest.
         let p = Policy::new(Mode::Auto, &[(1, 1.0), (9, 2.7)]);
         assert_eq!(p.clone().draft_len(8, 4), 0);
+        assert_eq!(p.clone().draft_len(8, AGREES), 8);
+        // With the short verifies measured, a 4-token match and one that
+        // agrees 8 back draft 4 tokens; one that agrees 16 back, all 8.
+        let p = Policy::new(Mode::Auto, &[(1, 1.0), (2, 1.05), (3, 1.2), (5, 1.4), (9, 2.1)]);
+        assert_eq!(p.clone().draft_len(8, 4), 4);
+        assert_eq!(p.clone().draft_len(8, AGREES), 4);
         assert_eq!(p.clone().draft_len(8, LONG_MATCH), 8);
-        // Lengths between 4 and LONG_MATCH count as 4; past it, as long.
+        // Lengths between two classes count as the lower one.
         assert_eq!(p.acceptance(6), p.acceptance(4));
+        assert_eq!(p.acceptance(AGREES + 3), p.acceptance(AGREES));
         assert_eq!(p.acceptance(LONG_MATCH + 3), p.acceptance(LONG_MATCH));
         // Long matches keep their own statistics: failures lower them.
         let mut p = p;
@@ -325,7 +340,7 @@ mod tests {
             p.record(LONG_MATCH, 8, 0);
         }
         assert_eq!(p.draft_len(8, LONG_MATCH), 0);
-        assert!(p.acceptance(4) > 0.5);
+        assert!(p.acceptance(AGREES) > 0.7);
     }
 
     #[test]
