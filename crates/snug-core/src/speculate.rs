@@ -223,13 +223,13 @@ impl Policy {
     /// of which the first `accepted` matched.
     pub fn record(&mut self, n: usize, drafted: usize, accepted: usize) {
         const DECAY: f64 = 0.9;
-        let n = class(n);
+        let c = class(n);
         // Tokens actually tested: the accepted ones and the first rejected.
         let tested = (accepted + usize::from(accepted < drafted)) as f64;
-        self.succ[n] = self.succ[n] * DECAY + accepted as f64;
-        self.tried[n] = self.tried[n] * DECAY + tested;
+        self.succ[c] = self.succ[c] * DECAY + accepted as f64;
+        self.tried[c] = self.tried[c] * DECAY + tested;
         // Keep a margin so the estimate never becomes certain.
-        self.tried[n] = self.tried[n].max(self.succ[n] + 0.5);
+        self.tried[c] = self.tried[c].max(self.succ[c] + 0.5);
         if std::mem::take(&mut self.probing) {
             self.probe_every = if accepted == 0 {
                 (self.probe_every * 2).min(MAX_PROBE_EVERY)

@@ -664,7 +664,7 @@ impl<'m> Engine<'m> {
             return Ok(Vec::new());
         }
         let counts = [1, 2, 3, 5, most];
-        let mut best = [f64::INFINITY; 5];
+        let mut best = counts.map(|_| f64::INFINITY);
         for _pass in 0..2 {
             for (i, &rows) in counts.iter().enumerate() {
                 let t = std::time::Instant::now();
