@@ -24,8 +24,11 @@
 //! number modulo 8. So a row's result is bitwise the row-at-a-time
 //! kernels' result (tested), and the choice of kernel changes no bits.
 //!
-//! Panels need AVX-512 with VNNI; elsewhere [`available`] is false and the
-//! matrix product uses the row-at-a-time kernels.
+//! Panels need AVX2 at least. With AVX-512 VNNI a vector holds all sixteen
+//! rows; with AVX2 alone (`panel_avx2.rs`) one holds eight, and the kernel
+//! walks a panel's two halves in turn, with the same integers and float
+//! operations. Without AVX2 [`available`] is false and the matrix product
+//! uses the row-at-a-time kernels.
 //!
 //! Layout of one panel, per 32-element block (per 256-element super-block
 //! for K-quants), lanes = rows, "word t" = bytes 4t..4t+4 of the field:
@@ -67,7 +70,7 @@ pub fn tiles(n: usize) -> impl Iterator<Item = (usize, usize)> {
 
 /// Whether panels run on this machine for weight type `ty`.
 pub fn available(ty: GgmlType) -> bool {
-    simd() == Simd::Avx512Vnni && supports(ty)
+    matches!(simd(), Simd::Avx2 | Simd::Avx512Vnni) && supports(ty)
 }
 
 /// The weight types panels handle. (Q5_K, which none of the supported
@@ -140,8 +143,9 @@ fn level_offset(ty: GgmlType) -> i32 {
 /// blocks ([`activation_aux`]), for rows of `n_blocks` 32-element blocks.
 pub fn aux_len(ty: GgmlType, n_blocks: usize) -> usize {
     match ty {
-        // Per 16 elements: -32 times their activation sum.
-        GgmlType::Q6K => n_blocks * 2,
+        // Per 16 elements: -32 times their activation sum; then per block
+        // its two 16-element sums as 16-bit halves (for the AVX2 kernel).
+        GgmlType::Q6K => n_blocks * 3,
         // Per pair of blocks: their two activation sums as 16-bit halves.
         GgmlType::Q4K | GgmlType::Q5K => n_blocks / 2,
         // Per block: -offset times its activation sum.
@@ -155,11 +159,12 @@ pub fn activation_aux(ty: GgmlType, act: &[BlockQ8], out: &mut [i32]) {
     assert_eq!(out.len(), aux_len(ty, act.len()), "activation_aux: length");
     match ty {
         GgmlType::Q6K => {
-            for (b, o) in act.iter().zip(out.chunks_exact_mut(2)) {
-                for (h, v) in o.iter_mut().enumerate() {
-                    let s: i32 = b.qs[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum();
-                    *v = -32 * s;
-                }
+            let (starts, pairs) = out.split_at_mut(2 * act.len());
+            for ((b, o), pair) in act.iter().zip(starts.chunks_exact_mut(2)).zip(pairs.iter_mut()) {
+                let s: [i32; 2] = std::array::from_fn(|h| b.qs[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum());
+                o[0] = -32 * s[0];
+                o[1] = -32 * s[1];
+                *pair = ((s[0] as u16 as u32) | ((s[1] as u16 as u32) << 16)) as i32;
             }
         }
         GgmlType::Q4K | GgmlType::Q5K => {
@@ -401,19 +406,20 @@ impl<'a> PanelRef<'a> {
             // SAFETY: `available` checked the CPU; shapes checked above; the
             // caller vouches for the output.
             #[cfg(target_arch = "x86_64")]
-            x86::dot(
-                self.data.as_ptr(),
-                ty,
-                self.n_blocks,
-                &acts[r0..r0 + rt],
-                &aux[r0..r0 + rt],
-                x86::Out {
+            {
+                let o = x86::Out {
                     ptr: out.add(r0 * stride),
                     stride,
                     mask,
                     prefetch: first && r0 == 0,
-                },
-            );
+                };
+                let (a, x) = (&acts[r0..r0 + rt], &aux[r0..r0 + rt]);
+                if simd() == Simd::Avx512Vnni {
+                    x86::dot(self.data.as_ptr(), ty, self.n_blocks, a, x, o);
+                } else {
+                    avx2::dot(self.data.as_ptr(), ty, self.n_blocks, a, x, o);
+                }
+            }
         }
     }
 }
@@ -474,6 +480,11 @@ impl Panel {
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // lane- and row-indexed register arrays
+#[path = "panel_avx2.rs"]
+mod avx2;
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // lane- and row-indexed register arrays
 mod x86 {
     use std::arch::x86_64::*;
 
@@ -507,7 +518,7 @@ mod x86 {
     /// `on`. (A prefetch past the end of the mapping is harmless: it never
     /// faults.)
     #[inline(always)]
-    unsafe fn prefetch(q: *const u8, bytes: usize, on: bool) {
+    pub(super) unsafe fn prefetch(q: *const u8, bytes: usize, on: bool) {
         if !on {
             return;
         }
@@ -927,7 +938,7 @@ mod tests {
     #[test]
     fn panels_equal_the_scalar_reference_bitwise() {
         if !available(GgmlType::Q8_0) {
-            eprintln!("no AVX-512 VNNI here: panels are not used");
+            eprintln!("no AVX2 here: panels are not used");
             return;
         }
         let mut rng = Rng(42);

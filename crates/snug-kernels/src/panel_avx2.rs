@@ -1,0 +1,505 @@
+//! The panel kernels on AVX2 (no AVX-512): the same packed panels, the same
+//! integers and float operations as the AVX-512 kernels, for CPUs that
+//! have only 256-bit vectors (Zen 2 and 3, most laptop cores).
+//!
+//! A 256-bit vector holds eight of a panel's sixteen rows, so a panel is
+//! walked as two halves. With two to four activation rows, for each
+//! accumulator class, lanes 0..8 over the class's units, then lanes 8..16
+//! over the same units (by then in L1 or L2): the sums and accumulators of
+//! four rows fill the sixteen registers. With one row (decode) both halves
+//! of a unit are done before the next, so every cache line is read whole
+//! once (`dotbench`, weights from DRAM: 1.0-1.5x the speed of two passes).
+//! Without `vpdpbusd`, a word of four byte products per lane is
+//! `vpmaddubsw` (two 16-bit sums of two products) and the 16-bit sums of
+//! several words are added before one `vpmaddwd` widens them to 32 bits
+//! (multiplying by the group's integer scale where there is one). The
+//! 16-bit sums never overflow: the kernel adds only as many as the
+//! largest level allows (eight words of 4-bit levels, four of 5-bit, two
+//! of 6-bit; 8-bit levels move their sign to the activation and widen each
+//! word alone). Integer sums are exact in any order, so every lane's
+//! `isum` is the reference's, and the float operations that follow are
+//! the same as the AVX-512 kernel's, lane for lane.
+
+use std::arch::x86_64::*;
+
+use super::x86::{prefetch, Out};
+use super::{unit_bytes, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_HALF, Q6K_SC};
+use crate::dot::BlockQ8;
+use crate::quant::GgmlType;
+
+/// Rows of a 256-bit vector, and the most activation rows per kernel call
+/// (with more, the sums and accumulators of a call no longer fit in the
+/// sixteen registers: 8 rows ran at 0.5-0.9x the speed of 4 + 4 in
+/// `dotbench`).
+const LANES: usize = 8;
+const MAX_ROWS: usize = 4;
+
+/// The activation's 4 bytes at element `4t` of block `a`, in every lane.
+#[inline(always)]
+unsafe fn act4(a: &BlockQ8, t: usize) -> __m256i {
+    _mm256_set1_epi32((a.qs.as_ptr().add(4 * t) as *const i32).read_unaligned())
+}
+
+#[inline(always)]
+unsafe fn load(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p as *const __m256i)
+}
+
+/// Eight f16 values at `p` as f32.
+#[inline(always)]
+unsafe fn f16x8(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+}
+
+/// Eight bytes at `p`, each widened to a 32-bit lane and repeated in both
+/// of its 16-bit halves (a `vpmaddwd` operand that scales a pair of 16-bit
+/// sums by the lane's byte); `signed` bytes or unsigned.
+#[inline(always)]
+unsafe fn scale_pairs(p: *const u8, signed: bool) -> __m256i {
+    let b = _mm_loadl_epi64(p as *const __m128i);
+    let s = if signed {
+        _mm256_cvtepi8_epi32(b)
+    } else {
+        _mm256_cvtepu8_epi32(b)
+    };
+    _mm256_or_si256(
+        _mm256_and_si256(s, _mm256_set1_epi32(0xffff)),
+        _mm256_slli_epi32::<16>(s),
+    )
+}
+
+/// The canonical sum of a lane's eight accumulators (as in the AVX-512
+/// kernel), for eight lanes and `R` activation rows.
+struct Tree<const R: usize> {
+    pending: [__m256; R],
+    low: [__m256; R],
+    high: [__m256; R],
+}
+
+impl<const R: usize> Tree<R> {
+    #[inline(always)]
+    unsafe fn new() -> Self {
+        Tree {
+            pending: [_mm256_setzero_ps(); R],
+            low: [_mm256_setzero_ps(); R],
+            high: [_mm256_setzero_ps(); R],
+        }
+    }
+
+    /// Takes class `c`'s accumulators (classes in order 0..8).
+    #[inline(always)]
+    unsafe fn push(&mut self, c: usize, acc: &[__m256; R]) {
+        for r in 0..R {
+            match c {
+                0 | 2 | 4 | 6 => self.pending[r] = acc[r],
+                1 => self.low[r] = _mm256_add_ps(self.pending[r], acc[r]),
+                3 => self.low[r] = _mm256_add_ps(self.low[r], _mm256_add_ps(self.pending[r], acc[r])),
+                5 => self.high[r] = _mm256_add_ps(self.pending[r], acc[r]),
+                _ => {
+                    let h = _mm256_add_ps(self.high[r], _mm256_add_ps(self.pending[r], acc[r]));
+                    self.low[r] = _mm256_add_ps(self.low[r], h);
+                }
+            }
+        }
+    }
+
+    /// Stores half `h`'s sums (after class 7): row r's lanes 8h.. that
+    /// `out.mask` selects, at `out.ptr + r * out.stride + 8h`.
+    #[inline(always)]
+    unsafe fn store(&self, out: Out, h: usize) {
+        let bits = (out.mask >> (LANES * h)) as u8;
+        if bits == 0 {
+            return;
+        }
+        for r in 0..R {
+            let dst = out.ptr.add(r * out.stride + LANES * h);
+            if bits == u8::MAX {
+                _mm256_storeu_ps(dst, self.low[r]);
+            } else {
+                let mut v = [0f32; LANES];
+                _mm256_storeu_ps(v.as_mut_ptr(), self.low[r]);
+                for (l, &x) in v.iter().enumerate() {
+                    if bits >> l & 1 == 1 {
+                        *dst.add(l) = x;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Per-32-block kinds.
+const Q4: u8 = 0;
+const Q5: u8 = 1;
+const Q8: u8 = 2;
+
+/// Units in accumulator class `c` of `n` units (units c, c + 8, ...).
+#[inline(always)]
+fn class_units(n: usize, c: usize) -> usize {
+    n.saturating_sub(c).div_ceil(8)
+}
+
+/// Per-32-block types (see the AVX-512 kernel): accumulator class `c`
+/// takes blocks c, c + 8, ...; `KIND`, `MIN` and `OFF` as there. Q8_0's
+/// levels are made signed again (the panel stores them offset by 128) and
+/// multiplied with the sign moved to the activation, so its offset term is
+/// not needed.
+#[inline(always)]
+unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: usize, const NH: usize>(
+    mut p: *const u8,
+    ub: usize,
+    n_blocks: usize,
+    acts: &[&[BlockQ8]],
+    aux: &[&[i32]],
+    out: Out,
+) {
+    let m0f = _mm256_set1_epi8(0x0f);
+    let m10 = _mm256_set1_epi8(0x10);
+    let m80 = _mm256_set1_epi8(-128);
+    let ones = _mm256_set1_epi16(1);
+    let zero = _mm256_setzero_si256();
+    let d_at = match KIND {
+        Q8 => 512,
+        Q5 => 320,
+        _ => 256,
+    };
+    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
+    for c in 0..8 {
+        let units = class_units(n_blocks, c);
+        for pass in 0..2 / NH {
+            let mut accs = [[_mm256_setzero_ps(); R]; NH];
+            let mut q = p;
+            let mut b = c;
+            for _ in 0..units {
+                prefetch(q, ub, out.prefetch && pass == 0);
+                for hh in 0..NH {
+                    let h = pass * NH + hh;
+                    let hb = 32 * h;
+                    let acc = &mut accs[hh];
+                    let mut i = [zero; R];
+                    if KIND == Q8 {
+                        for t in 0..8 {
+                            let w = _mm256_xor_si256(load(q.add(t * 64 + hb)), m80);
+                            let aw = _mm256_sign_epi8(w, w);
+                            for r in 0..R {
+                                let a = acts.get_unchecked(r).get_unchecked(b);
+                                let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(act4(a, t), w));
+                                i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(p16, ones));
+                            }
+                        }
+                    } else {
+                        // Q4: all eight words in one 16-bit sum; Q5: two sums of four.
+                        let mut s16 = [zero; R];
+                        for t in 0..4 {
+                            let v = load(q.add(t * 64 + hb));
+                            let mut lo = _mm256_and_si256(v, m0f);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                            if KIND == Q5 {
+                                // As in the AVX-512 kernel: element 4t + j's bit at
+                                // bit 2t of byte j, element 16 + 4t + j's at 2t + 1.
+                                let hv = load(q.add(256 + hb));
+                                let (bl, bh) = match t {
+                                    0 => (_mm256_slli_epi16::<4>(hv), _mm256_slli_epi16::<3>(hv)),
+                                    1 => (_mm256_slli_epi16::<2>(hv), _mm256_slli_epi16::<1>(hv)),
+                                    2 => (hv, _mm256_srli_epi16::<1>(hv)),
+                                    _ => (_mm256_srli_epi16::<2>(hv), _mm256_srli_epi16::<3>(hv)),
+                                };
+                                lo = _mm256_or_si256(lo, _mm256_and_si256(bl, m10));
+                                hi = _mm256_or_si256(hi, _mm256_and_si256(bh, m10));
+                            }
+                            for r in 0..R {
+                                let a = acts.get_unchecked(r).get_unchecked(b);
+                                let x = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo, act4(a, t)),
+                                    _mm256_maddubs_epi16(hi, act4(a, t + 4)),
+                                );
+                                s16[r] = _mm256_add_epi16(s16[r], x);
+                            }
+                            if KIND == Q5 && t == 1 {
+                                for r in 0..R {
+                                    i[r] = _mm256_madd_epi16(s16[r], ones);
+                                    s16[r] = zero;
+                                }
+                            }
+                        }
+                        for r in 0..R {
+                            i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(s16[r], ones));
+                        }
+                    }
+                    let dw = f16x8(q.add(d_at + 2 * LANES * h));
+                    let mw = if MIN {
+                        f16x8(q.add(d_at + 32 + 2 * LANES * h))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    for r in 0..R {
+                        let a = acts.get_unchecked(r).get_unchecked(b);
+                        let v = if OFF && KIND != Q8 {
+                            _mm256_add_epi32(i[r], _mm256_set1_epi32(*aux.get_unchecked(r).get_unchecked(b)))
+                        } else {
+                            i[r]
+                        };
+                        let s = _mm256_mul_ps(dw, _mm256_set1_ps(a.d));
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, acc[r]);
+                        if MIN {
+                            acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[r]);
+                        }
+                    }
+                }
+                q = q.add(ub);
+                b += 8;
+            }
+            for hh in 0..NH {
+                trees[pass * NH + hh].push(c, &accs[hh]);
+            }
+        }
+        p = p.add(units * ub);
+    }
+    trees[0].store(out, 0);
+    trees[1].store(out, 1);
+}
+
+/// Q4_K: accumulator class `c` takes super-blocks c, c + 8, ...
+#[inline(always)]
+unsafe fn dot_q4k<const R: usize, const NH: usize>(
+    mut p: *const u8,
+    n_blocks: usize,
+    acts: &[&[BlockQ8]],
+    aux: &[&[i32]],
+    out: Out,
+) {
+    let ub = unit_bytes(GgmlType::Q4K);
+    let n_sb = n_blocks / 8;
+    let neg = _mm256_set1_epi32(i32::MIN);
+    let m0f = _mm256_set1_epi8(0x0f);
+    let zero = _mm256_setzero_si256();
+    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
+    for c in 0..8 {
+        let units = class_units(n_sb, c);
+        for pass in 0..2 / NH {
+            let mut accs = [[_mm256_setzero_ps(); R]; NH];
+            let mut q = p;
+            let mut sb = c;
+            for _ in 0..units {
+                prefetch(q, ub, out.prefetch && pass == 0);
+                for hh in 0..NH {
+                    let h = pass * NH + hh;
+                    let hb = 32 * h;
+                    let acc = &mut accs[hh];
+                    let mut isum = [zero; R];
+                    for j in 0..8 {
+                        // Block j: low (j even) or high nibbles of words
+                        // 8 * (j / 2) .. + 8; at most 8 * 2 * 15 * 127 in a
+                        // 16-bit lane.
+                        let s = scale_pairs(q.add(Q4K_SC + 16 * j + LANES * h), false);
+                        let mut s16 = [zero; R];
+                        for t in 0..8 {
+                            let v = load(q.add(Q4K_QS + ((j / 2) * 8 + t) * 64 + hb));
+                            let w = if j % 2 == 0 {
+                                _mm256_and_si256(v, m0f)
+                            } else {
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f)
+                            };
+                            for r in 0..R {
+                                let a = acts.get_unchecked(r).get_unchecked(sb * 8 + j);
+                                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, act4(a, t)));
+                            }
+                        }
+                        for r in 0..R {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], s));
+                        }
+                    }
+                    let d = f16x8(q.add(Q4K_D + 2 * LANES * h));
+                    for r in 0..R {
+                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+                    }
+                    let dmin = f16x8(q.add(Q4K_DMIN + 2 * LANES * h));
+                    let mut mv = [zero; 4];
+                    for k in 0..4 {
+                        mv[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                            q.add(Q4K_MINS + 32 * k + 2 * LANES * h) as *const __m128i
+                        ));
+                    }
+                    for r in 0..R {
+                        let x = aux.get_unchecked(r);
+                        let mut msum = zero;
+                        for k in 0..4 {
+                            let m = _mm256_madd_epi16(mv[k], _mm256_set1_epi32(*x.get_unchecked(sb * 4 + k)));
+                            msum = _mm256_add_epi32(msum, m);
+                        }
+                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                        let cm =
+                            _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, da)), neg));
+                        acc[r] = _mm256_fmadd_ps(cm, _mm256_cvtepi32_ps(msum), acc[r]);
+                    }
+                }
+                q = q.add(ub);
+                sb += 8;
+            }
+            for hh in 0..NH {
+                trees[pass * NH + hh].push(c, &accs[hh]);
+            }
+        }
+        p = p.add(units * ub);
+    }
+    trees[0].store(out, 0);
+    trees[1].store(out, 1);
+}
+
+/// Q6_K: accumulator class `c` takes super-blocks c, c + 8, ... Levels
+/// are stored offset by 32; the offset is taken out once per super-block,
+/// `-32 * sum over groups g of scale_g * sum(a_g)`, from the activations'
+/// 16-element sums (which `aux` holds in pairs after the AVX-512 kernel's
+/// starting values).
+#[inline(always)]
+unsafe fn dot_q6k<const R: usize, const NH: usize>(
+    mut p: *const u8,
+    n_blocks: usize,
+    acts: &[&[BlockQ8]],
+    aux: &[&[i32]],
+    out: Out,
+) {
+    let ub = unit_bytes(GgmlType::Q6K);
+    let n_sb = n_blocks / 8;
+    let m0f = _mm256_set1_epi8(0x0f);
+    let m30 = _mm256_set1_epi8(0x30);
+    let zero = _mm256_setzero_si256();
+    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
+    for c in 0..8 {
+        let units = class_units(n_sb, c);
+        for pass in 0..2 / NH {
+            let mut accs = [[_mm256_setzero_ps(); R]; NH];
+            let mut q = p;
+            let mut sb = c;
+            for _ in 0..units {
+                prefetch(q, ub, out.prefetch && pass == 0);
+                for hh in 0..NH {
+                    let h = pass * NH + hh;
+                    let hb = 32 * h;
+                    let acc = &mut accs[hh];
+                    let mut isum = [zero; R];
+                    for half in 0..2 {
+                        let hq = q.add(Q6K_HALF + 1536 * half + 512 + hb);
+                        for k in [0, 2, 1, 3] {
+                            let lq = q.add(Q6K_HALF + 1536 * half + (k & 1) * 1024 + hb);
+                            let blk = sb * 8 + 4 * half + k;
+                            let g = 2 * (4 * half + k);
+                            let s0 = scale_pairs(q.add(Q6K_SC + 16 * g + LANES * h), true);
+                            let s1 = scale_pairs(q.add(Q6K_SC + 16 * (g + 1) + LANES * h), true);
+                            // Words in pairs: two 6-bit products' sums per 16-bit
+                            // lane at most 2 * 2 * 63 * 127.
+                            for tp in 0..4 {
+                                let mut w = [zero; 2];
+                                for u in 0..2 {
+                                    let t = 2 * tp + u;
+                                    let l = load(lq.add(t * 64));
+                                    let hv = load(hq.add(t * 64));
+                                    let lo = if k < 2 {
+                                        _mm256_and_si256(l, m0f)
+                                    } else {
+                                        _mm256_and_si256(_mm256_srli_epi16::<4>(l), m0f)
+                                    };
+                                    let hs = match k {
+                                        0 => _mm256_slli_epi16::<4>(hv),
+                                        1 => _mm256_slli_epi16::<2>(hv),
+                                        2 => hv,
+                                        _ => _mm256_srli_epi16::<2>(hv),
+                                    };
+                                    w[u] = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
+                                }
+                                let s = if tp < 2 { s0 } else { s1 };
+                                for r in 0..R {
+                                    let a = acts.get_unchecked(r).get_unchecked(blk);
+                                    let x = _mm256_add_epi16(
+                                        _mm256_maddubs_epi16(w[0], act4(a, 2 * tp)),
+                                        _mm256_maddubs_epi16(w[1], act4(a, 2 * tp + 1)),
+                                    );
+                                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(x, s));
+                                }
+                            }
+                        }
+                    }
+                    // The offset: per block j, its two groups' scales beside
+                    // each other in every lane, against the row's two sums.
+                    let mut sp = [zero; 8];
+                    for j in 0..8 {
+                        let lo = _mm_loadl_epi64(q.add(Q6K_SC + 16 * (2 * j) + LANES * h) as *const __m128i);
+                        let hi = _mm_loadl_epi64(q.add(Q6K_SC + 16 * (2 * j + 1) + LANES * h) as *const __m128i);
+                        sp[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
+                    }
+                    let d = f16x8(q.add(Q6K_D + 2 * LANES * h));
+                    for r in 0..R {
+                        // The row's 16-element sums in pairs, after the starts.
+                        let x = aux.get_unchecked(r).as_ptr().add(2 * n_blocks + sb * 8);
+                        let mut corr = zero;
+                        for j in 0..8 {
+                            let pair = _mm256_set1_epi32(*x.add(j));
+                            corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sp[j], pair));
+                        }
+                        let v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(corr));
+                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, da), acc[r]);
+                    }
+                }
+                q = q.add(ub);
+                sb += 8;
+            }
+            for hh in 0..NH {
+                trees[pass * NH + hh].push(c, &accs[hh]);
+            }
+        }
+        p = p.add(units * ub);
+    }
+    trees[0].store(out, 0);
+    trees[1].store(out, 1);
+}
+
+#[inline(always)]
+unsafe fn dot_r<const R: usize, const NH: usize>(
+    p: *const u8,
+    ty: GgmlType,
+    n_blocks: usize,
+    acts: &[&[BlockQ8]],
+    aux: &[&[i32]],
+    out: Out,
+) {
+    let ub = unit_bytes(ty);
+    match ty {
+        GgmlType::Q4_0 => dot_blocks::<Q4, false, true, R, NH>(p, ub, n_blocks, acts, aux, out),
+        GgmlType::Q4_1 => dot_blocks::<Q4, true, false, R, NH>(p, ub, n_blocks, acts, aux, out),
+        GgmlType::Q5_0 => dot_blocks::<Q5, false, true, R, NH>(p, ub, n_blocks, acts, aux, out),
+        GgmlType::Q5_1 => dot_blocks::<Q5, true, false, R, NH>(p, ub, n_blocks, acts, aux, out),
+        GgmlType::Q8_0 => dot_blocks::<Q8, false, true, R, NH>(p, ub, n_blocks, acts, aux, out),
+        GgmlType::Q4K => dot_q4k::<R, NH>(p, n_blocks, acts, aux, out),
+        GgmlType::Q6K => dot_q6k::<R, NH>(p, n_blocks, acts, aux, out),
+        _ => unreachable!(),
+    }
+}
+
+/// Activation rows against one panel at `p`, at most [`MAX_ROWS`] per
+/// pass over it. `NH` in the kernels: halves done per pass over a class's
+/// units (2 for one row, 1 otherwise).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot(p: *const u8, ty: GgmlType, n_blocks: usize, acts: &[&[BlockQ8]], aux: &[&[i32]], out: Out) {
+    let mut r0 = 0;
+    let n = acts.len();
+    while r0 < n {
+        // Even parts: 5 rows as 3 + 2, 8 as 4 + 4.
+        let parts = (n - r0).div_ceil(MAX_ROWS);
+        let m = (n - r0).div_ceil(parts);
+        let o = Out {
+            ptr: out.ptr.add(r0 * out.stride),
+            prefetch: out.prefetch && r0 == 0,
+            ..out
+        };
+        let (a, x) = (&acts[r0..r0 + m], &aux[r0..r0 + m]);
+        match m {
+            1 => dot_r::<1, 2>(p, ty, n_blocks, a, x, o),
+            2 => dot_r::<2, 1>(p, ty, n_blocks, a, x, o),
+            3 => dot_r::<3, 1>(p, ty, n_blocks, a, x, o),
+            _ => dot_r::<4, 1>(p, ty, n_blocks, a, x, o),
+        }
+        r0 += m;
+    }
+}
