@@ -142,8 +142,8 @@ fn class_units(n: usize, c: usize) -> usize {
 /// Per-32-block types (see the AVX-512 kernel): accumulator class `c`
 /// takes blocks c, c + 8, ...; `KIND`, `MIN` and `OFF` as there. Q8_0's
 /// levels are made signed again (the panel stores them offset by 128) and
-/// multiplied with the sign moved to the activation, so its offset term is
-/// not needed.
+/// multiplied with the sign moved to the activation, so it runs without
+/// `OFF`.
 #[inline(always)]
 unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: usize, const NH: usize>(
     mut p: *const u8,
@@ -234,7 +234,7 @@ unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: 
                     };
                     for r in 0..R {
                         let a = acts.get_unchecked(r).get_unchecked(b);
-                        let v = if OFF && KIND != Q8 {
+                        let v = if OFF {
                             _mm256_add_epi32(i[r], _mm256_set1_epi32(*aux.get_unchecked(r).get_unchecked(b)))
                         } else {
                             i[r]
@@ -470,7 +470,8 @@ unsafe fn dot_r<const R: usize, const NH: usize>(
         GgmlType::Q4_1 => dot_blocks::<Q4, true, false, R, NH>(p, ub, n_blocks, acts, aux, out),
         GgmlType::Q5_0 => dot_blocks::<Q5, false, true, R, NH>(p, ub, n_blocks, acts, aux, out),
         GgmlType::Q5_1 => dot_blocks::<Q5, true, false, R, NH>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q8_0 => dot_blocks::<Q8, false, true, R, NH>(p, ub, n_blocks, acts, aux, out),
+        // Signed levels here: no offset to take out.
+        GgmlType::Q8_0 => dot_blocks::<Q8, false, false, R, NH>(p, ub, n_blocks, acts, aux, out),
         GgmlType::Q4K => dot_q4k::<R, NH>(p, n_blocks, acts, aux, out),
         GgmlType::Q6K => dot_q6k::<R, NH>(p, n_blocks, acts, aux, out),
         _ => unreachable!(),
