@@ -2,7 +2,10 @@
 //! GMAC/s for one activation row (decode) and for 64 (prefill), per type
 //! and path, in tasks of 16 weight rows as the matrix product runs them;
 //! then the panel kernel (packing included) for 64 and 512 rows.
-//! `cargo run --release -p snug-kernels --example dotbench [TYPE...]`
+//! `cargo run --release -p snug-kernels --example dotbench [TYPE...]`;
+//! `K` and `ROWS` set the matrix, `ONLY=packed` runs only the packed
+//! panels, `N=1,4` only those activation rows, and `REPS=10` repeats
+//! each measurement ten times as often.
 
 use std::time::Instant;
 
@@ -23,12 +26,21 @@ fn main() {
         GgmlType::Q6K,
     ];
     let wanted: Vec<String> = std::env::args().skip(1).collect();
+    let scale: usize = std::env::var("REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let only = std::env::var("ONLY").unwrap_or_default();
+    let ns: Option<Vec<usize>> = std::env::var("N")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect());
+    let keep = |n: usize| ns.as_ref().is_none_or(|ns| ns.contains(&n));
     let types: Vec<GgmlType> = all
         .into_iter()
         .filter(|t| wanted.is_empty() || wanted.iter().any(|w| w.eq_ignore_ascii_case(t.name())))
         .collect();
     let x: Vec<f32> = (0..k * 64).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
     for level in Simd::available() {
+        if !only.is_empty() && only != level.name() {
+            continue;
+        }
         for &ty in &types {
             let mut q = vec![BlockQ8::default(); 64 * k / 32];
             for (xr, qr) in x.chunks(k).zip(q.chunks_mut(k / 32)) {
@@ -38,7 +50,7 @@ fn main() {
             let row_bytes = ty.bytes_for(k as u64).unwrap() as usize;
             let w: Vec<u8> = (0..row_bytes * rows).map(|i| (i * 31 % 251) as u8 & 0x3f).collect();
             let wrows: Vec<&[u8]> = w.chunks(row_bytes).collect();
-            for n in [1usize, 2, 4, 8, 64] {
+            for n in [1usize, 2, 4, 8, 64].into_iter().filter(|&n| keep(n)) {
                 let mut out = vec![0f32; 16 * n];
                 let reps = if n == 1 {
                     (51200 / rows).max(2)
@@ -63,7 +75,7 @@ fn main() {
         }
     }
     for &ty in &types {
-        if !snug_kernels::panel::available(ty) {
+        if !snug_kernels::panel::available(ty) || !(only.is_empty() || only == "packed") {
             continue;
         }
         let nb = k / 32;
@@ -82,13 +94,14 @@ fn main() {
         // Packed once, as a model's matrices are at load.
         let mut packed = vec![0u8; packed_matrix_bytes(ty, rows, k)];
         pack_matrix(ty, &w, rows, k, &mut packed);
-        for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 64] {
+        for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 64].into_iter().filter(|&n| keep(n)) {
             let mut out = vec![0f32; 16 * n];
-            let reps = if n == 1 {
-                (51200 / rows).max(2)
-            } else {
-                (16384 / rows / n.min(16)).max(2)
-            };
+            let reps = scale
+                * if n == 1 {
+                    (51200 / rows).max(2)
+                } else {
+                    (16384 / rows / n.min(16)).max(2)
+                };
             let t = Instant::now();
             for _ in 0..reps {
                 for g in 0..rows.div_ceil(16) {
@@ -105,7 +118,10 @@ fn main() {
             );
         }
         let mut panel = Panel::new();
-        for n in [2usize, 4, 8, 64, 512] {
+        for n in [2usize, 4, 8, 64, 512]
+            .into_iter()
+            .filter(|&n| only.is_empty() && keep(n))
+        {
             let mut out = vec![0f32; 16 * n];
             let reps = (4096 / rows).max(1) * 64 / n.min(64) * 64 / n.max(64);
             let t = Instant::now();

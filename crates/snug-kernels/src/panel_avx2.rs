@@ -287,26 +287,28 @@ unsafe fn dot_q4k<const R: usize, const NH: usize>(
                     let hb = 32 * h;
                     let acc = &mut accs[hh];
                     let mut isum = [zero; R];
-                    for j in 0..8 {
-                        // Block j: low (j even) or high nibbles of words
-                        // 8 * (j / 2) .. + 8; at most 8 * 2 * 15 * 127 in a
-                        // 16-bit lane.
-                        let s = scale_pairs(q.add(Q4K_SC + 16 * j + LANES * h), false);
-                        let mut s16 = [zero; R];
+                    for jp in 0..4 {
+                        // Blocks 2jp and 2jp + 1: the low and high nibbles of
+                        // words 8jp .. 8jp + 8, each word loaded once; at most
+                        // 8 * 2 * 15 * 127 in a 16-bit lane.
+                        let (j0, j1) = (2 * jp, 2 * jp + 1);
+                        let s0 = scale_pairs(q.add(Q4K_SC + 16 * j0 + LANES * h), false);
+                        let s1 = scale_pairs(q.add(Q4K_SC + 16 * j1 + LANES * h), false);
+                        let mut lo16 = [zero; R];
+                        let mut hi16 = [zero; R];
                         for t in 0..8 {
-                            let v = load(q.add(Q4K_QS + ((j / 2) * 8 + t) * 64 + hb));
-                            let w = if j % 2 == 0 {
-                                _mm256_and_si256(v, m0f)
-                            } else {
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f)
-                            };
+                            let v = load(q.add(Q4K_QS + (jp * 8 + t) * 64 + hb));
+                            let lo = _mm256_and_si256(v, m0f);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
                             for r in 0..R {
-                                let a = acts.get_unchecked(r).get_unchecked(sb * 8 + j);
-                                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, act4(a, t)));
+                                let a = acts.get_unchecked(r).as_ptr().add(sb * 8);
+                                lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(lo, act4(&*a.add(j0), t)));
+                                hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, act4(&*a.add(j1), t)));
                             }
                         }
                         for r in 0..R {
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], s));
+                            let x = _mm256_add_epi32(_mm256_madd_epi16(lo16[r], s0), _mm256_madd_epi16(hi16[r], s1));
+                            isum[r] = _mm256_add_epi32(isum[r], x);
                         }
                     }
                     let d = f16x8(q.add(Q4K_D + 2 * LANES * h));
@@ -347,6 +349,69 @@ unsafe fn dot_q4k<const R: usize, const NH: usize>(
     trees[1].store(out, 1);
 }
 
+/// Q6_K's blocks `4 half + KP` and `4 half + KP + 2` of super-block `sb`:
+/// they share the low-bits words (low and high nibbles) and the high-bits
+/// words (bits `2 KP` and `2 KP + 4`), so each word is loaded once for
+/// both. Levels are offset by 32 (taken out by the caller).
+#[inline(always)]
+unsafe fn q6k_pair<const KP: usize, const R: usize>(
+    q: *const u8,
+    sb: usize,
+    half: usize,
+    h: usize,
+    acts: &[&[BlockQ8]],
+    isum: &mut [__m256i; R],
+) {
+    let m0f = _mm256_set1_epi8(0x0f);
+    let m30 = _mm256_set1_epi8(0x30);
+    let hb = 32 * h;
+    let lq = q.add(Q6K_HALF + 1536 * half + KP * 1024 + hb);
+    let hq = q.add(Q6K_HALF + 1536 * half + 512 + hb);
+    let (ka, kb) = (KP, KP + 2);
+    let (ba, bb) = (sb * 8 + 4 * half + ka, sb * 8 + 4 * half + kb);
+    for sg in 0..2 {
+        // Group sg of each block (elements 16 sg ..): its words 4 sg .. 4 sg + 4.
+        let sa = scale_pairs(q.add(Q6K_SC + 16 * (2 * (4 * half + ka) + sg) + LANES * h), true);
+        let sbv = scale_pairs(q.add(Q6K_SC + 16 * (2 * (4 * half + kb) + sg) + LANES * h), true);
+        for tp in 0..2 {
+            // Words in pairs: two 6-bit products' sums per 16-bit lane at
+            // most 2 * 2 * 63 * 127.
+            let mut wa = [_mm256_setzero_si256(); 2];
+            let mut wb = [_mm256_setzero_si256(); 2];
+            for u in 0..2 {
+                let t = 4 * sg + 2 * tp + u;
+                let l = load(lq.add(t * 64));
+                let hv = load(hq.add(t * 64));
+                let (ha, hbits) = if KP == 0 {
+                    (_mm256_slli_epi16::<4>(hv), hv)
+                } else {
+                    (_mm256_slli_epi16::<2>(hv), _mm256_srli_epi16::<2>(hv))
+                };
+                wa[u] = _mm256_or_si256(_mm256_and_si256(l, m0f), _mm256_and_si256(ha, m30));
+                wb[u] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(l), m0f),
+                    _mm256_and_si256(hbits, m30),
+                );
+            }
+            let t = 4 * sg + 2 * tp;
+            for r in 0..R {
+                let a = acts.get_unchecked(r);
+                let (a0, a1) = (a.get_unchecked(ba), a.get_unchecked(bb));
+                let xa = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(wa[0], act4(a0, t)),
+                    _mm256_maddubs_epi16(wa[1], act4(a0, t + 1)),
+                );
+                let xb = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(wb[0], act4(a1, t)),
+                    _mm256_maddubs_epi16(wb[1], act4(a1, t + 1)),
+                );
+                let x = _mm256_add_epi32(_mm256_madd_epi16(xa, sa), _mm256_madd_epi16(xb, sbv));
+                isum[r] = _mm256_add_epi32(isum[r], x);
+            }
+        }
+    }
+}
+
 /// Q6_K: accumulator class `c` takes super-blocks c, c + 8, ... Levels
 /// are stored offset by 32; the offset is taken out once per super-block,
 /// `-32 * sum over groups g of scale_g * sum(a_g)`, from the activations'
@@ -362,8 +427,6 @@ unsafe fn dot_q6k<const R: usize, const NH: usize>(
 ) {
     let ub = unit_bytes(GgmlType::Q6K);
     let n_sb = n_blocks / 8;
-    let m0f = _mm256_set1_epi8(0x0f);
-    let m30 = _mm256_set1_epi8(0x30);
     let zero = _mm256_setzero_si256();
     let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
     for c in 0..8 {
@@ -376,49 +439,11 @@ unsafe fn dot_q6k<const R: usize, const NH: usize>(
                 prefetch(q, ub, out.prefetch && pass == 0);
                 for hh in 0..NH {
                     let h = pass * NH + hh;
-                    let hb = 32 * h;
                     let acc = &mut accs[hh];
                     let mut isum = [zero; R];
                     for half in 0..2 {
-                        let hq = q.add(Q6K_HALF + 1536 * half + 512 + hb);
-                        for k in [0, 2, 1, 3] {
-                            let lq = q.add(Q6K_HALF + 1536 * half + (k & 1) * 1024 + hb);
-                            let blk = sb * 8 + 4 * half + k;
-                            let g = 2 * (4 * half + k);
-                            let s0 = scale_pairs(q.add(Q6K_SC + 16 * g + LANES * h), true);
-                            let s1 = scale_pairs(q.add(Q6K_SC + 16 * (g + 1) + LANES * h), true);
-                            // Words in pairs: two 6-bit products' sums per 16-bit
-                            // lane at most 2 * 2 * 63 * 127.
-                            for tp in 0..4 {
-                                let mut w = [zero; 2];
-                                for u in 0..2 {
-                                    let t = 2 * tp + u;
-                                    let l = load(lq.add(t * 64));
-                                    let hv = load(hq.add(t * 64));
-                                    let lo = if k < 2 {
-                                        _mm256_and_si256(l, m0f)
-                                    } else {
-                                        _mm256_and_si256(_mm256_srli_epi16::<4>(l), m0f)
-                                    };
-                                    let hs = match k {
-                                        0 => _mm256_slli_epi16::<4>(hv),
-                                        1 => _mm256_slli_epi16::<2>(hv),
-                                        2 => hv,
-                                        _ => _mm256_srli_epi16::<2>(hv),
-                                    };
-                                    w[u] = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
-                                }
-                                let s = if tp < 2 { s0 } else { s1 };
-                                for r in 0..R {
-                                    let a = acts.get_unchecked(r).get_unchecked(blk);
-                                    let x = _mm256_add_epi16(
-                                        _mm256_maddubs_epi16(w[0], act4(a, 2 * tp)),
-                                        _mm256_maddubs_epi16(w[1], act4(a, 2 * tp + 1)),
-                                    );
-                                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(x, s));
-                                }
-                            }
-                        }
+                        q6k_pair::<0, R>(q, sb, half, h, acts, &mut isum);
+                        q6k_pair::<1, R>(q, sb, half, h, acts, &mut isum);
                     }
                     // The offset: per block j, its two groups' scales beside
                     // each other in every lane, against the row's two sums.
