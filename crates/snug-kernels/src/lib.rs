@@ -10,7 +10,7 @@
 //! - [`dense`]: f16 / f32 weight matrices times f32 activations, for
 //!   encoder checkpoints held to a float32 reference.
 //! - [`panel`]: row-interleaved weight panels, the matrix-product kernel
-//!   for many activation rows.
+//!   for one activation row (decode) and for many.
 //! - [`kv`]: KV page storage and attention through page lists.
 //! - [`ops`]: normalization, rotary embedding, activations, softmax.
 //! - [`cpu`]: which SIMD path runs.

@@ -5,9 +5,10 @@
 //! Panels hold the GGUF blocks' own bytes with 16 rows' words interleaved,
 //! so the cache file is about as large as the matrices it holds, and
 //! every matrix product, a decode step's single row included, runs on it:
-//! one `vpdpbusd` does 64 multiply-adds for 16 rows. Panels need AVX-512
-//! VNNI; elsewhere nothing is packed and the row-at-a-time kernels read
-//! the GGUF file directly. Both compute the same bits.
+//! with AVX-512 VNNI one `vpdpbusd` does 64 multiply-adds for 16 rows, and
+//! with AVX2 the same panels are walked as two halves of 8 rows. Without
+//! either, nothing is packed and the row-at-a-time kernels read the GGUF
+//! file directly. All compute the same bits.
 //!
 //! The file is `<cache>/packed/<model file name>-<key>.snugpack`, where the
 //! key hashes the panel layout's version, the model file's size and
