@@ -3,6 +3,7 @@
 and for llama.cpp itself under other settings of its own.
 
     bench/greedy.py LLAMA_BIN_DIR OUT.json [--models a,b] [--snug target/release/snug]
+                    [--fixture-settings-only]
                     [--build LABEL=DIR ...]
 
 The fixture (../shared/fixtures/greedy/llama.cpp.json) holds 32 greedy
@@ -13,7 +14,8 @@ thread, weight repacking off) and
 asks the same raw prompts for 32 greedy tokens (`--build` adds another
 build of llama.cpp, such as one for another instruction set, run with the
 fixture's settings); snug answers through
-`snug run -p PROMPT -n 32 --json`. For every pair of runs the script counts
+`snug run -p PROMPT -n 32 --json`, once with its own numerics and once
+with `--numerics llama.cpp`. For every pair of runs the script counts
 the prompts whose 32 tokens are identical, and where they part, the
 fixture's top-2 log-probability margin at that step. A variant that
 changes only the order of floating-point work tells how much of the
@@ -70,11 +72,11 @@ def llama_runs(server, path, flags, cases):
         p.wait()
 
 
-def snug_runs(snug, alias, cases):
+def snug_runs(snug, alias, cases, extra=()):
     runs = []
     for case in cases:
         out = subprocess.run([snug, "run", alias, "-p", case["prompt"], "-n", "32", "-t", "2",
-                              "--json"], check=True, capture_output=True, text=True)
+                              "--json", *extra], check=True, capture_output=True, text=True)
         runs.append(json.loads(out.stdout)["token_ids"])
     return runs
 
@@ -109,6 +111,8 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--snug", default=os.path.join(HERE, "..", "target", "release", "snug"))
+    ap.add_argument("--fixture-settings-only", action="store_true",
+                    help="run llama.cpp with the fixture's settings only, not the variants")
     ap.add_argument("--build", action="append", default=[],
                     help="LABEL=DIR: another llama.cpp build, run with the fixture's settings")
     args = ap.parse_args()
@@ -120,8 +124,11 @@ def main():
     for alias in args.models.split(","):
         cases = fixture[alias]["cases"]
         path = model_path(args.snug, alias)
-        runs = {"snug": snug_runs(args.snug, alias, cases)}
+        runs = {"snug": snug_runs(args.snug, alias, cases),
+                "snug --numerics llama.cpp": snug_runs(args.snug, alias, cases, ["--numerics", "llama.cpp"])}
         for name, flags in VARIANTS.items():
+            if args.fixture_settings_only and name != "llama.cpp as the fixture":
+                continue
             runs[name] = llama_runs(server, path, flags, cases)
         for b in args.build:
             label, folder = b.split("=", 1)

@@ -706,11 +706,31 @@ impl<'m> Engine<'m> {
     /// Appends `tokens` to a sequence in prefill chunks; returns the logits
     /// after the last one.
     pub fn feed(&mut self, id: SeqId, tokens: &[u32]) -> Result<&[f32], EngineError> {
-        let rows: Vec<(SeqId, u32, bool)> = tokens
+        let mut start = 0;
+        for end in self.feed_breaks(tokens.len()) {
+            let rows: Vec<(SeqId, u32, bool)> = tokens[start..end].iter().map(|&t| (id, t, false)).collect();
+            self.step(&rows)?;
+            start = end;
+        }
+        let rows: Vec<(SeqId, u32, bool)> = tokens[start..]
             .iter()
             .enumerate()
-            .map(|(i, &t)| (id, t, i + 1 == tokens.len()))
+            .map(|(i, &t)| (id, t, start + i + 1 == tokens.len()))
             .collect();
         self.step(&rows)
+    }
+
+    /// Where [`Engine::feed`] ends a forward early. Under the ggml numerics
+    /// on a model with a sliding window, llama.cpp's server ends its prompt
+    /// batches 516 and 4 tokens before the end (to keep state checkpoints),
+    /// and since its products' last bits depend on the batch
+    /// ([`snug_kernels::ggml::Kernel`]), so does snug then. Otherwise none:
+    /// a row's result does not depend on the batch.
+    fn feed_breaks(&self, n: usize) -> Vec<usize> {
+        let ggml = self.model.numerics == snug_kernels::ggml::Numerics::Ggml;
+        if !ggml || self.model.config.sliding_window.is_none() {
+            return Vec::new();
+        }
+        [516, 4].iter().filter(|&&k| n > k).map(|&k| n - k).collect()
     }
 }

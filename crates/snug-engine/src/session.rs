@@ -109,6 +109,11 @@ pub struct Identity {
     pub rotation_sha256: String,
     /// SHA-256 of the key basis (in the BASI section); empty without one.
     pub key_basis_sha256: String,
+    /// The forward pass's arithmetic when not snug's own (`ggml`): its KV
+    /// differs in the last bits. Empty (and absent from the file) for the
+    /// native numerics.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub numerics: String,
 }
 
 /// A session's header (the META section).
@@ -305,6 +310,10 @@ impl Engine<'_> {
                 .key_basis()
                 .map(|b| hex(&Sha256::digest(basis_bytes(b))))
                 .unwrap_or_default(),
+            numerics: match self.model.numerics {
+                snug_kernels::ggml::Numerics::Native => String::new(),
+                n => n.name().to_string(),
+            },
         }
     }
 
@@ -875,6 +884,16 @@ impl SessionFile {
                 short(&s.key_basis_sha256),
                 short(&here.key_basis_sha256),
             ));
+        }
+        if s.numerics != here.numerics {
+            let name = |n: &str| {
+                if n.is_empty() {
+                    "native".to_string()
+                } else {
+                    n.to_string()
+                }
+            };
+            return Err(differ("numerics", name(&s.numerics), name(&here.numerics)));
         }
         Ok(())
     }

@@ -334,10 +334,10 @@ impl Acc8 {
 /// multiplied by the activation scale), and an optional minimum. K-quant
 /// blocks carry only their levels (their scales are integers, see
 /// [`k_scales`]).
-struct WBlock {
-    w: [i8; QK8],
-    scale: f32,
-    min: Option<f32>,
+pub(crate) struct WBlock {
+    pub(crate) w: [i8; QK8],
+    pub(crate) scale: f32,
+    pub(crate) min: Option<f32>,
 }
 
 #[inline]
@@ -346,7 +346,8 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// Unpacks activation-block `j` of weight block `b` (scalar reference).
-fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
+#[inline(always)]
+pub(crate) fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
     let mut w = [0i8; QK8];
     let (scale, min) = match ty {
         GgmlType::Q4_0 => {
@@ -476,7 +477,8 @@ pub(crate) fn k_scales(ty: GgmlType, b: &[u8]) -> KScales {
 }
 
 /// The integer levels of block `j` of a K-quant super-block, without scales.
-fn k_weights(ty: GgmlType, b: &[u8], j: usize) -> [i8; QK8] {
+#[inline]
+pub(crate) fn k_weights(ty: GgmlType, b: &[u8], j: usize) -> [i8; QK8] {
     unpack(ty, b, j).w
 }
 

@@ -757,6 +757,116 @@ pub fn attend_group_generic(
     attend_group_decoded(kv, layer, kv_head, query, q, scale, out, scratch)
 }
 
+/// [`attend_group`] with the arithmetic of llama.cpp's flash attention for
+/// one query row ([`crate::ggml`]): over F16 keys, each query head rounded
+/// to f16 and its scores summed as [`crate::ggml::dot_f16`] sums them, then
+/// times `scale`; an online softmax over the positions in order, the value
+/// sum kept in f16 (F32 values: in f32); the sum divided out at the end.
+/// Lossy formats are read decoded, as F32 pages are.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group_ggml(
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd() >= crate::cpu::Simd::Avx2 {
+        // SAFETY: AVX2 and FMA detected (`simd`).
+        return unsafe { attend_group_ggml_fma(kv, layer, kv_head, query, q, scale, out, scratch) };
+    }
+    attend_group_ggml_body(kv, layer, kv_head, query, q, scale, out, scratch)
+}
+
+/// [`attend_group_ggml`] compiled with FMA instructions (same results,
+/// without a library call per fused multiply-add).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_group_ggml_fma(
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    attend_group_ggml_body(kv, layer, kv_head, query, q, scale, out, scratch)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_group_ggml_body(
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    use crate::ggml::{dot_f16, round_f16, OnlineHead};
+    let pt = kv.shape.page_tokens;
+    let hd = kv.shape.head_dim;
+    let group = q.len() / hd;
+    let f16_k = matches!(kv.format, KvFormat::F16);
+    let f16_v = matches!(kv.format_v, KvFormat::F16);
+    let read = |is_v: bool, p: usize, buf: &mut [f32]| {
+        let (index, slot) = (p / pt, p % pt);
+        match query.exact(index, pt) {
+            Some(t) => kv.read_twin(t, layer, is_v, kv_head, slot, buf),
+            None => kv.read(query.pages[index], layer, is_v, kv_head, slot, p, buf),
+        }
+    };
+    let AttnScratch {
+        kv: kbuf,
+        rotated: qh,
+        acc,
+        shifted: vbuf,
+        run,
+        ..
+    } = scratch;
+    let (qh, acc, vbuf) = (&mut qh[..group * hd], &mut acc[..group * hd], &mut vbuf[..hd]);
+    let (maxes, sums) = run[..2 * group].split_at_mut(group);
+    for (d, &x) in qh.iter_mut().zip(q) {
+        *d = if f16_k { round_f16(x) } else { x };
+    }
+    acc.fill(0.0);
+    maxes.fill(f32::NEG_INFINITY);
+    sums.fill(0.0);
+    for p in query.start..query.end {
+        read(false, p, kbuf);
+        read(true, p, vbuf);
+        for g in 0..group {
+            let s = dot_f16(kbuf, &qh[g * hd..(g + 1) * hd]) * scale;
+            let mut head = OnlineHead {
+                acc: &mut acc[g * hd..(g + 1) * hd],
+                max: maxes[g],
+                sum: sums[g],
+                f16: f16_v,
+            };
+            head.push(s, vbuf);
+            (maxes[g], sums[g]) = (head.max, head.sum);
+        }
+    }
+    for g in 0..group {
+        let head = OnlineHead {
+            acc: &mut acc[g * hd..(g + 1) * hd],
+            max: maxes[g],
+            sum: sums[g],
+            f16: f16_v,
+        };
+        head.finish(&mut out[g * hd..(g + 1) * hd]);
+    }
+}
+
 /// Attention over lossy pages, page by page with a running softmax, in
 /// the rotated domain: the scalar form of the TQ4 vector kernel and the
 /// path of every other lossy combination. Per page: the page's scores

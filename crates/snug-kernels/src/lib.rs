@@ -13,11 +13,14 @@
 //!   for one activation row (decode) and for many.
 //! - [`kv`]: KV page storage and attention through page lists.
 //! - [`ops`]: normalization, rotary embedding, activations, softmax.
+//! - [`ggml`]: the same row-wise operations with llama.cpp's roundings,
+//!   for runs that must reproduce its tokens.
 //! - [`cpu`]: which SIMD path runs.
 
 pub mod cpu;
 pub mod dense;
 pub mod dot;
+pub mod ggml;
 pub mod kv;
 pub mod kvbasis;
 pub mod matmul;

@@ -244,6 +244,51 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     });
 }
 
+/// [`matmul`] with each product summed in the float order of llama.cpp's
+/// x86 kernel for the weight type ([`crate::ggml::dot_quant`]), for
+/// [`crate::ggml::Numerics::Ggml`]. Activations are quantized exactly as
+/// for [`matmul`]; types without a ggml order here take [`matmul`]. As in
+/// llama.cpp, a K-quant row's last bits depend on its batch
+/// ([`crate::ggml::Kernel::for_row`]).
+pub fn matmul_ggml(
+    pool: &ThreadPool,
+    w: &Weight,
+    x: &[f32],
+    n_rows: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    if !crate::ggml::dot_supports(w.ty) {
+        return matmul(pool, w, x, n_rows, out, scratch);
+    }
+    let (k, n) = (w.cols, w.rows);
+    assert_eq!(x.len(), n_rows * k, "matmul: input shape");
+    assert_eq!(out.len(), n_rows * n, "matmul: output shape");
+    let nb = k / QK8;
+    if scratch.q8.len() < n_rows * nb {
+        scratch.q8.resize(n_rows * nb, BlockQ8::default());
+    }
+    let format = act_format(w.ty);
+    for (r, xr) in x.chunks_exact(k).enumerate() {
+        quantize_row(format, xr, &mut scratch.q8[r * nb..(r + 1) * nb]);
+    }
+    let q8 = &scratch.q8[..n_rows * nb];
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let ty = w.ty;
+    pool.run(n.div_ceil(FEATURES_PER_TASK), &|t| {
+        let op = &out_ptr;
+        for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
+            let wr = w.row(o);
+            for r in 0..n_rows {
+                let kernel = crate::ggml::Kernel::for_row(ty, r, n_rows);
+                let v = crate::ggml::dot_quant(ty, wr, &q8[r * nb..(r + 1) * nb], kernel);
+                // SAFETY: each (r, o) is written by exactly one task.
+                unsafe { *op.0.add(r * n + o) = v };
+            }
+        }
+    });
+}
+
 /// Views little-endian f32 bytes as f32s (the map is 32-byte aligned and
 /// GGUF tensor offsets are aligned, so f32 data is 4-byte aligned).
 fn bytemuck_f32(b: &[u8]) -> &[f32] {

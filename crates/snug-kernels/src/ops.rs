@@ -35,6 +35,9 @@ pub enum RopeLayout {
 pub struct Rope {
     pub layout: RopeLayout,
     inv_freq: Vec<f32>,
+    /// `theta^(-2 / rot_dim)`: the ratio of consecutive pairs' angles, as
+    /// ggml steps the angle (see [`Rope::apply_ggml`]).
+    theta_scale: f32,
 }
 
 impl Rope {
@@ -44,7 +47,12 @@ impl Rope {
         let inv_freq = (0..rot_dim / 2)
             .map(|i| theta.powf(-(2.0 * i as f32) / rot_dim as f32))
             .collect();
-        Rope { layout, inv_freq }
+        let theta_scale = theta.powf(-2.0 / rot_dim as f32);
+        Rope {
+            layout,
+            inv_freq,
+            theta_scale,
+        }
     }
 
     /// The rotated pairs of a head of `d` elements: (first index, second
@@ -73,6 +81,26 @@ impl Rope {
             let (x0, x1) = (head[a], head[b]);
             head[a] = x0 * cos - x1 * sin;
             head[b] = x0 * sin + x1 * cos;
+        }
+    }
+
+    /// [`Rope::apply`] as llama.cpp's CPU backend computes it: the angle
+    /// starts at `pos` and is multiplied by `theta^(-2 / rot_dim)` from one
+    /// pair to the next (in f32, so its rounding accumulates), and each
+    /// pair is rotated with the fused multiply-adds its compiler forms.
+    pub fn apply_ggml(&self, head: &mut [f32], pos: usize) {
+        let d = head.len();
+        let mut angle = pos as f32;
+        for i in 0..self.inv_freq.len() {
+            let (sin, cos) = (angle.sin(), angle.cos());
+            let (a, b) = match self.layout {
+                RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+                RopeLayout::Halves => (i, i + d / 2),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0.mul_add(cos, -(x1 * sin));
+            head[b] = x0.mul_add(sin, x1 * cos);
+            angle *= self.theta_scale;
         }
     }
 }

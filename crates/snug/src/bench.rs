@@ -8,7 +8,6 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::cpu::simd;
-use snug_model::arch::Model;
 
 use crate::{open_model, BenchArgs};
 
@@ -62,7 +61,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         bail!("--reps must be at least 1");
     }
     let file = open_model(&a.model)?;
-    let model = Model::load(&file)?;
+    let model = crate::load_model(&file, &a.cache)?;
     let vocab = model.config.vocab;
     let max_need = pp.iter().chain(tg.iter()).copied().max().unwrap_or(0) + depths.iter().copied().max().unwrap_or(0);
     if max_need > model.config.context_length {

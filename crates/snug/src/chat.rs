@@ -11,7 +11,6 @@ use snug_engine::generate::GenerateRequest;
 use snug_engine::sampling::SamplingParams;
 use snug_engine::session::SessionFile;
 use snug_engine::Engine;
-use snug_model::arch::Model;
 use snug_model::template::{ChatTemplate, Message};
 use snug_model::{EncodeOptions, Tokenizer};
 
@@ -22,7 +21,7 @@ const HELP: &str = "commands: /reset (forget the conversation), /stats (cache an
 
 pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     let (path, file) = open_model_at(&a.model)?;
-    let model = Model::load(&file)?;
+    let model = crate::load_model(&file, &a.gen.cache)?;
     let tok = Tokenizer::from_gguf(&file)?;
     let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
     if template.is_fallback {
@@ -48,7 +47,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     opts.prefix_cache &= !a.no_cache_reuse;
     let mut engine = Engine::new(&model, opts);
     crate::run::enable_prefix_disk(&a.gen, &mut engine, identity.as_ref())?;
-    let speculate = crate::run::speculate_mode(&a.gen)?;
+    let speculate = crate::run::speculate_mode(&a.gen, &model)?;
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
         .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
     let mut messages: Vec<Message> = Vec::new();

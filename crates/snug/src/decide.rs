@@ -252,7 +252,7 @@ pub fn cmd_decide(a: DecideArgs) -> Result<()> {
     };
     let (path, file) = crate::open_model_at(&a.model)?;
     let l = Loaded { path, file };
-    let model = Model::load(&l.file)?;
+    let model = crate::load_model(&l.file, &a.cache)?;
     let tok = Tokenizer::from_gguf(&l.file)?;
     let temps = load_temperatures(&l.path, a.calibration.as_deref())?;
     let template = ChatTemplate::for_model(l.file.get_str("tokenizer.chat_template"))?;

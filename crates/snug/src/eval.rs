@@ -17,7 +17,6 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use snug_engine::{Engine, EngineOptions, SeqId};
 use snug_kernels::kv::KvFormat;
-use snug_model::arch::Model;
 use snug_model::{EncodeOptions, Tokenizer};
 
 use crate::{open_model, progress, EvalPplArgs};
@@ -74,7 +73,7 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
         bail!("--ctx must be an even number of at least 4");
     }
     let file = open_model(&a.model)?;
-    let model = Model::load(&file)?;
+    let model = crate::load_model(&file, &a.cache)?;
     let (kv, kv_v) = crate::run::kv_formats(&a.cache, &model)?;
     if a.ctx > model.config.context_length {
         bail!(

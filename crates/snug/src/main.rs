@@ -18,6 +18,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use snug_model::arch::Model;
 use snug_model::catalog::{self, DEFAULT_ALIAS};
 use snug_model::info::ModelInfo;
 use snug_model::pull::{self, Pip, PullOutcome};
@@ -106,6 +107,37 @@ struct KvArgs {
     /// window). [default: 32, or a resumed session's]
     #[arg(long)]
     kv_page: Option<usize>,
+    /// Whose arithmetic the forward pass follows: `native` (snug's own:
+    /// f32 throughout, every row's bits independent of its batch) or
+    /// `llama.cpp` (the float order and f16 roundings of llama.cpp's x86
+    /// CPU build, for tokens equal to its own; rows' bits then depend on
+    /// the batch as they do in llama.cpp, and speculation is off). KV made
+    /// under one is not reused under the other. [default: native, or
+    /// SNUG_NUMERICS]
+    #[arg(long, value_name = "NAME")]
+    numerics: Option<String>,
+}
+
+impl KvArgs {
+    /// `--numerics` if given (else what the model loaded with).
+    fn numerics(&self) -> Result<Option<snug_kernels::ggml::Numerics>> {
+        self.numerics
+            .as_deref()
+            .map(|n| {
+                snug_kernels::ggml::Numerics::parse(n)
+                    .with_context(|| format!("unknown --numerics {n:?} (native or llama.cpp)"))
+            })
+            .transpose()
+    }
+}
+
+/// Loads the model with the arithmetic `--numerics` asks for.
+fn load_model<'a>(file: &'a GgufFile, cache: &KvArgs) -> Result<Model<'a>> {
+    let mut model = Model::load(file)?;
+    if let Some(n) = cache.numerics()? {
+        model.numerics = n;
+    }
+    Ok(model)
 }
 
 #[derive(Subcommand)]

@@ -31,8 +31,26 @@ pub fn sampling(g: &GenArgs, base: &SamplingParams) -> SamplingParams {
     }
 }
 
-pub fn speculate_mode(g: &GenArgs) -> Result<Mode> {
-    Mode::parse(&g.speculate).with_context(|| format!("unknown --speculate {:?} (on, off or auto)", g.speculate))
+pub fn speculate_mode(g: &GenArgs, model: &Model) -> Result<Mode> {
+    let mode = Mode::parse(&g.speculate)
+        .with_context(|| format!("unknown --speculate {:?} (on, off or auto)", g.speculate))?;
+    Ok(speculation_for(mode, model))
+}
+
+/// Speculation as the model's numerics allow: under llama.cpp's, a
+/// verify's rows would take other kernels than one-token steps (as in
+/// llama.cpp), so the output could change; tokens are decoded one a
+/// forward, as llama.cpp does.
+pub fn speculation_for(mode: Mode, model: &Model) -> Mode {
+    if model.numerics == snug_kernels::ggml::Numerics::Ggml && mode != Mode::Off {
+        if mode == Mode::On {
+            eprintln!(
+                "note: --numerics llama.cpp decodes one token per forward, as llama.cpp does; speculation is off"
+            );
+        }
+        return Mode::Off;
+    }
+    mode
 }
 
 /// One line of `--stats` about speculation.
@@ -274,7 +292,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
         p => p.map(str::to_string),
     };
     let (path, file) = open_model_at(&a.model)?;
-    let model = Model::load(&file)?;
+    let model = crate::load_model(&file, &a.gen.cache)?;
     let tok = Tokenizer::from_gguf(&file)?;
     // Restore time counts opening and checking the file, the model's
     // identity and reading the pages; not building the engine, which a
@@ -357,7 +375,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     if ids.is_empty() {
         bail!("the prompt is empty");
     }
-    let speculate = speculate_mode(&a.gen)?;
+    let speculate = speculate_mode(&a.gen, &model)?;
     let mut calibration =
         (speculate == Mode::Auto).then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
     let params = sampling(&a.gen, &state.params);

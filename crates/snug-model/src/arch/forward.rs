@@ -8,9 +8,10 @@
 //! that row alone in a fixed order; the bits of a row's logits and KV
 //! therefore do not depend on the batch.
 
-use snug_kernels::kv::{attend_group, AttnQuery, AttnScratch, KvSlot, KvStorage, NO_TWIN};
+use snug_kernels::ggml::{self, Numerics};
+use snug_kernels::kv::{attend_group, attend_group_ggml, AttnQuery, AttnScratch, KvSlot, KvStorage, NO_TWIN};
 use snug_kernels::kvbasis::KeyStats;
-use snug_kernels::matmul::{matmul, MatmulScratch, Weight};
+use snug_kernels::matmul::{matmul, matmul_ggml, MatmulScratch, Weight};
 use snug_kernels::ops::{add, gelu_mul, rms_norm, silu_mul, Rope};
 use snug_kernels::pool::ThreadPool;
 use snug_kernels::vec::committed;
@@ -141,7 +142,26 @@ fn trace_on() -> bool {
     *ON.get_or_init(|| std::env::var_os("SNUG_TRACE").is_some())
 }
 
+/// With `SNUG_DUMP=DIR`, every traced tensor is also written raw (f32,
+/// native byte order) to `DIR/NNNN_NAME-LAYER.bin`, for comparison with
+/// another program's intermediate values.
+fn dump(name: &str, layer: usize, v: &[f32]) {
+    static DIR: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    if let Some(dir) = DIR.get_or_init(|| std::env::var_os("SNUG_DUMP").map(Into::into)) {
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let layer = if layer == usize::MAX {
+            "out".to_string()
+        } else {
+            layer.to_string()
+        };
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
+        let _ = std::fs::write(dir.join(format!("{n:04}_{name}-{layer}.bin")), bytes);
+    }
+}
+
 fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
+    dump(name, layer, v);
     if trace_on()
         && (layer == 0 || layer + 1 == layers || layer == usize::MAX || std::env::var_os("SNUG_TRACE_ALL").is_some())
     {
@@ -173,8 +193,11 @@ fn par_zip(pool: &ThreadPool, a: &mut [f32], b: &[f32], f: fn(&mut [f32], &[f32]
     });
 }
 
-fn mm(pool: &ThreadPool, w: &Weight, x: &[f32], n: usize, out: &mut [f32], s: &mut MatmulScratch) {
-    matmul(pool, w, &x[..n * w.cols], n, &mut out[..n * w.rows], s);
+fn mm(pool: &ThreadPool, w: &Weight, x: &[f32], n: usize, out: &mut [f32], s: &mut MatmulScratch, numerics: Numerics) {
+    match numerics {
+        Numerics::Native => matmul(pool, w, &x[..n * w.cols], n, &mut out[..n * w.rows], s),
+        Numerics::Ggml => matmul_ggml(pool, w, &x[..n * w.cols], n, &mut out[..n * w.rows], s),
+    }
 }
 
 fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
@@ -186,6 +209,21 @@ fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
 }
 
 impl Model<'_> {
+    /// RMS normalization of `x`'s rows (of `w.len()`) in the model's
+    /// numerics.
+    fn rms_norm(&self, x: &mut [f32], w: &[f32]) {
+        match self.numerics {
+            Numerics::Native => rms_norm(x, w, self.config.rms_eps),
+            Numerics::Ggml => ggml::rms_norm(x, w, self.config.rms_eps),
+        }
+    }
+
+    /// Whether queries are scaled before attention rather than scores in it
+    /// (llama.cpp's Gemma 3 graph; only the ggml numerics follow it).
+    fn ggml_prescales_queries(&self) -> bool {
+        self.numerics == Numerics::Ggml && self.config.arch == Arch::Gemma3
+    }
+
     /// Each layer's rotary embedding (Gemma 3's local layers have their
     /// own base).
     pub fn layer_ropes(&self) -> Vec<Rope> {
@@ -222,22 +260,27 @@ impl Model<'_> {
 
         for (r, row) in rows.iter().enumerate() {
             let x = &mut s.x[r * dim..(r + 1) * dim];
-            self.embed.row_f32(row.token as usize, x);
+            match self.numerics {
+                Numerics::Native => self.embed.row_f32(row.token as usize, x),
+                Numerics::Ggml => ggml::dequantize_row(self.embed.ty, self.embed.row(row.token as usize), x)
+                    .expect("supported type checked at load"),
+            }
             if c.embed_scale != 1.0 {
                 x.iter_mut().for_each(|v| *v *= c.embed_scale);
             }
         }
 
         let nl = c.layers;
+        let mut compacted = false;
         trace("inp_embd", 0, nl, &s.x[..n * dim]);
         for (l, layer) in self.layers.iter().enumerate() {
             // Attention block.
             s.h[..n * dim].copy_from_slice(&s.x[..n * dim]);
-            rms_norm(&mut s.h[..n * dim], layer.attn_norm, c.rms_eps);
+            self.rms_norm(&mut s.h[..n * dim], layer.attn_norm);
             trace("attn_norm", l, nl, &s.h[..n * dim]);
-            mm(pool, &layer.wq, &s.h, n, &mut s.q, &mut s.mm);
-            mm(pool, &layer.wk, &s.h, n, &mut s.k, &mut s.mm);
-            mm(pool, &layer.wv, &s.h, n, &mut s.v, &mut s.mm);
+            mm(pool, &layer.wq, &s.h, n, &mut s.q, &mut s.mm, self.numerics);
+            mm(pool, &layer.wk, &s.h, n, &mut s.k, &mut s.mm, self.numerics);
+            mm(pool, &layer.wv, &s.h, n, &mut s.v, &mut s.mm, self.numerics);
             trace("Qcur_mm", l, nl, &s.q[..n * qd]);
             trace("Kcur_mm", l, nl, &s.k[..n * kvd]);
             trace("Vcur", l, nl, &s.v[..n * kvd]);
@@ -245,10 +288,10 @@ impl Model<'_> {
             add_bias(&mut s.k[..n * kvd], layer.bk);
             add_bias(&mut s.v[..n * kvd], layer.bv);
             if let Some(qn) = layer.q_norm {
-                rms_norm(&mut s.q[..n * qd], qn, c.rms_eps);
+                self.rms_norm(&mut s.q[..n * qd], qn);
             }
             if let Some(kn) = layer.k_norm {
-                rms_norm(&mut s.k[..n * kvd], kn, c.rms_eps);
+                self.rms_norm(&mut s.k[..n * kvd], kn);
             }
             if let Some(probe) = &mut s.probe {
                 for (r, row) in rows.iter().enumerate() {
@@ -259,11 +302,15 @@ impl Model<'_> {
             }
             let rope = &s.ropes[usize::from(c.is_local(l))];
             for (r, row) in rows.iter().enumerate() {
+                let apply = match self.numerics {
+                    Numerics::Native => Rope::apply,
+                    Numerics::Ggml => Rope::apply_ggml,
+                };
                 for head in s.q[r * qd..(r + 1) * qd].chunks_exact_mut(hd) {
-                    rope.apply(head, row.pos);
+                    apply(rope, head, row.pos);
                 }
                 for head in s.k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd) {
-                    rope.apply(head, row.pos);
+                    apply(rope, head, row.pos);
                 }
                 if let (Some(probe), true) = (&mut s.probe, row.pos > 0) {
                     probe.add_queries(l, &s.q[r * qd..(r + 1) * qd]);
@@ -287,33 +334,68 @@ impl Model<'_> {
             }
             trace("Qcur_rope", l, nl, &s.q[..n * qd]);
             trace("Kcur_rope", l, nl, &s.k[..n * kvd]);
+            if self.ggml_prescales_queries() {
+                // llama.cpp scales Gemma 3's queries before its attention
+                // rounds them to f16, and attends with a scale of 1.
+                s.q[..n * qd].iter_mut().for_each(|v| *v *= c.attn_scale);
+            }
             self.attention(l, rows, kv, s, pool);
             trace("kqv_out", l, nl, &s.attn[..n * qd]);
-            mm(pool, &layer.wo, &s.attn, n, &mut s.o, &mut s.mm);
+            mm(pool, &layer.wo, &s.attn, n, &mut s.o, &mut s.mm, self.numerics);
             trace("attn_out", l, nl, &s.o[..n * dim]);
             if let Some(pn) = layer.post_attn_norm {
-                rms_norm(&mut s.o[..n * dim], pn, c.rms_eps);
+                self.rms_norm(&mut s.o[..n * dim], pn);
             }
             add(&mut s.x[..n * dim], &s.o[..n * dim]);
 
+            // llama.cpp runs its last layer's feed-forward block on the
+            // rows it returns logits for only, so its matrix products see
+            // that batch; the ggml numerics do the same (no other row's
+            // state after the last layer is used).
+            let mut n = n;
+            if l + 1 == nl && self.numerics == Numerics::Ggml {
+                let mut m = 0;
+                for r in (0..n).filter(|&r| rows[r].logits) {
+                    s.x.copy_within(r * dim..(r + 1) * dim, m * dim);
+                    m += 1;
+                }
+                n = m;
+                compacted = true;
+            }
+
             // Feed-forward block.
             s.h[..n * dim].copy_from_slice(&s.x[..n * dim]);
-            rms_norm(&mut s.h[..n * dim], layer.ffn_norm, c.rms_eps);
+            self.rms_norm(&mut s.h[..n * dim], layer.ffn_norm);
             trace("ffn_inp", l, nl, &s.x[..n * dim]);
             trace("ffn_norm", l, nl, &s.h[..n * dim]);
-            mm(pool, &layer.w_gate, &s.h, n, &mut s.gate, &mut s.mm);
-            mm(pool, &layer.w_up, &s.h, n, &mut s.up, &mut s.mm);
+            mm(pool, &layer.w_gate, &s.h, n, &mut s.gate, &mut s.mm, self.numerics);
+            mm(pool, &layer.w_up, &s.h, n, &mut s.up, &mut s.mm, self.numerics);
             trace("ffn_gate", l, nl, &s.gate[..n * c.ff]);
             trace("ffn_up", l, nl, &s.up[..n * c.ff]);
-            match c.arch {
-                Arch::Gemma3 => par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], gelu_mul),
-                Arch::Llama | Arch::Qwen2 => par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], silu_mul),
+            match (c.arch, self.numerics) {
+                (Arch::Gemma3, Numerics::Ggml) => {
+                    par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], ggml::gelu_mul)
+                }
+                (Arch::Gemma3, Numerics::Native) => par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], gelu_mul),
+                (Arch::Llama | Arch::Qwen2, Numerics::Native) => {
+                    par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], silu_mul)
+                }
+                // Chunks of whole groups of 16 keep ggml's split of each
+                // row into vector groups and a tail.
+                (Arch::Llama | Arch::Qwen2, Numerics::Ggml) if c.ff.is_multiple_of(16) => {
+                    par_zip(pool, &mut s.gate[..n * c.ff], &s.up[..n * c.ff], |g, u| {
+                        ggml::silu_mul(g, u, 16)
+                    })
+                }
+                (Arch::Llama | Arch::Qwen2, Numerics::Ggml) => {
+                    ggml::silu_mul(&mut s.gate[..n * c.ff], &s.up[..n * c.ff], c.ff)
+                }
             }
             trace("ffn_act", l, nl, &s.gate[..n * c.ff]);
-            mm(pool, &layer.w_down, &s.gate, n, &mut s.o, &mut s.mm);
+            mm(pool, &layer.w_down, &s.gate, n, &mut s.o, &mut s.mm, self.numerics);
             trace("ffn_out", l, nl, &s.o[..n * dim]);
             if let Some(pn) = layer.post_ffn_norm {
-                rms_norm(&mut s.o[..n * dim], pn, c.rms_eps);
+                self.rms_norm(&mut s.o[..n * dim], pn);
             }
             add(&mut s.x[..n * dim], &s.o[..n * dim]);
             trace("l_out", l, nl, &s.x[..n * dim]);
@@ -322,20 +404,22 @@ impl Model<'_> {
         // Logits for the rows that want them.
         let mut m = 0;
         for r in (0..n).filter(|&r| rows[r].logits) {
-            s.sel[m * dim..(m + 1) * dim].copy_from_slice(&s.x[r * dim..(r + 1) * dim]);
+            let from = if compacted { m } else { r };
+            s.sel[m * dim..(m + 1) * dim].copy_from_slice(&s.x[from * dim..(from + 1) * dim]);
             m += 1;
         }
-        rms_norm(&mut s.sel[..m * dim], self.output_norm, c.rms_eps);
+        self.rms_norm(&mut s.sel[..m * dim], self.output_norm);
         let start = logits.len();
         logits.resize(start + m * c.vocab, 0.0);
         if m > 0 {
-            matmul(
+            mm(
                 pool,
                 &self.output,
                 &s.sel[..m * dim],
                 m,
                 &mut logits[start..],
                 &mut s.mm,
+                self.numerics,
             );
         }
         trace("result_norm", usize::MAX, nl, &s.sel[..m * dim]);
@@ -352,6 +436,12 @@ impl Model<'_> {
         let q = &s.q;
         let storage: &KvStorage = kv.storage;
         let threads = &s.attn_threads;
+        let numerics = self.numerics;
+        let scale = if self.ggml_prescales_queries() {
+            1.0
+        } else {
+            c.attn_scale
+        };
         // A task is a part of one (row, KV head) group of query heads. Few
         // rows (decode) give too few groups to keep every thread busy, so
         // groups are split into parts then; a head's arithmetic does not
@@ -379,7 +469,11 @@ impl Model<'_> {
             // SAFETY: each (row, query head) slice of the output is written
             // by exactly one task.
             let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(span.start), span.len()) };
-            attend_group(storage, layer, g, &query, &q[span], c.attn_scale, o, &mut scratch);
+            let attend = match numerics {
+                Numerics::Native => attend_group,
+                Numerics::Ggml => attend_group_ggml,
+            };
+            attend(storage, layer, g, &query, &q[span], scale, o, &mut scratch);
         });
     }
 }

@@ -1,6 +1,7 @@
 //! Binding a GGUF file's tensors to the decoder's weights, with every
 //! shape and type checked once at load so the forward pass never fails.
 
+use snug_kernels::ggml::Numerics;
 use snug_kernels::matmul::{f32_data, matmul_supports, Weight};
 use snug_kernels::GgmlType;
 
@@ -36,6 +37,11 @@ pub struct Model<'a> {
     pub(super) layers: Vec<Layer<'a>>,
     pub(super) output_norm: &'a [f32],
     pub(super) output: Weight<'a>,
+    /// Whose arithmetic the forward pass follows: snug's own (the
+    /// default) or llama.cpp's, f16 roundings included, for output that
+    /// must equal llama.cpp's token for token. `SNUG_NUMERICS` sets it at
+    /// load; KV written under one cannot be read under the other.
+    pub numerics: Numerics,
 }
 
 impl<'a> Model<'a> {
@@ -169,6 +175,7 @@ impl<'a> Model<'a> {
             layers,
             output_norm,
             output,
+            numerics: Numerics::from_env(),
         })
     }
 
@@ -210,6 +217,7 @@ impl<'a> Model<'a> {
                 .collect(),
             output_norm: self.output_norm,
             output: strip(&self.output),
+            numerics: self.numerics,
         }
     }
 
@@ -293,6 +301,7 @@ impl Model<'_> {
             layers,
             output_norm: self.output_norm,
             output: to_f32(&self.output, arena, 7 * self.layers.len()),
+            numerics: self.numerics,
         }
     }
 }

@@ -35,7 +35,6 @@ use clap::Args;
 use serde_json::{json, Value};
 use snug_core::schedule::{Refused, ScheduleConfig};
 use snug_engine::{Engine, EngineOptions};
-use snug_model::arch::Model;
 use snug_model::template::{ChatTemplate, Message};
 use snug_model::{EncodeOptions, GgufFile, Tokenizer};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -345,6 +344,7 @@ impl From<&ServeArgs> for EngineArgs {
                     kv_k: a.cache.kv_k.clone(),
                     kv_v: a.cache.kv_v.clone(),
                     kv_page: a.cache.kv_page,
+                    numerics: a.cache.numerics.clone(),
                 },
                 kv_budget: None,
                 speculate: a.speculate.clone(),
@@ -379,7 +379,7 @@ fn engine_main(
     ready: Ready,
 ) {
     let setup = || -> Result<_> {
-        let model = Model::load(&file)?;
+        let model = crate::load_model(&file, &a.gen.cache)?;
         let tok = Tokenizer::from_gguf(&file)?;
         let mut o: EngineOptions = crate::run::engine_options(&a.gen, &model, &tok, None)?;
         o.max_seqs = a.parallel;
@@ -430,6 +430,7 @@ fn engine_main(
             return;
         }
     }
+    let speculate = crate::run::speculation_for(speculate, engine.model);
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
         .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
     let (total, ..) = engine.kv_pages();
