@@ -42,25 +42,31 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
+/// The shared llama.cpp reference, where the fixtures are present.
+fn fixture() -> Option<serde_json::Value> {
+    let dir = fixtures_dir(&std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")))?;
+    Some(serde_json::from_str(&std::fs::read_to_string(dir.join("greedy/llama.cpp.json")).unwrap()).unwrap())
+}
+
+fn engine<'m>(model: &'m Model<'m>) -> Engine<'m> {
+    Engine::new(
+        model,
+        EngineOptions {
+            threads: 2,
+            ctx: 256,
+            ..Default::default()
+        },
+    )
+}
+
 #[test]
 fn top1_agrees_with_llama_cpp_where_the_margin_is_clear() {
-    let Some(dir) = fixtures_dir(&std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))) else {
-        return;
-    };
-    let fx: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("greedy/llama.cpp.json")).unwrap()).unwrap();
+    let Some(fx) = fixture() else { return };
     for alias in MODELS {
         let Some(path) = model_path(alias) else { continue };
         let file = GgufFile::open(&path).unwrap();
         let model = Model::load(&file).unwrap();
-        let mut engine = Engine::new(
-            &model,
-            EngineOptions {
-                threads: 2,
-                ctx: 256,
-                ..Default::default()
-            },
-        );
+        let mut engine = engine(&model);
         let (mut checked, mut misses) = (0, Vec::new());
         for case in fx["models"][alias]["cases"].as_array().unwrap() {
             let seq = engine.create_sequence();
@@ -109,24 +115,13 @@ fn numerics_cases(alias: &str) -> usize {
 
 #[test]
 fn llama_cpp_numerics_reproduce_its_greedy_tokens_and_margins() {
-    let Some(dir) = fixtures_dir(&std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))) else {
-        return;
-    };
-    let fx: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("greedy/llama.cpp.json")).unwrap()).unwrap();
+    let Some(fx) = fixture() else { return };
     for alias in MODELS {
         let Some(path) = model_path(alias) else { continue };
         let file = GgufFile::open(&path).unwrap();
         let mut model = Model::load(&file).unwrap();
         model.numerics = Numerics::Ggml;
-        let mut engine = Engine::new(
-            &model,
-            EngineOptions {
-                threads: 2,
-                ctx: 256,
-                ..Default::default()
-            },
-        );
+        let mut engine = engine(&model);
         let mut worst = 0f64;
         for case in fx["models"][alias]["cases"]
             .as_array()
