@@ -100,19 +100,6 @@ fn margin_of(logits: &[f32], a: u32, b: u32) -> f64 {
     logits[a as usize] as f64 - logits[b as usize] as f64
 }
 
-/// Prompts checked per model under the llama.cpp numerics, whose scalar
-/// products make Qwen2.5 1.5B slow in a test build: its first three
-/// (prompts of 5, 4 and 10 tokens: Q4_K `gemm` with and without `gemv`
-/// rows, and the tiled Q6_K kernel; decode steps take `gemv`); all eight
-/// of the others. `bench/greedy.py` runs all eight of every model.
-fn numerics_cases(alias: &str) -> usize {
-    if alias == "qwen2.5-coder-1.5b" {
-        3
-    } else {
-        usize::MAX
-    }
-}
-
 #[test]
 fn llama_cpp_numerics_reproduce_its_greedy_tokens_and_margins() {
     let Some(fx) = fixture() else { return };
@@ -123,12 +110,7 @@ fn llama_cpp_numerics_reproduce_its_greedy_tokens_and_margins() {
         model.numerics = Numerics::Ggml;
         let mut engine = engine(&model);
         let mut worst = 0f64;
-        for case in fx["models"][alias]["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .take(numerics_cases(alias))
-        {
+        for case in fx["models"][alias]["cases"].as_array().unwrap().iter() {
             let prompt_text = case["prompt"].as_str().unwrap();
             let seq = engine.create_sequence();
             let reference = ids(&case["ids"]);

@@ -28,8 +28,9 @@
 //! fused multiply-adds its compiler forms (`-ffp-contract=fast`), so the
 //! results match bit for bit where the inputs do. Unlike snug's own, some
 //! of these kernels make a row's bits depend on its batch, because
-//! llama.cpp's do ([`Kernel::for_row`]); the code here is scalar, written
-//! for fidelity rather than speed.
+//! llama.cpp's do ([`Kernel::for_row`]). Fidelity comes first here: the
+//! products have AVX2 and AVX-512 VNNI paths (equal in bits to the scalar
+//! reference), the other operations are scalar code.
 
 use half::f16;
 
@@ -346,19 +347,32 @@ impl Kernel {
 /// The integers are exact in every order; only these float steps decide
 /// the result's last bits.
 pub fn dot_quant(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::simd() >= crate::cpu::Simd::Avx2 {
-        // SAFETY: AVX2 and FMA detected (`simd`).
-        return unsafe { dot_quant_fma(ty, w, a, kernel) };
-    }
-    dot_quant_body(ty, w, a, kernel)
+    dot_quant_with(crate::cpu::simd(), ty, w, a, kernel)
 }
 
-/// [`dot_quant`] compiled with FMA instructions, so its fused multiply-adds
-/// are single instructions rather than library calls (same results).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_quant_fma(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
+/// [`dot_quant`] on a given SIMD level (for tests; a level above the
+/// CPU's is not checked here). Every level gives the same bits: the
+/// integer lanes are exact however they are formed, and the vector paths
+/// perform the reference's float operations lane for lane.
+pub fn dot_quant_with(level: crate::cpu::Simd, ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
+    use crate::cpu::Simd;
+    assert_eq!(
+        w.len() / ty.type_size() * ty.block_size(),
+        a.len() * QK8,
+        "dot_quant: shapes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if level >= Simd::Avx2 {
+        // SAFETY: the caller's level is one the CPU has (`cpu::simd`).
+        return unsafe {
+            if level >= Simd::Avx512Vnni {
+                x86::dot_quant_vnni(ty, w, a, kernel)
+            } else {
+                x86::dot_quant_avx2(ty, w, a, kernel)
+            }
+        };
+    }
+    let _ = level;
     dot_quant_body(ty, w, a, kernel)
 }
 
@@ -461,6 +475,198 @@ fn dot_quant_body(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 
     }
 }
 
+/// Vector versions of `dot_quant_body`: the weight levels come from the
+/// row kernels' unpacking ([`crate::dot`]'s `Unpack`), each block's eight
+/// integer lanes from one multiply-add chain, and the float steps are the
+/// reference's, lane for lane.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{hsum8, Kernel};
+    use crate::dot::x86::{Unpack, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
+    use crate::dot::{k_scales, BlockQ8};
+    use crate::quant::GgmlType;
+
+    /// Lane `k` of the result: the exact sum of elements `4k..4k + 4` of
+    /// `w * a`. `SIGNED` weights move their sign onto the activations
+    /// (activations lie in -127..=127, so the move is exact).
+    #[inline(always)]
+    unsafe fn lanes<const VNNI: bool, const SIGNED: bool>(w: __m256i, a: __m256i) -> __m256i {
+        let (ax, sy) = if SIGNED {
+            (_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+        } else {
+            (w, a)
+        };
+        if VNNI {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+        } else {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn act(b: &BlockQ8) -> __m256i {
+        _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i)
+    }
+
+    #[inline(always)]
+    unsafe fn to_array(v: __m256i) -> [i32; 8] {
+        let mut out = [0i32; 8];
+        _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, v);
+        out
+    }
+
+    #[inline(always)]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b01_00_11_10));
+        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b10_11_00_01));
+        _mm_cvtsi128_si32(x)
+    }
+
+    #[inline(always)]
+    unsafe fn f16_at(b: *const u8) -> f32 {
+        half::f16::from_bits((b as *const u16).read_unaligned()).to_f32()
+    }
+
+    /// The 32-element types: `acc[k] = fma(d_w * d_a, lane_k, acc[k])`,
+    /// eight accumulators in one register.
+    #[inline(always)]
+    unsafe fn blocks32<U: Unpack, const VNNI: bool>(ty: GgmlType, w: &[u8], a: &[BlockQ8]) -> f32 {
+        let ts = ty.type_size();
+        let mut acc = _mm256_setzero_ps();
+        let mut summs = 0f32;
+        for (b, ab) in a.iter().enumerate() {
+            let p = w.as_ptr().add(b * ts);
+            // Types with a minimum have non-negative levels.
+            let l = if U::HAS_MIN {
+                lanes::<VNNI, false>(U::levels(p, 0), act(ab))
+            } else {
+                lanes::<VNNI, true>(U::levels(p, 0), act(ab))
+            };
+            let d = f16_at(p.add(U::D_AT)) * ab.d;
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(l), acc);
+            if U::HAS_MIN {
+                summs = f16_at(p.add(U::M_AT)).mul_add(ab.s, summs);
+            }
+        }
+        let mut c = [0f32; 8];
+        _mm256_storeu_ps(c.as_mut_ptr(), acc);
+        if U::HAS_MIN {
+            hsum8(&c) + summs
+        } else {
+            hsum8(&c)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q4k<const VNNI: bool>(w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
+        let ty = GgmlType::Q4K;
+        let (mut acc, mut acc_min) = (0f32, 0f32);
+        for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
+            let ks = k_scales(ty, wb);
+            let da = a[sb * 8].d;
+            let (scale, scale_min) = (ks.d * da, ks.dmin * da);
+            let (mut isum, mut minsum) = (0i32, 0i32);
+            for j in 0..8 {
+                let ab = &a[sb * 8 + j];
+                let p = hsum_i32(lanes::<VNNI, false>(Q4K::levels(wb.as_ptr(), j), act(ab)));
+                isum += ks.sc[2 * j] * p;
+                minsum += ks.min[j] * ab.sum;
+                if kernel == Kernel::Gemm4 && j % 2 == 1 {
+                    acc = (isum as f32).mul_add(scale, acc);
+                    acc_min = (minsum as f32).mul_add(scale_min, acc_min);
+                    (isum, minsum) = (0, 0);
+                }
+            }
+            if kernel != Kernel::Gemm4 {
+                acc = (isum as f32).mul_add(scale, acc);
+                acc_min = (minsum as f32).mul_add(scale_min, acc_min);
+            }
+        }
+        acc - acc_min
+    }
+
+    #[inline(always)]
+    unsafe fn q6k<const VNNI: bool>(w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
+        let ty = GgmlType::Q6K;
+        if kernel == Kernel::Tiled {
+            let mut acc = 0f32;
+            for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
+                let ks = k_scales(ty, wb);
+                let mut isum = 0i32;
+                for j in 0..8 {
+                    let l = to_array(lanes::<VNNI, true>(Q6K::levels(wb.as_ptr(), j), act(&a[sb * 8 + j])));
+                    let (p0, p1) = ((l[0] + l[1]) + (l[2] + l[3]), (l[4] + l[5]) + (l[6] + l[7]));
+                    isum += ks.sc[2 * j] * p0 + ks.sc[2 * j + 1] * p1;
+                }
+                acc = ((isum as f32) * ks.d).mul_add(a[sb * 8].d, acc);
+            }
+            return acc;
+        }
+        // `vec_dot_q6_K_q8_K`: unsigned levels (0..63), the offset of 32
+        // taken off afterwards through the activations' 16-element sums.
+        let mut acc = _mm256_setzero_ps();
+        let ones = _mm256_set1_epi8(1);
+        for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
+            let ks = k_scales(ty, wb);
+            let mut lanes_sb = _mm256_setzero_si256();
+            let mut bias = [0i32; 8];
+            for g in 0..8 {
+                let ab = &a[sb * 8 + g];
+                let wu = _mm256_add_epi8(Q6K::levels(wb.as_ptr(), g), _mm256_set1_epi8(32));
+                let p = lanes::<VNNI, false>(wu, act(ab));
+                let sc = _mm256_setr_epi32(
+                    ks.sc[2 * g],
+                    ks.sc[2 * g],
+                    ks.sc[2 * g],
+                    ks.sc[2 * g],
+                    ks.sc[2 * g + 1],
+                    ks.sc[2 * g + 1],
+                    ks.sc[2 * g + 1],
+                    ks.sc[2 * g + 1],
+                );
+                lanes_sb = _mm256_add_epi32(lanes_sb, _mm256_mullo_epi32(sc, p));
+                // Sums of the activation block's two halves.
+                let s = to_array(lanes::<VNNI, false>(ones, act(ab)));
+                let (b0, b1) = ((s[0] + s[1]) + (s[2] + s[3]), (s[4] + s[5]) + (s[6] + s[7]));
+                bias[g] = 32 * (ks.sc[2 * g] * b0 + ks.sc[2 * g + 1] * b1);
+            }
+            let bias = _mm256_loadu_si256(bias.as_ptr() as *const __m256i);
+            let l = _mm256_sub_epi32(lanes_sb, bias);
+            let d = a[sb * 8].d * ks.d;
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(l), acc);
+        }
+        let mut c = [0f32; 8];
+        _mm256_storeu_ps(c.as_mut_ptr(), acc);
+        hsum8(&c)
+    }
+
+    #[inline(always)]
+    unsafe fn dispatch<const VNNI: bool>(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
+        match ty {
+            GgmlType::Q4_0 => blocks32::<Q4_0, VNNI>(ty, w, a),
+            GgmlType::Q4_1 => blocks32::<Q4_1, VNNI>(ty, w, a),
+            GgmlType::Q5_0 => blocks32::<Q5_0, VNNI>(ty, w, a),
+            GgmlType::Q8_0 => blocks32::<Q8_0, VNNI>(ty, w, a),
+            GgmlType::Q4K => q4k::<VNNI>(w, a, kernel),
+            GgmlType::Q6K => q6k::<VNNI>(w, a, kernel),
+            _ => panic!("ggml::dot_quant: no ggml order for {ty}"),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_quant_avx2(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
+        dispatch::<false>(ty, w, a, kernel)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dot_quant_vnni(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
+        dispatch::<true>(ty, w, a, kernel)
+    }
+}
+
 /// Row `r` of an embedding table as f32, dequantized as ggml's `get_rows`
 /// does: its K-quant and minimum types compute `d * q - m` as one fused
 /// multiply-add (snug's [`crate::quant::dequantize`] rounds the product
@@ -553,6 +759,44 @@ mod tests {
                 for &k in kernels(ty) {
                     let got = dot_quant(ty, &w, &a, k) as f64;
                     assert!((got - exact).abs() <= 1e-5 * scale, "{ty} {k:?}: {got} vs {exact}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_simd_level_gives_the_reference_bits() {
+        let mut rng = Rng(17);
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+        ];
+        let levels = crate::cpu::Simd::available();
+        for ty in types {
+            for case in 0..12 {
+                let n = 256 * (1 + case % 3);
+                let w = weights(ty, n, &mut rng);
+                // Wide, narrow and saturating activations (levels of +-127).
+                let x: Vec<f32> = (0..n)
+                    .map(|i| match case % 4 {
+                        0 => rng.f32() * 40.0,
+                        1 => rng.f32() * 1e-3,
+                        2 => [1.0, -1.0][i % 2],
+                        _ => rng.f32(),
+                    })
+                    .collect();
+                let mut a = vec![BlockQ8::default(); n / QK8];
+                quantize_row(act_format(ty), &x, &mut a);
+                for &k in kernels(ty) {
+                    let want = dot_quant_with(crate::cpu::Simd::Scalar, ty, &w, &a, k);
+                    for &level in &levels {
+                        let got = dot_quant_with(level, ty, &w, &a, k);
+                        assert_eq!(got.to_bits(), want.to_bits(), "{ty} {k:?} {level:?} case {case}");
+                    }
                 }
             }
         }
