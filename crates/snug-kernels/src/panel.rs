@@ -505,14 +505,19 @@ mod x86 {
     }
 
     /// How far ahead of the unit being read the first tile over a panel
-    /// prefetches it, in bytes. The hardware's prefetchers stop at every
-    /// 4 KiB page: without this, one core read 9-19 GB/s of Q6_K and Q4_K
-    /// weights from DRAM with one activation row where a plain read streams
-    /// 25-33, and with it about 24; with 4-8 rows, Q6_K went from 45-64 to
-    /// 74-89 GMAC/s and Q4_K from 73-83 to 76-114 (the `dotbench` example
-    /// with `ROWS=262144`). Later tiles find the panel in L1 or L2 and do
-    /// not prefetch.
-    const PREFETCH_AHEAD: usize = 2048;
+    /// prefetches it, in bytes, into L2. The hardware's prefetchers stop at
+    /// every 4 KiB page: without this, one core read 9-19 GB/s of Q6_K and
+    /// Q4_K weights from DRAM with one activation row where a plain read
+    /// streams 25-33, and with 2 KiB into L1 about 24; with 4-8 rows, Q6_K
+    /// went from 45-64 to 74-89 GMAC/s and Q4_K from 73-83 to 76-114 (the
+    /// `dotbench` example with `ROWS=262144`, Zen 5). On a Zen 4 VM whose
+    /// DRAM answers more slowly, 2 KiB into L1 was too short: 8 KiB into
+    /// L2 took Qwen2.5 1.5B's two-thread decode from 17.0 to 26.7 tokens a
+    /// second (SmolLM2 191 to 251, Gemma 3 81 to 103, Qwen2.5 0.5B 58 to
+    /// 64), prefill unchanged within noise; 16-64 KiB, or L1 as the
+    /// target, did no better. Later tiles find the panel in L1 or L2 and
+    /// do not prefetch.
+    const PREFETCH_AHEAD: usize = 8192;
 
     /// Prefetches the `bytes` that lie [`PREFETCH_AHEAD`] past `q`, when
     /// `on`. (A prefetch past the end of the mapping is harmless: it never
@@ -524,7 +529,7 @@ mod x86 {
         }
         let mut o = 0;
         while o < bytes {
-            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(PREFETCH_AHEAD + o) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(PREFETCH_AHEAD + o) as *const i8);
             o += 64;
         }
     }
