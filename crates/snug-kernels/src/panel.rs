@@ -541,7 +541,7 @@ mod x86 {
     /// and 8 steps, 20-21 and 22-24, where a plain read streams 24-27
     /// (`dotbench`, `ROWS=262144 K=1536`, Zen 4 VM).
     #[inline(always)]
-    unsafe fn prefetch_part(q: *const u8, bytes: usize, i: usize, n: usize, on: bool) {
+    pub(super) unsafe fn prefetch_part(q: *const u8, bytes: usize, i: usize, n: usize, on: bool) {
         let start = (bytes * i / n) & !63;
         let end = (bytes * (i + 1) / n + 63) & !63;
         prefetch(q.wrapping_add(start), end - start, on);

@@ -30,7 +30,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{prefetch, Out};
+use super::x86::{prefetch, prefetch_part, Out};
 use super::{unit_bytes, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_HALF, Q6K_SC};
 use crate::dot::BlockQ8;
 use crate::quant::GgmlType;
@@ -289,13 +289,13 @@ unsafe fn dot_q4k<const R: usize, const NH: usize>(
             let mut q = p;
             let mut sb = c;
             for _ in 0..units {
-                prefetch(q, ub, out.prefetch && pass == 0);
                 for hh in 0..NH {
                     let h = pass * NH + hh;
                     let hb = 32 * h;
                     let acc = &mut accs[hh];
                     let mut isum = [zero; R];
                     for jp in 0..4 {
+                        prefetch_part(q, ub, jp, 4, out.prefetch && pass == 0 && hh == 0);
                         // Blocks 2jp and 2jp + 1: the low and high nibbles of
                         // words 8jp .. 8jp + 8, each word loaded once; at most
                         // 8 * 2 * 15 * 127 in a 16-bit lane.
@@ -444,13 +444,15 @@ unsafe fn dot_q6k<const R: usize, const NH: usize>(
             let mut q = p;
             let mut sb = c;
             for _ in 0..units {
-                prefetch(q, ub, out.prefetch && pass == 0);
                 for hh in 0..NH {
                     let h = pass * NH + hh;
                     let acc = &mut accs[hh];
                     let mut isum = [zero; R];
+                    let on = out.prefetch && pass == 0 && hh == 0;
                     for half in 0..2 {
+                        prefetch_part(q, ub, 2 * half, 4, on);
                         q6k_pair::<0, R>(q, sb, half, h, acts, &mut isum);
+                        prefetch_part(q, ub, 2 * half + 1, 4, on);
                         q6k_pair::<1, R>(q, sb, half, h, acts, &mut isum);
                     }
                     // The offset: per block j, its two groups' scales beside
