@@ -715,9 +715,12 @@ mod x86 {
 
     /// One 32-element block's integer sum for each activation row:
     /// `isum[r] += (sum of 8 vpdpbusd) * s`, or with two scales for the
-    /// block's halves (`s1`, Q6_K) and a starting value per half.
+    /// block's halves (`s1`, Q6_K) and a starting value per half. `HI`:
+    /// the weights are high nibbles left in place (16 times their level),
+    /// so the block's sum is divided by 16 (exactly: every product is a
+    /// multiple of 16) before its scale.
     #[inline(always)]
-    unsafe fn block_isum<const R: usize, const TWO: bool>(
+    unsafe fn block_isum<const R: usize, const TWO: bool, const HI: bool>(
         w: &[__m512i; 8],
         acts: &[&[BlockQ8]],
         blk: usize,
@@ -736,6 +739,8 @@ mod x86 {
             }
             let v = if TWO {
                 _mm512_add_epi32(_mm512_mullo_epi32(i0, s0), _mm512_mullo_epi32(i1, s1))
+            } else if HI {
+                _mm512_mullo_epi32(_mm512_srai_epi32::<4>(_mm512_add_epi32(i0, i1)), s0)
             } else {
                 _mm512_mullo_epi32(_mm512_add_epi32(i0, i1), s0)
             };
@@ -756,6 +761,7 @@ mod x86 {
         let n_sb = n_blocks / 8;
         let neg = _mm512_set1_epi32(i32::MIN);
         let m0f = _mm512_set1_epi8(0x0f);
+        let mf0 = _mm512_set1_epi8(0xf0_u8 as i8);
         let zero = _mm512_setzero_si512();
         let mut tree = Tree::<R>::new();
         for c in 0..8 {
@@ -767,22 +773,24 @@ mod x86 {
                 let mut isum = [_mm512_setzero_si512(); R];
                 for pair in 0..4 {
                     prefetch_part(q, ub, pair, 4, out.prefetch);
-                    // Low nibbles: block 2 * pair; high: block 2 * pair + 1.
-                    // Each half loads the words again (from L1) rather than
-                    // keep sixteen vectors live beside a tile's sums.
+                    // Low nibbles: block 2 * pair; high: block 2 * pair + 1,
+                    // masked in place (one operation a word, not a shift
+                    // and a mask) and scaled back by the block's sum. Each
+                    // half loads the words again (from L1) rather than keep
+                    // sixteen vectors live beside a tile's sums.
                     for h in 0..2 {
                         let mut w = [zero; 8];
                         for t in 0..8 {
                             let v = load(q.add(Q4K_QS + (pair * 8 + t) * 64));
-                            w[t] = if h == 0 {
-                                _mm512_and_si512(v, m0f)
-                            } else {
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f)
-                            };
+                            w[t] = _mm512_and_si512(v, if h == 0 { m0f } else { mf0 });
                         }
                         let j = 2 * pair + h;
                         let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(Q4K_SC + 16 * j) as *const __m128i));
-                        block_isum::<R, false>(&w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
+                        if h == 0 {
+                            block_isum::<R, false, false>(&w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
+                        } else {
+                            block_isum::<R, false, true>(&w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
+                        }
                     }
                 }
                 let d = f16x16(q.add(Q4K_D));
@@ -870,7 +878,7 @@ mod x86 {
                             let x = aux.get_unchecked(r);
                             start[r] = [*x.get_unchecked(2 * blk), *x.get_unchecked(2 * blk + 1)];
                         }
-                        block_isum::<R, true>(&w, acts, blk, start, s0, s1, &mut isum);
+                        block_isum::<R, true, false>(&w, acts, blk, start, s0, s1, &mut isum);
                     }
                 }
                 let d = f16x16(q.add(Q6K_D));
