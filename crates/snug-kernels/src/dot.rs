@@ -1044,7 +1044,7 @@ pub(crate) mod x86 {
 
     /// Horizontal sum of eight 32-bit integers (exact).
     #[inline(always)]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
+    pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
         let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b01_00_11_10));
         let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b10_11_00_01));

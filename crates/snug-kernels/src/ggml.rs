@@ -399,49 +399,14 @@ fn dot_quant_body(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 
                 hsum8(&acc)
             }
         }
-        GgmlType::Q4K => {
-            let (mut acc, mut acc_min) = (0f32, 0f32);
-            for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
-                let ks = k_scales(ty, wb);
-                let da = a[sb * 8].d;
-                let (scale, scale_min) = (ks.d * da, ks.dmin * da);
-                let (mut isum, mut minsum) = (0i32, 0i32);
-                for j in 0..8 {
-                    let wj = k_weights(ty, wb, j);
-                    let ab = &a[sb * 8 + j];
-                    let p: i32 = wj.iter().zip(&ab.qs).map(|(&x, &y)| x as i32 * y as i32).sum();
-                    isum += ks.sc[2 * j] * p;
-                    minsum += ks.min[j] * ab.sum;
-                    if kernel == Kernel::Gemm4 && j % 2 == 1 {
-                        acc = (isum as f32).mul_add(scale, acc);
-                        acc_min = (minsum as f32).mul_add(scale_min, acc_min);
-                        (isum, minsum) = (0, 0);
-                    }
-                }
-                if kernel != Kernel::Gemm4 {
-                    acc = (isum as f32).mul_add(scale, acc);
-                    acc_min = (minsum as f32).mul_add(scale_min, acc_min);
-                }
-            }
-            acc - acc_min
-        }
-        GgmlType::Q6K if kernel == Kernel::Tiled => {
-            let mut acc = 0f32;
-            for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
-                let ks = k_scales(ty, wb);
-                let mut isum = 0i32;
-                for j in 0..8 {
-                    let wj = k_weights(ty, wb, j);
-                    let qs = &a[sb * 8 + j].qs;
-                    for h in 0..2 {
-                        let p: i32 = (16 * h..16 * h + 16).map(|i| wj[i] as i32 * qs[i] as i32).sum();
-                        isum += ks.sc[2 * j + h] * p;
-                    }
-                }
-                acc = ((isum as f32) * ks.d).mul_add(a[sb * 8].d, acc);
-            }
-            acc
-        }
+        GgmlType::Q4K => q4k_order(w, a, kernel, |wb, j, ab| {
+            let wj = k_weights(ty, wb, j);
+            wj.iter().zip(&ab.qs).map(|(&x, &y)| x as i32 * y as i32).sum()
+        }),
+        GgmlType::Q6K if kernel == Kernel::Tiled => q6k_tiled_order(w, a, |wb, j, ab| {
+            let wj = k_weights(ty, wb, j);
+            std::array::from_fn(|h| (16 * h..16 * h + 16).map(|i| wj[i] as i32 * ab.qs[i] as i32).sum())
+        }),
         GgmlType::Q6K => {
             let mut acc = [0f32; 8];
             for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
@@ -475,6 +440,55 @@ fn dot_quant_body(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 
     }
 }
 
+/// Q4_K's float steps in [`dot_quant`] around `block(super_block, j,
+/// activation_block)`, the exact integer product of block `j` of a weight
+/// super-block and its activation block.
+#[inline(always)]
+fn q4k_order(w: &[u8], a: &[BlockQ8], kernel: Kernel, block: impl Fn(&[u8], usize, &BlockQ8) -> i32) -> f32 {
+    let ty = GgmlType::Q4K;
+    let (mut acc, mut acc_min) = (0f32, 0f32);
+    for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
+        let ks = k_scales(ty, wb);
+        let da = a[sb * 8].d;
+        let (scale, scale_min) = (ks.d * da, ks.dmin * da);
+        let (mut isum, mut minsum) = (0i32, 0i32);
+        for j in 0..8 {
+            let ab = &a[sb * 8 + j];
+            isum += ks.sc[2 * j] * block(wb, j, ab);
+            minsum += ks.min[j] * ab.sum;
+            if kernel == Kernel::Gemm4 && j % 2 == 1 {
+                acc = (isum as f32).mul_add(scale, acc);
+                acc_min = (minsum as f32).mul_add(scale_min, acc_min);
+                (isum, minsum) = (0, 0);
+            }
+        }
+        if kernel != Kernel::Gemm4 {
+            acc = (isum as f32).mul_add(scale, acc);
+            acc_min = (minsum as f32).mul_add(scale_min, acc_min);
+        }
+    }
+    acc - acc_min
+}
+
+/// Q6_K's tiled float steps in [`dot_quant`] around `halves(super_block,
+/// j, activation_block)`, the exact integer products of the two 16-element
+/// halves of block `j`.
+#[inline(always)]
+fn q6k_tiled_order(w: &[u8], a: &[BlockQ8], halves: impl Fn(&[u8], usize, &BlockQ8) -> [i32; 2]) -> f32 {
+    let ty = GgmlType::Q6K;
+    let mut acc = 0f32;
+    for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
+        let ks = k_scales(ty, wb);
+        let mut isum = 0i32;
+        for j in 0..8 {
+            let [p0, p1] = halves(wb, j, &a[sb * 8 + j]);
+            isum += ks.sc[2 * j] * p0 + ks.sc[2 * j + 1] * p1;
+        }
+        acc = ((isum as f32) * ks.d).mul_add(a[sb * 8].d, acc);
+    }
+    acc
+}
+
 /// Vector versions of `dot_quant_body`: the weight levels come from the
 /// row kernels' unpacking ([`crate::dot`]'s `Unpack`), each block's eight
 /// integer lanes from one multiply-add chain, and the float steps are the
@@ -483,8 +497,8 @@ fn dot_quant_body(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{hsum8, Kernel};
-    use crate::dot::x86::{Unpack, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
+    use super::{hsum8, q4k_order, q6k_tiled_order, Kernel};
+    use crate::dot::x86::{hsum_i32, Unpack, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
     use crate::dot::{k_scales, BlockQ8};
     use crate::quant::GgmlType;
 
@@ -515,14 +529,6 @@ mod x86 {
         let mut out = [0i32; 8];
         _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, v);
         out
-    }
-
-    #[inline(always)]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
-        let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b01_00_11_10));
-        let x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0b10_11_00_01));
-        _mm_cvtsi128_si32(x)
     }
 
     #[inline(always)]
@@ -562,48 +568,19 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn q4k<const VNNI: bool>(w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
-        let ty = GgmlType::Q4K;
-        let (mut acc, mut acc_min) = (0f32, 0f32);
-        for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
-            let ks = k_scales(ty, wb);
-            let da = a[sb * 8].d;
-            let (scale, scale_min) = (ks.d * da, ks.dmin * da);
-            let (mut isum, mut minsum) = (0i32, 0i32);
-            for j in 0..8 {
-                let ab = &a[sb * 8 + j];
-                let p = hsum_i32(lanes::<VNNI, false>(Q4K::levels(wb.as_ptr(), j), act(ab)));
-                isum += ks.sc[2 * j] * p;
-                minsum += ks.min[j] * ab.sum;
-                if kernel == Kernel::Gemm4 && j % 2 == 1 {
-                    acc = (isum as f32).mul_add(scale, acc);
-                    acc_min = (minsum as f32).mul_add(scale_min, acc_min);
-                    (isum, minsum) = (0, 0);
-                }
-            }
-            if kernel != Kernel::Gemm4 {
-                acc = (isum as f32).mul_add(scale, acc);
-                acc_min = (minsum as f32).mul_add(scale_min, acc_min);
-            }
-        }
-        acc - acc_min
+        q4k_order(w, a, kernel, |wb, j, ab| {
+            hsum_i32(lanes::<VNNI, false>(Q4K::levels(wb.as_ptr(), j), act(ab)))
+        })
     }
 
     #[inline(always)]
     unsafe fn q6k<const VNNI: bool>(w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 {
         let ty = GgmlType::Q6K;
         if kernel == Kernel::Tiled {
-            let mut acc = 0f32;
-            for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
-                let ks = k_scales(ty, wb);
-                let mut isum = 0i32;
-                for j in 0..8 {
-                    let l = to_array(lanes::<VNNI, true>(Q6K::levels(wb.as_ptr(), j), act(&a[sb * 8 + j])));
-                    let (p0, p1) = ((l[0] + l[1]) + (l[2] + l[3]), (l[4] + l[5]) + (l[6] + l[7]));
-                    isum += ks.sc[2 * j] * p0 + ks.sc[2 * j + 1] * p1;
-                }
-                acc = ((isum as f32) * ks.d).mul_add(a[sb * 8].d, acc);
-            }
-            return acc;
+            return q6k_tiled_order(w, a, |wb, j, ab| {
+                let l = to_array(lanes::<VNNI, true>(Q6K::levels(wb.as_ptr(), j), act(ab)));
+                [(l[0] + l[1]) + (l[2] + l[3]), (l[4] + l[5]) + (l[6] + l[7])]
+            });
         }
         // `vec_dot_q6_K_q8_K`: unsigned levels (0..63), the offset of 32
         // taken off afterwards through the activations' 16-element sums.
@@ -708,7 +685,17 @@ mod tests {
     use crate::dot::{act_format, quantize_row};
     use crate::quant::dequantize;
 
-    /// The types [`dot_quant`] orders, with the kernels each can take.
+    /// The types [`dot_quant`] orders.
+    const TYPES: [GgmlType; 6] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+    ];
+
+    /// The kernels each type can take.
     fn kernels(ty: GgmlType) -> &'static [Kernel] {
         match ty {
             GgmlType::Q4K => &[Kernel::Single, Kernel::Gemm4],
@@ -720,15 +707,7 @@ mod tests {
     #[test]
     fn dot_quant_equals_the_exact_product_of_the_quantized_values() {
         let mut rng = Rng(5);
-        let types = [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q8_0,
-            GgmlType::Q4K,
-            GgmlType::Q6K,
-        ];
-        for ty in types {
+        for ty in TYPES {
             assert!(dot_supports(ty));
             let n = 1024;
             for _ in 0..8 {
@@ -767,16 +746,8 @@ mod tests {
     #[test]
     fn every_simd_level_gives_the_reference_bits() {
         let mut rng = Rng(17);
-        let types = [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q8_0,
-            GgmlType::Q4K,
-            GgmlType::Q6K,
-        ];
         let levels = crate::cpu::Simd::available();
-        for ty in types {
+        for ty in TYPES {
             for case in 0..12 {
                 let n = 256 * (1 + case % 3);
                 let w = weights(ty, n, &mut rng);
