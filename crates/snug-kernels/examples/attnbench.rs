@@ -1,14 +1,17 @@
-//! Single-thread time of one decode row's attention over F16 pages, per
+//! Single-thread time of one decode row's attention over F16 pages (or
+//! `KV=q8`, `KV=tq4`: coded pages, TQ4 keys in a key basis), per
 //! (layer, KV head) group, at the head shapes of the four models and a
 //! few depths: microseconds a call and GB/s of keys and values read.
 //! With `COLD=1` each round of calls runs over 24 layers after reading a
 //! 512 MiB buffer, so the keys and values come from memory, as they do
 //! in a model whose weights stream through the caches between layers.
-//! `[SHAPE=qwen1.5b] [COLD=1] cargo run --release -p snug-kernels --example attnbench [DEPTH...]`
+//! `[SHAPE=qwen1.5b] [COLD=1] [KV=tq4] cargo run --release -p snug-kernels --example attnbench [DEPTH...]`
 
 use std::time::Instant;
 
 use snug_kernels::kv::{attend_group, AttnQuery, AttnScratch, KvFormat, KvShape, KvSlot, KvStorage};
+use snug_kernels::kvbasis::KeyBasis;
+use snug_kernels::ops::{Rope, RopeLayout};
 
 fn main() {
     let depths: Vec<usize> = {
@@ -33,6 +36,10 @@ fn main() {
     println!("| shape | depth | us a call | GB/s of K+V |");
     println!("| --- | ---: | ---: | ---: |");
     let only = std::env::var("SHAPE").ok();
+    let format = std::env::var("KV")
+        .ok()
+        .and_then(|f| KvFormat::parse(&f))
+        .unwrap_or(KvFormat::F16);
     for &(name, group, hd) in &shapes {
         if only.as_deref().is_some_and(|o| !name.starts_with(o)) {
             continue;
@@ -45,7 +52,11 @@ fn main() {
                 page_tokens: pt,
             };
             let n_pages = depth.div_ceil(pt);
-            let mut kv = KvStorage::new(shape, KvFormat::F16, n_pages);
+            let mut kv = KvStorage::new(shape, format, n_pages);
+            if format == KvFormat::Tq4 && std::env::var("NOBASIS").is_err() {
+                let ropes = vec![Rope::new(RopeLayout::Halves, hd, 10000.0); layers];
+                kv = kv.with_key_basis(std::sync::Arc::new(KeyBasis::identity(layers, 1, hd, ropes)));
+            }
             // Pages in a scattered order, as a pool hands them out.
             let pages: Vec<u32> = (0..n_pages as u32).map(|i| (i * 7) % n_pages as u32).collect();
             let mut x = 0x9e37_79b9u32;
@@ -102,7 +113,7 @@ fn main() {
             }
             times.sort_by(f64::total_cmp);
             let t = times[2];
-            let bytes = (2 * depth * hd * 2) as f64;
+            let bytes = (2 * depth * format.vector_bytes(hd)) as f64;
             println!("| {name} | {depth} | {:.1} | {:.1} |", t * 1e6, bytes / t / 1e9);
             std::hint::black_box(&out);
         }

@@ -241,9 +241,11 @@ pub struct Trig {
     pub pairs: Vec<(usize, usize)>,
     /// Dimensions RoPE leaves alone.
     pub fixed: Vec<usize>,
-    /// `[t][j]`: cos and sin of `θ_j t`, t < page_tokens.
+    /// `[j][t]`: cos and sin of `θ_j t`, t < page_tokens (pair-major, so
+    /// that consecutive positions of one pair are one vector).
     pub within_cos: Vec<f32>,
     pub within_sin: Vec<f32>,
+    pub page_tokens: usize,
     /// `[page][j]`: cos and sin of `θ_j page * page_tokens`.
     pub start_cos: Vec<f32>,
     pub start_sin: Vec<f32>,
@@ -272,11 +274,13 @@ impl OffsetTables {
                     .collect(),
                 within_cos: Vec::new(),
                 within_sin: Vec::new(),
+                page_tokens,
                 start_cos: Vec::new(),
                 start_sin: Vec::new(),
             };
-            for pos in 0..page_tokens {
-                for a in angles(pos) {
+            for &(_, _, f) in &pairs {
+                for pos in 0..page_tokens {
+                    let a = pos as f64 * f as f64;
                     t.within_cos.push(a.cos() as f32);
                     t.within_sin.push(a.sin() as f32);
                 }
@@ -342,15 +346,11 @@ impl Trig {
     /// `(X', Y')`: pairs in order, one accumulator.
     #[inline]
     pub fn at(&self, xy: &[f32], t: usize) -> f32 {
-        let np = self.pairs.len();
-        let (c, s) = (
-            &self.within_cos[t * np..(t + 1) * np],
-            &self.within_sin[t * np..(t + 1) * np],
-        );
+        let (np, pt) = (self.pairs.len(), self.page_tokens);
         let mut acc = 0f32;
         for j in 0..np {
-            acc = xy[j].mul_add(c[j], acc);
-            acc = xy[np + j].mul_add(s[j], acc);
+            acc = xy[j].mul_add(self.within_cos[j * pt + t], acc);
+            acc = xy[np + j].mul_add(self.within_sin[j * pt + t], acc);
         }
         acc
     }

@@ -275,14 +275,15 @@ pub fn gelu_erf_scalar(x: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     //! Eight lanes of the scalar code's exact operations.
     use std::arch::x86_64::*;
 
     use super::{EXP_C, EXP_HI, EXP_LO, GELU_A, GELU_S, LN2_HI, LN2_LO};
 
+    /// Eight lanes of [`super::exp_fixed`].
     #[inline(always)]
-    unsafe fn exp8(x: __m256) -> __m256 {
+    pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
         // `max(x, lo)` returns `lo` for NaN, as `f32::max` does.
         let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
         let n = _mm256_round_ps(

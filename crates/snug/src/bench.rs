@@ -1,6 +1,7 @@
 //! `snug bench`: prefill and decode throughput, measured like llama-bench
 //! (ppN: prefill N tokens into an empty context; tgN: generate N tokens one
-//! at a time, optionally after a prefilled depth), with repetitions and
+//! at a time; either optionally after a prefilled depth, which is
+//! prefilled once and forked for each repetition), with repetitions and
 //! medians.
 
 use std::time::Instant;
@@ -13,6 +14,7 @@ use crate::{open_model, BenchArgs};
 
 struct Row {
     test: String,
+    kv: String,
     depth: usize,
     samples: Vec<f64>, // tokens per second
 }
@@ -52,6 +54,72 @@ fn parse_list(s: &str) -> Result<Vec<usize>> {
         .collect()
 }
 
+/// Runs the prefill tests `pp` and decode tests `tg` at each depth on
+/// `engine`, appending a row per test.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    engine: &mut Engine,
+    kv_name: &str,
+    depths: &[usize],
+    pp: &[usize],
+    tg: &[usize],
+    reps: usize,
+    vocab: usize,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    for &d in depths {
+        // Every test at a depth runs in a fork of one prefilled context
+        // (copy-on-write pages), which it drops afterwards.
+        let base = engine.create_sequence();
+        if d > 0 && !(pp.is_empty() && tg.is_empty()) {
+            engine.feed(base, &tokens(d, vocab, 1))?;
+        }
+        for &n in pp {
+            let mut samples = Vec::new();
+            for rep in 0..=reps {
+                let s = engine.fork(base)?;
+                let t = Instant::now();
+                engine.feed(s, &tokens(n, vocab, 2))?;
+                let secs = t.elapsed().as_secs_f64();
+                engine.free_sequence(s);
+                if rep > 0 {
+                    samples.push(n as f64 / secs); // rep 0 is a warm-up
+                }
+            }
+            rows.push(Row {
+                test: format!("pp{n}"),
+                kv: kv_name.to_string(),
+                depth: d,
+                samples,
+            });
+        }
+        for &n in tg {
+            let mut samples = Vec::new();
+            for rep in 0..=reps {
+                let s = engine.fork(base)?;
+                let toks = tokens(n, vocab, 3);
+                let t = Instant::now();
+                for &tok in &toks {
+                    engine.feed(s, &[tok])?;
+                }
+                let secs = t.elapsed().as_secs_f64();
+                engine.free_sequence(s);
+                if rep > 0 {
+                    samples.push(n as f64 / secs);
+                }
+            }
+            rows.push(Row {
+                test: format!("tg{n}"),
+                kv: kv_name.to_string(),
+                depth: d,
+                samples,
+            });
+        }
+        engine.free_sequence(base);
+    }
+    Ok(())
+}
+
 pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     // Zero-length tests are skipped, as llama-bench does with `-p 0`.
     let pp: Vec<usize> = parse_list(&a.prompt)?.into_iter().filter(|&n| n > 0).collect();
@@ -71,72 +139,33 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
     }
     let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
-    let (kv, kv_v) = crate::run::kv_formats(&a.cache, &model)?;
-    let mut options = EngineOptions {
-        threads,
-        ctx: max_need.max(1),
-        batch: a.batch,
-        // A base context and one fork of it.
-        max_seqs: 2,
-        kv_format: kv,
-        kv_format_v: Some(kv_v),
-        page_tokens: crate::run::kv_page(&a.cache)?,
-        ..Default::default()
+    // `--kv f16,q8,tq4`: each format in turn, on an engine of its own.
+    let formats: Vec<Option<String>> = match &a.cache.kv {
+        Some(list) => list.split(',').map(|f| Some(f.trim().to_string())).collect(),
+        None => vec![None],
     };
-    crate::run::add_key_basis(&mut options, &model, &snug_model::Tokenizer::from_gguf(&file)?)?;
-    let kv_name = crate::eval::kv_name(kv, kv_v);
-    let mut engine = Engine::new(&model, options);
     let mut rows: Vec<Row> = Vec::new();
-    for &d in &depths {
-        for &n in &pp {
-            let mut samples = Vec::new();
-            for rep in 0..=a.reps {
-                let s = engine.create_sequence();
-                if d > 0 {
-                    engine.feed(s, &tokens(d, vocab, 1))?;
-                }
-                let t = Instant::now();
-                engine.feed(s, &tokens(n, vocab, 2))?;
-                let secs = t.elapsed().as_secs_f64();
-                engine.free_sequence(s);
-                if rep > 0 {
-                    samples.push(n as f64 / secs); // rep 0 is a warm-up
-                }
-            }
-            rows.push(Row {
-                test: format!("pp{n}"),
-                depth: d,
-                samples,
-            });
-        }
-        // Decode tests at depth share one prefilled context: each repetition
-        // decodes in a fork of it (copy-on-write pages), then drops the fork.
-        let base = engine.create_sequence();
-        if d > 0 && !tg.is_empty() {
-            engine.feed(base, &tokens(d, vocab, 1))?;
-        }
-        for &n in &tg {
-            let mut samples = Vec::new();
-            for rep in 0..=a.reps {
-                let s = engine.fork(base)?;
-                let toks = tokens(n, vocab, 3);
-                let t = Instant::now();
-                for &tok in &toks {
-                    engine.feed(s, &[tok])?;
-                }
-                let secs = t.elapsed().as_secs_f64();
-                engine.free_sequence(s);
-                if rep > 0 {
-                    samples.push(n as f64 / secs);
-                }
-            }
-            rows.push(Row {
-                test: format!("tg{n}"),
-                depth: d,
-                samples,
-            });
-        }
-        engine.free_sequence(base);
+    for format in formats {
+        let cache = crate::KvArgs {
+            kv: format,
+            ..a.cache.clone()
+        };
+        let (kv, kv_v) = crate::run::kv_formats(&cache, &model)?;
+        let mut options = EngineOptions {
+            threads,
+            ctx: max_need.max(1),
+            batch: a.batch,
+            // A base context and one fork of it.
+            max_seqs: 2,
+            kv_format: kv,
+            kv_format_v: Some(kv_v),
+            page_tokens: crate::run::kv_page(&cache)?,
+            ..Default::default()
+        };
+        crate::run::add_key_basis(&mut options, &model, &snug_model::Tokenizer::from_gguf(&file)?)?;
+        let kv_name = crate::eval::kv_name(kv, kv_v);
+        let mut engine = Engine::new(&model, options);
+        measure(&mut engine, &kv_name, &depths, &pp, &tg, a.reps, vocab, &mut rows)?;
     }
     let name = file.get_str("general.name").unwrap_or("model").to_string();
     if a.output == "json" {
@@ -144,7 +173,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             .iter()
             .map(|r| {
                 serde_json::json!({
-                    "model": name, "test": r.test, "depth": r.depth, "threads": threads, "kv": kv_name,
+                    "model": name, "test": r.test, "depth": r.depth, "threads": threads, "kv": r.kv,
                     "simd": simd().name(), "tok_s_median": median(&r.samples),
                     "tok_s_stddev": stddev(&r.samples), "samples": r.samples,
                 })
@@ -162,8 +191,9 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             r.test.clone()
         };
         println!(
-            "| {name} | {threads} | {} | {kv_name} | {test} | {:.2} ± {:.2} |",
+            "| {name} | {threads} | {} | {} | {test} | {:.2} ± {:.2} |",
             simd().name(),
+            r.kv,
             median(&r.samples),
             stddev(&r.samples)
         );

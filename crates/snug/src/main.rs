@@ -88,7 +88,7 @@ struct SessionInfoArgs {
 }
 
 /// The KV cache's formats.
-#[derive(Args, Default)]
+#[derive(Args, Default, Clone)]
 struct KvArgs {
     /// KV cache format: f16, f32, q8 (int8 of the rotated vector and a
     /// scale, 51-52% of f16) or tq4 (4-bit codes of the rotated vector and
@@ -218,6 +218,8 @@ struct BenchArgs {
     /// Output: md or json.
     #[arg(short = 'o', long, default_value = "md")]
     output: String,
+    // `--kv` takes a comma-separated list here, each format run in turn
+    // (as llama-bench's `-ctk`/`-ctv` lists).
     #[command(flatten)]
     cache: KvArgs,
 }

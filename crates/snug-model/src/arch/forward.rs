@@ -107,18 +107,7 @@ impl ForwardScratch {
         let attn: usize = self
             .attn_threads
             .iter()
-            .map(|m| {
-                let s = m.lock().unwrap_or_else(|e| e.into_inner());
-                (s.scores.capacity()
-                    + s.kv.capacity()
-                    + s.rotated.capacity()
-                    + s.acc.capacity()
-                    + s.xy.capacity()
-                    + s.shifted.capacity()
-                    + s.c0.capacity()
-                    + s.run.capacity())
-                    * 4
-            })
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).bytes())
             .sum();
         f(&self.x)
             + f(&self.h)

@@ -25,6 +25,8 @@
 //! can always be rebuilt bit for bit by recomputing its positions, which
 //! read nothing exact but page 0 and that page.
 
+mod coded;
+
 use crate::kvbasis::{KeyBasis, OffsetTables};
 
 /// How keys and values are stored.
@@ -669,6 +671,8 @@ pub struct AttnScratch {
     /// Running maximum and sum of exponentials per head (attention over
     /// lossy pages, page by page).
     pub run: Vec<f32>,
+    /// The key offset's part of one page's scores, per head.
+    pub offsets: Vec<f32>,
 }
 
 impl AttnScratch {
@@ -686,7 +690,26 @@ impl AttnScratch {
             shifted: crate::vec::committed(0.0, head_dim * group.max(1)),
             c0: crate::vec::committed(0.0, group.max(1)),
             run: crate::vec::committed(0.0, 2 * group.max(1)),
+            offsets: crate::vec::committed(0.0, page_tokens * group.max(1)),
         }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        [
+            &self.scores,
+            &self.kv,
+            &self.rotated,
+            &self.acc,
+            &self.xy,
+            &self.shifted,
+            &self.c0,
+            &self.run,
+            &self.offsets,
+        ]
+        .iter()
+        .map(|v| v.capacity() * 4)
+        .sum()
     }
 }
 
@@ -725,16 +748,8 @@ pub fn attend_group(
         }
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if x86_coded::takes(kv, q.len() / kv.shape.head_dim) {
-        // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C are present (`takes`
-        // checked `simd`).
-        unsafe { x86_coded::attend_group_coded(kv, layer, kv_head, query, q, scale, out, scratch) };
-        return;
-    }
-    if kv.is_lossy() {
-        // Rotated parts are read as stored: see `attend_group_online`.
-        return attend_group_online(kv, layer, kv_head, query, q, scale, out, scratch);
+    if coded::takes(kv) {
+        return coded::attend(crate::cpu::simd(), kv, layer, kv_head, query, q, scale, out, scratch);
     }
     attend_group_generic(kv, layer, kv_head, query, q, scale, out, scratch)
 }
@@ -864,153 +879,6 @@ fn attend_group_ggml_body(
             f16: f16_v,
         };
         head.finish(&mut out[g * hd..(g + 1) * hd]);
-    }
-}
-
-/// Attention over lossy pages, page by page with a running softmax, in
-/// the rotated domain: the scalar form of the TQ4 vector kernel and the
-/// path of every other lossy combination. Per page: the page's scores
-/// (twins of the exact window against the plain query; coded keys against
-/// the query divided by the key basis' weights and rotated once, plus the
-/// offset's part `q·rope(m, p)` from the offset tables), then per head a
-/// new running maximum (sums so far scaled by `exp(old - new)` when it
-/// grows), the page's `exp(score - max)` added to the running sum, and its
-/// values added: coded ones as stored (rotated), twins' plain. At the end
-/// the rotated sums are rotated back once, added, and divided by the sum.
-/// Scratch holds one page of scores, whatever the context; every
-/// operation's order is fixed by the position range and the page size.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_group_online(
-    kv: &KvStorage,
-    layer: usize,
-    kv_head: usize,
-    query: &AttnQuery,
-    q: &[f32],
-    scale: f32,
-    out: &mut [f32],
-    scratch: &mut AttnScratch,
-) {
-    let pt = kv.shape.page_tokens;
-    let hd = kv.shape.head_dim;
-    let group = q.len() / hd;
-    let signs = kv.signs_of(layer, kv_head);
-    let rotated = |f| matches!(f, KvFormat::Q8 | KvFormat::Tq4);
-    let (k_rot, v_rot) = (rotated(kv.format), rotated(kv.format_v));
-    let AttnScratch {
-        scores,
-        kv: kbuf,
-        rotated: qr,
-        acc,
-        xy,
-        shifted,
-        c0,
-        run,
-    } = scratch;
-    let (qr, acc) = (&mut qr[..group * hd], &mut acc[..group * hd]);
-    let (maxes, sums) = run[..2 * group].split_at_mut(group);
-    qr.copy_from_slice(q);
-    let offset = match (&kv.basis, k_rot) {
-        (Some((b, tables)), true) => {
-            let trig = tables.trig(layer);
-            for g in 0..group {
-                c0[g] = trig.prepare(
-                    &q[g * hd..(g + 1) * hd],
-                    b.offset(layer, kv_head),
-                    &mut xy[g * hd..(g + 1) * hd],
-                );
-            }
-            Some((trig, b.weight(layer, kv_head)))
-        }
-        _ => None,
-    };
-    if k_rot {
-        for g in 0..group {
-            let qg = &mut qr[g * hd..(g + 1) * hd];
-            if let Some((_, w)) = offset {
-                qg.iter_mut().zip(w).for_each(|(x, &w)| *x /= w);
-            }
-            crate::tq4::rotate(qg, signs);
-        }
-    }
-    out.fill(0.0);
-    acc.fill(0.0);
-    maxes.fill(f32::NEG_INFINITY);
-    sums.fill(0.0);
-    let mut p = query.start;
-    while p < query.end {
-        let (index, first) = (p / pt, p % pt);
-        let last = (pt - 1).min(query.end - 1 - index * pt);
-        let len = last + 1 - first;
-        let exact = query.exact(index, pt);
-        let page = query.pages[index];
-        if let (Some((trig, _)), None) = (offset, exact) {
-            for g in 0..group {
-                trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
-            }
-        }
-        for (t, slot) in (first..=last).enumerate() {
-            if let Some(tw) = exact {
-                kv.read_twin(tw, layer, false, kv_head, slot, kbuf);
-                for g in 0..group {
-                    scores[g * pt + t] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
-                }
-            } else if k_rot {
-                kv.read_rotated(page, layer, false, kv_head, slot, kbuf);
-                for g in 0..group {
-                    let mut sc = crate::dot::dot_f32(&qr[g * hd..(g + 1) * hd], kbuf);
-                    if let Some((trig, _)) = offset {
-                        sc += c0[g] + trig.at(&shifted[g * hd..(g + 1) * hd], slot);
-                    }
-                    scores[g * pt + t] = sc * scale;
-                }
-            } else {
-                kv.read(page, layer, false, kv_head, slot, index * pt + slot, kbuf);
-                for g in 0..group {
-                    scores[g * pt + t] = crate::dot::dot_f32(&q[g * hd..(g + 1) * hd], kbuf) * scale;
-                }
-            }
-        }
-        for g in 0..group {
-            let s = &mut scores[g * pt..g * pt + len];
-            let grown = s.iter().fold(maxes[g], |m, &v| m.max(v));
-            if grown > maxes[g] {
-                let c = crate::ops::exp_fixed(maxes[g] - grown);
-                sums[g] *= c;
-                out[g * hd..(g + 1) * hd].iter_mut().for_each(|x| *x *= c);
-                acc[g * hd..(g + 1) * hd].iter_mut().for_each(|x| *x *= c);
-                maxes[g] = grown;
-            }
-            for v in s.iter_mut() {
-                *v = crate::ops::exp_fixed(*v - grown);
-                sums[g] += *v;
-            }
-        }
-        for (t, slot) in (first..=last).enumerate() {
-            let into: &mut [f32] = if let Some(tw) = exact {
-                kv.read_twin(tw, layer, true, kv_head, slot, kbuf);
-                &mut *out
-            } else if v_rot {
-                kv.read_rotated(page, layer, true, kv_head, slot, kbuf);
-                &mut *acc
-            } else {
-                kv.read(page, layer, true, kv_head, slot, index * pt + slot, kbuf);
-                &mut *out
-            };
-            for g in 0..group {
-                crate::vec::axpy(&mut into[g * hd..(g + 1) * hd], scores[g * pt + t], kbuf);
-            }
-        }
-        p = index * pt + last + 1;
-    }
-    for g in 0..group {
-        let o = &mut out[g * hd..(g + 1) * hd];
-        if v_rot {
-            let a = &mut acc[g * hd..(g + 1) * hd];
-            crate::tq4::rotate_back(a, signs);
-            crate::ops::add(o, a);
-        }
-        let inv = 1.0 / sums[g];
-        o.iter_mut().for_each(|x| *x *= inv);
     }
 }
 
@@ -1259,117 +1127,131 @@ mod tests {
     }
 
     #[test]
-    fn coded_attention_with_a_key_basis_and_twins_matches_the_reference() {
-        // TQ4 keys coded in a basis with offsets and uneven weights (Q8
-        // keys as they are), TQ4 or Q8 values, an exact window in twins,
-        // group sizes of the vector kernel:
-        // the fast path, the rotated-domain reference and decoding every
-        // vector agree to rounding, and all are close to F32 attention.
+    fn coded_attention_is_the_same_bits_at_every_level_and_close_to_the_reference() {
+        // TQ4 keys coded in a basis with offsets and uneven weights (full
+        // and partial rotary), Q8 keys as they are, plain keys or values
+        // beside coded ones, an exact window in twins, pages of 16 and of
+        // 20 positions (lanes left over), groups of 1 to 11 heads: every
+        // SIMD level gives the scalar lanes' bits, and all agree with
+        // decoding every vector to rounding and are close to F32 attention.
+        use crate::cpu::Simd;
         use crate::kvbasis::KeyBasis;
         use crate::ops::{Rope, RopeLayout};
         use std::sync::Arc;
-        for (hd, layout) in [
-            (64, RopeLayout::Adjacent),
-            (128, RopeLayout::Halves),
-            (256, RopeLayout::Halves),
-        ] {
-            for group in [1, 3, 8] {
-                let shape = KvShape {
-                    layers: 2,
-                    kv_heads: 2,
-                    head_dim: hd,
-                    page_tokens: 16,
-                };
-                let mut x = 0x9e37_79b9u32 ^ (hd * 7 + group) as u32;
-                let mut rnd = move || {
-                    x ^= x << 13;
-                    x ^= x >> 17;
-                    x ^= x << 5;
-                    (x % 2000) as f32 / 1000.0 - 1.0
-                };
-                let ropes = vec![Rope::new(layout, hd, 10000.0); 2];
-                let mut basis = KeyBasis::identity(2, 2, hd, ropes.clone());
-                for (i, m) in basis.offset.iter_mut().enumerate() {
-                    *m = if i % 5 == 0 { 4.0 } else { 0.3 * ((i % 7) as f32 - 3.0) };
-                }
-                for (i, w) in basis.weight.iter_mut().enumerate() {
-                    let pair = match layout {
-                        RopeLayout::Adjacent => (i % hd) / 2,
-                        RopeLayout::Halves => (i % hd) % (hd / 2),
-                    };
-                    *w = 0.5 + (pair % 4) as f32 * 0.4;
-                }
-                let basis = Arc::new(basis);
-                let pages = [4u32, 1, 6, 0, 2];
-                let twins = [3u32, NO_TWIN, NO_TWIN, NO_TWIN, 0];
-                let end = 70;
-                let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..end)
-                    .map(|p| {
-                        let mut k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
-                        for h in 0..2 {
-                            let mut m = vec![0f32; hd];
-                            basis.offset_at(1, h, p, &mut m);
-                            k[h * hd..(h + 1) * hd].iter_mut().zip(&m).for_each(|(a, b)| *a += b);
-                        }
-                        (k, (0..2 * hd).map(|_| rnd()).collect())
-                    })
-                    .collect();
-                let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 0.4).collect();
-                let fill = |kv: &mut KvStorage, with_twins: bool| {
-                    for (p, (k, v)) in rows.iter().enumerate() {
-                        let idx = p / 16;
-                        let twin = (with_twins && twins[idx] != NO_TWIN).then_some(twins[idx]);
-                        let at = KvSlot {
-                            page: pages[idx],
-                            slot: p % 16,
-                            pos: p,
-                            twin,
-                        };
-                        kv.write(1, at, k, v);
+        let cases = [
+            (16, 16, RopeLayout::Adjacent, 16, 2),
+            (32, 32, RopeLayout::Halves, 20, 5),
+            (64, 64, RopeLayout::Adjacent, 16, 3),
+            (64, 48, RopeLayout::Halves, 20, 1),
+            (128, 128, RopeLayout::Halves, 16, 8),
+            (128, 128, RopeLayout::Halves, 20, 11),
+            (256, 256, RopeLayout::Halves, 16, 4),
+        ];
+        for (hd, rot, layout, pt, group) in cases {
+            let shape = KvShape {
+                layers: 2,
+                kv_heads: 2,
+                head_dim: hd,
+                page_tokens: pt,
+            };
+            let mut x = 0x9e37_79b9u32 ^ (hd * 7 + group + pt) as u32;
+            let mut rnd = move || {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x % 2000) as f32 / 1000.0 - 1.0
+            };
+            let ropes = vec![Rope::new(layout, rot, 10000.0); 2];
+            let mut basis = KeyBasis::identity(2, 2, hd, ropes.clone());
+            for (i, m) in basis.offset.iter_mut().enumerate() {
+                *m = if i % 5 == 0 { 4.0 } else { 0.3 * ((i % 7) as f32 - 3.0) };
+            }
+            for (i, w) in basis.weight.iter_mut().enumerate() {
+                *w = 0.5 + ((i % hd) % 8 / 2) as f32 * 0.4;
+            }
+            let basis = Arc::new(basis);
+            let pages = [4u32, 1, 6, 0, 2];
+            let twins = [3u32, NO_TWIN, NO_TWIN, NO_TWIN, 0];
+            let end = 4 * pt + 6;
+            let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..end)
+                .map(|p| {
+                    let mut k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+                    for h in 0..2 {
+                        let mut m = vec![0f32; hd];
+                        basis.offset_at(1, h, p, &mut m);
+                        k[h * hd..(h + 1) * hd].iter_mut().zip(&m).for_each(|(a, b)| *a += b);
                     }
-                };
-                let mut exact = KvStorage::new(shape, KvFormat::F32, 8);
-                fill(&mut exact, false);
-                for (fk, fv) in [
-                    (KvFormat::Tq4, KvFormat::Tq4),
-                    (KvFormat::Q8, KvFormat::Q8),
-                    (KvFormat::Q8, KvFormat::Tq4),
-                    (KvFormat::Tq4, KvFormat::Q8),
-                ] {
-                    let mut kv = KvStorage::with_formats(shape, fk, fv, 8)
-                        .with_twins(4)
-                        .with_key_basis(basis.clone());
-                    fill(&mut kv, true);
-                    let rel = |a: &[f32], b: &[f32]| {
-                        let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-                        let n: f32 = b.iter().map(|y| y * y).sum();
-                        (d / n).sqrt()
+                    (k, (0..2 * hd).map(|_| rnd()).collect())
+                })
+                .collect();
+            let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 0.4).collect();
+            let fill = |kv: &mut KvStorage, with_twins: bool| {
+                for (p, (k, v)) in rows.iter().enumerate() {
+                    let idx = p / pt;
+                    let twin = (with_twins && twins[idx] != NO_TWIN).then_some(twins[idx]);
+                    let at = KvSlot {
+                        page: pages[idx],
+                        slot: p % pt,
+                        pos: p,
+                        twin,
                     };
-                    for (start, twinned) in [(0, true), (0, false), (20, true)] {
-                        let query = AttnQuery {
-                            pages: &pages,
-                            twins: if twinned { &twins } else { &[] },
-                            start,
-                            end,
-                        };
-                        // Lossy pages need one page of scores, whatever the
-                        // context: no scratch for the other 54 positions.
-                        let mut small = AttnScratch::new(0, hd, group, 16);
-                        let mut s = AttnScratch::new(80, hd, group, 16);
-                        let mut fast = vec![0f32; group * hd];
-                        let mut slow = vec![0f32; group * hd];
-                        let mut want = vec![0f32; group * hd];
-                        attend_group(&kv, 1, 1, &query, &q, 0.1, &mut fast, &mut small);
-                        attend_group_online(&kv, 1, 1, &query, &q, 0.1, &mut slow, &mut small);
-                        attend_group_generic(&kv, 1, 1, &query, &q, 0.1, &mut want, &mut s);
-                        let what = format!("{fk:?}/{fv:?}, hd {hd}, group {group}, from {start}, twins {twinned}");
-                        assert!(rel(&fast, &want) < 1e-4, "{what}: fast {}", rel(&fast, &want));
-                        assert!(rel(&slow, &want) < 1e-4, "{what}: rotated {}", rel(&slow, &want));
-                        let plain = AttnQuery { twins: &[], ..query };
-                        let mut truth = vec![0f32; group * hd];
-                        attend_group(&exact, 1, 1, &plain, &q, 0.1, &mut truth, &mut s);
-                        assert!(rel(&fast, &truth) < 0.15, "{what}: vs f32 {}", rel(&fast, &truth));
+                    kv.write(1, at, k, v);
+                }
+            };
+            let mut exact = KvStorage::new(shape, KvFormat::F32, 8);
+            fill(&mut exact, false);
+            let rel = |a: &[f32], b: &[f32]| {
+                let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+                let n: f32 = b.iter().map(|y| y * y).sum();
+                (d / n).sqrt()
+            };
+            for (fk, fv) in [
+                (KvFormat::Tq4, KvFormat::Tq4),
+                (KvFormat::Q8, KvFormat::Q8),
+                (KvFormat::Q8, KvFormat::Tq4),
+                (KvFormat::Tq4, KvFormat::Q8),
+                (KvFormat::F16, KvFormat::Tq4),
+                (KvFormat::Tq4, KvFormat::F32),
+            ] {
+                let mut kv = KvStorage::with_formats(shape, fk, fv, 8)
+                    .with_twins(4)
+                    .with_key_basis(basis.clone());
+                fill(&mut kv, true);
+                for (start, twinned) in [(0, true), (0, false), (pt + 3, true), (end - 1, true)] {
+                    let query = AttnQuery {
+                        pages: &pages,
+                        twins: if twinned { &twins } else { &[] },
+                        start,
+                        end,
+                    };
+                    let what = format!("{fk:?}/{fv:?}, hd {hd}, rot {rot}, pages of {pt}, group {group}, from {start}, twins {twinned}");
+                    // Lossy pages need one page of scores, whatever the
+                    // context: no scratch for the other positions.
+                    let mut small = AttnScratch::new(0, hd, group, pt);
+                    let mut want = vec![0f32; group * hd];
+                    coded::attend(Simd::Scalar, &kv, 1, 1, &query, &q, 0.1, &mut want, &mut small);
+                    for level in Simd::available() {
+                        let mut got = vec![f32::NAN; group * hd];
+                        coded::attend(level, &kv, 1, 1, &query, &q, 0.1, &mut got, &mut small);
+                        assert!(
+                            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{what}: {level:?} differs from the scalar lanes"
+                        );
                     }
+                    let mut fast = vec![0f32; group * hd];
+                    attend_group(&kv, 1, 1, &query, &q, 0.1, &mut fast, &mut small);
+                    assert!(
+                        fast.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}"
+                    );
+                    let mut s = AttnScratch::new(end, hd, group, pt);
+                    let mut decoded = vec![0f32; group * hd];
+                    attend_group_generic(&kv, 1, 1, &query, &q, 0.1, &mut decoded, &mut s);
+                    assert!(rel(&want, &decoded) < 1e-4, "{what}: {}", rel(&want, &decoded));
+                    let plain = AttnQuery { twins: &[], ..query };
+                    let mut truth = vec![0f32; group * hd];
+                    attend_group(&exact, 1, 1, &plain, &q, 0.1, &mut truth, &mut s);
+                    assert!(rel(&want, &truth) < 0.15, "{what}: vs f32 {}", rel(&want, &truth));
                 }
             }
         }
@@ -1577,7 +1459,7 @@ mod x86_f16_512 {
 
     use std::arch::x86_64::*;
 
-    use super::x86_coded::hsums;
+    use super::coded::x86::hsums;
     use super::{softmax_row, AttnQuery, KvStorage};
 
     /// Positions the prefetch cursor runs ahead of the scores (measured
@@ -1855,381 +1737,6 @@ mod x86_f16_512 {
             4 => by_group!(4),
             2 => by_group!(2),
             _ => by_group!(1),
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86_coded {
-    //! Attention over coded keys and values (TQ4 or Q8) with AVX-512: TQ4
-    //! codes are looked up in the 16-level codebook held in one register (`vpermps`), 16
-    //! coordinates at a time, and consumed in place; nothing is decoded to
-    //! memory. The 16 coordinates of a block come out of its 8 code bytes
-    //! as the low nibbles then the high nibbles (coordinates 0, 2, .., 14,
-    //! then 1, 3, .., 15), so the rotated queries and the rotated value sums
-    //! are kept in that order and put back in order once per head. Pages of
-    //! the exact window are read from their F16 twins against the plain
-    //! query. Q8 codes are widened 16 at a time, in order. The same
-    //! operations as `attend_group_online` in another order: tested
-    //! against it to rounding.
-
-    use std::arch::x86_64::*;
-
-    use super::{AttnQuery, AttnScratch, Data, KvStorage};
-    use crate::ops::x86_512::exp16;
-
-    /// Position in the nibble order of coordinate `e` of a 16-block.
-    #[inline(always)]
-    fn lane(e: usize) -> usize {
-        (e % 16) / 2 + 8 * (e % 2) + 16 * (e / 16)
-    }
-
-    /// The 16 levels of one 8-byte block of codes.
-    #[inline(always)]
-    unsafe fn levels(codes: *const u8, book: __m512) -> __m512 {
-        let x = _mm_loadl_epi64(codes as *const __m128i);
-        let m = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(x, m);
-        let hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
-        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)), book)
-    }
-
-    /// The horizontal sums of up to eight registers at once: halves added,
-    /// then pairs of registers folded together by `hadd`, so the sums
-    /// share their shuffles.
-    #[inline(always)]
-    pub(super) unsafe fn hsums<const G: usize>(a: &[__m512; G]) -> [f32; 8] {
-        let mut y = [_mm256_setzero_ps(); 8];
-        for g in 0..G {
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a[g])));
-            y[g] = _mm256_add_ps(_mm512_castps512_ps256(a[g]), hi);
-        }
-        let h01 = _mm256_hadd_ps(y[0], y[1]);
-        let h23 = _mm256_hadd_ps(y[2], y[3]);
-        let h45 = _mm256_hadd_ps(y[4], y[5]);
-        let h67 = _mm256_hadd_ps(y[6], y[7]);
-        let h0123 = _mm256_hadd_ps(h01, h23);
-        let h4567 = _mm256_hadd_ps(h45, h67);
-        let lo = _mm256_permute2f128_ps::<0x20>(h0123, h4567);
-        let hi = _mm256_permute2f128_ps::<0x31>(h0123, h4567);
-        let mut out = [0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
-        out
-    }
-
-    /// The first `k` of 16 lanes.
-    #[inline(always)]
-    fn lanes_mask(k: usize) -> __mmask16 {
-        if k >= 16 {
-            0xffff
-        } else {
-            ((1u32 << k) - 1) as __mmask16
-        }
-    }
-
-    /// A coded part's bytes and scales.
-    fn coded(d: &Data) -> (*const u8, &[u16]) {
-        match d {
-            Data::Tq4 { codes, scales } => (codes.as_ptr(), scales),
-            Data::Q8 { codes, scales } => (codes.as_ptr() as *const u8, scales),
-            _ => unreachable!("vector kernel on an uncoded part"),
-        }
-    }
-
-    /// Coordinates `16c .. 16c + 16` of a coded vector, unscaled: int8
-    /// codes (Q8, in order) or codebook levels (TQ4, nibble order).
-    #[inline(always)]
-    unsafe fn chunk<const Q8: bool>(vector: *const u8, c: usize, book: __m512) -> __m512 {
-        if Q8 {
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                vector.add(c * 16) as *const __m128i
-            )))
-        } else {
-            levels(vector.add(c * 8), book)
-        }
-    }
-
-    /// An f16 scale to f32 (F16C).
-    #[inline(always)]
-    unsafe fn f16(bits: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    unsafe fn group_coded<const G: usize, const KQ8: bool, const VQ8: bool>(
-        kv: &KvStorage,
-        layer: usize,
-        kv_head: usize,
-        query: &AttnQuery,
-        q: &[f32],
-        scale: f32,
-        out: &mut [f32],
-        scratch: &mut AttnScratch,
-    ) {
-        let hd = kv.shape.head_dim;
-        let ((ck, sk), (cv, sv)) = (coded(&kv.k), coded(&kv.v));
-        // Bytes of one coded vector.
-        let (kb, vb) = (if KQ8 { hd } else { hd / 2 }, if VQ8 { hd } else { hd / 2 });
-        let (tk, tv): (&[u16], &[u16]) = match (&kv.twin_k, &kv.twin_v) {
-            (Data::F16(a), Data::F16(b)) => (a, b),
-            _ => (&[], &[]),
-        };
-        let pt = kv.shape.page_tokens;
-        let chunks = hd / 16;
-        let signs = kv.signs_of(layer, kv_head);
-        let book = _mm512_loadu_ps(crate::tq4::codebook(hd).as_ptr());
-        let AttnScratch {
-            scores,
-            kv: tmp,
-            rotated: qr,
-            acc,
-            xy,
-            shifted,
-            c0,
-            run,
-        } = scratch;
-        let offset = kv.basis.as_ref().map(|(b, t)| (b, t.trig(layer)));
-        for g in 0..G {
-            let qg = &q[g * hd..(g + 1) * hd];
-            tmp.copy_from_slice(qg);
-            if let Some((b, trig)) = offset {
-                tmp.iter_mut().zip(b.weight(layer, kv_head)).for_each(|(x, &w)| *x /= w);
-                c0[g] = trig.prepare(qg, b.offset(layer, kv_head), &mut xy[g * hd..(g + 1) * hd]);
-            }
-            crate::tq4::rotate(tmp, signs);
-            for (e, &x) in tmp.iter().enumerate() {
-                qr[g * hd + if KQ8 { e } else { lane(e) }] = x;
-            }
-        }
-        let np = hd / 2;
-        out.fill(0.0);
-        acc[..G * hd].fill(0.0);
-        let (maxes, sums) = run[..2 * G].split_at_mut(G);
-        maxes.fill(f32::NEG_INFINITY);
-        sums.fill(0.0);
-        // Page by page: a page's positions are consecutive vectors.
-        let mut p = query.start;
-        while p < query.end {
-            let (index, first) = (p / pt, p % pt);
-            let last = (pt - 1).min(query.end - 1 - index * pt);
-            let len = last + 1 - first;
-            let exact = query.exact(index, pt);
-            let base = match exact {
-                Some(t) => kv.vector(t, layer, kv_head, 0),
-                None => kv.vector(query.pages[index], layer, kv_head, 0),
-            };
-            // Scores of the page.
-            if exact.is_some() {
-                for (t, slot) in (first..=last).enumerate() {
-                    let k = tk.as_ptr().add((base + slot) * hd);
-                    let mut a = [_mm512_setzero_ps(); G];
-                    for c in 0..chunks {
-                        let x = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(c * 16) as *const __m256i));
-                        for (g, ag) in a.iter_mut().enumerate() {
-                            *ag = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(g * hd + c * 16)), x, *ag);
-                        }
-                    }
-                    let sums = hsums(&a);
-                    for (g, &sum) in sums.iter().take(G).enumerate() {
-                        *scores.get_unchecked_mut(g * pt + t) = sum * scale;
-                    }
-                }
-            } else {
-                if let Some((_, trig)) = offset {
-                    for g in 0..G {
-                        trig.shift(&xy[g * hd..(g + 1) * hd], index, &mut shifted[g * hd..(g + 1) * hd]);
-                    }
-                }
-                for (t, slot) in (first..=last).enumerate() {
-                    let vi = base + slot;
-                    let codes = ck.add(vi * kb);
-                    let mut a = [_mm512_setzero_ps(); G];
-                    for c in 0..chunks {
-                        let x = chunk::<KQ8>(codes, c, book);
-                        for (g, ag) in a.iter_mut().enumerate() {
-                            *ag = _mm512_fmadd_ps(_mm512_loadu_ps(qr.as_ptr().add(g * hd + c * 16)), x, *ag);
-                        }
-                    }
-                    let s = _mm512_set1_ps(f16(*sk.get_unchecked(vi)));
-                    match offset {
-                        Some((_, trig)) => {
-                            // The offset's terms join the scaled dot in the
-                            // same register: one horizontal sum per head.
-                            let (cs, sn) = (
-                                trig.within_cos.as_ptr().add(slot * np),
-                                trig.within_sin.as_ptr().add(slot * np),
-                            );
-                            for (g, ag) in a.iter_mut().enumerate() {
-                                let xy = shifted.as_ptr().add(g * hd);
-                                let mut o = _mm512_mul_ps(*ag, s);
-                                for j in (0..np).step_by(16) {
-                                    o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(j)), _mm512_loadu_ps(cs.add(j)), o);
-                                    o = _mm512_fmadd_ps(_mm512_loadu_ps(xy.add(np + j)), _mm512_loadu_ps(sn.add(j)), o);
-                                }
-                                *ag = o;
-                            }
-                            let sums = hsums(&a);
-                            for (g, &sum) in sums.iter().take(G).enumerate() {
-                                *scores.get_unchecked_mut(g * pt + t) = (sum + c0[g]) * scale;
-                            }
-                        }
-                        None => {
-                            for ag in a.iter_mut() {
-                                *ag = _mm512_mul_ps(*ag, s);
-                            }
-                            let sums = hsums(&a);
-                            for (g, &sum) in sums.iter().take(G).enumerate() {
-                                *scores.get_unchecked_mut(g * pt + t) = sum * scale;
-                            }
-                        }
-                    }
-                }
-            }
-            // Running softmax: rescale the sums so far if the maximum grew.
-            for g in 0..G {
-                let sc = scores.as_mut_ptr().add(g * pt);
-                let mut mx = _mm512_set1_ps(maxes[g]);
-                for t in (0..len).step_by(16) {
-                    let m = lanes_mask(len - t);
-                    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, sc.add(t)));
-                }
-                let grown = _mm512_reduce_max_ps(mx);
-                if grown > maxes[g] {
-                    let c = crate::ops::exp_fixed(maxes[g] - grown);
-                    sums[g] *= c;
-                    let cv = _mm512_set1_ps(c);
-                    for arr in [&mut out[g * hd..(g + 1) * hd], &mut acc[g * hd..(g + 1) * hd]] {
-                        for ch in 0..chunks {
-                            let ptr = arr.as_mut_ptr().add(ch * 16);
-                            _mm512_storeu_ps(ptr, _mm512_mul_ps(_mm512_loadu_ps(ptr), cv));
-                        }
-                    }
-                    maxes[g] = grown;
-                }
-                let gv = _mm512_set1_ps(grown);
-                let mut total = _mm512_setzero_ps();
-                for t in (0..len).step_by(16) {
-                    let m = lanes_mask(len - t);
-                    let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc.add(t)), gv));
-                    _mm512_mask_storeu_ps(sc.add(t), m, e);
-                    total = _mm512_mask_add_ps(total, m, total, e);
-                }
-                sums[g] += _mm512_reduce_add_ps(total);
-            }
-            // Coded values are `scale * level`: fold each position's scale
-            // into its weights once.
-            if exact.is_none() {
-                for t in 0..len {
-                    let s = f16(*sv.get_unchecked(base + first + t));
-                    for g in 0..G {
-                        *scores.get_unchecked_mut(g * pt + t) *= s;
-                    }
-                }
-            }
-            // Values of the page: twins' into the output, coded ones into
-            // the rotated sums.
-            for c in 0..chunks {
-                if exact.is_some() {
-                    let mut ap = [_mm512_setzero_ps(); G];
-                    for (g, apg) in ap.iter_mut().enumerate() {
-                        *apg = _mm512_loadu_ps(out.as_ptr().add(g * hd + c * 16));
-                    }
-                    for (t, slot) in (first..=last).enumerate() {
-                        let v = tv.as_ptr().add((base + slot) * hd + c * 16);
-                        let x = _mm512_cvtph_ps(_mm256_loadu_si256(v as *const __m256i));
-                        for (g, apg) in ap.iter_mut().enumerate() {
-                            *apg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * pt + t)), x, *apg);
-                        }
-                    }
-                    for (g, apg) in ap.iter().enumerate() {
-                        _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + c * 16), *apg);
-                    }
-                } else {
-                    let mut ar = [_mm512_setzero_ps(); G];
-                    for (g, arg) in ar.iter_mut().enumerate() {
-                        *arg = _mm512_loadu_ps(acc.as_ptr().add(g * hd + c * 16));
-                    }
-                    for (t, slot) in (first..=last).enumerate() {
-                        let vi = base + slot;
-                        let x = chunk::<VQ8>(cv.add(vi * vb), c, book);
-                        for (g, arg) in ar.iter_mut().enumerate() {
-                            *arg = _mm512_fmadd_ps(_mm512_set1_ps(*scores.get_unchecked(g * pt + t)), x, *arg);
-                        }
-                    }
-                    for (g, arg) in ar.iter().enumerate() {
-                        _mm512_storeu_ps(acc.as_mut_ptr().add(g * hd + c * 16), *arg);
-                    }
-                }
-            }
-            p = index * pt + last + 1;
-        }
-        for g in 0..G {
-            for (e, t) in tmp.iter_mut().enumerate() {
-                *t = acc[g * hd + if VQ8 { e } else { lane(e) }];
-            }
-            crate::tq4::rotate_back(tmp, signs);
-            let o = &mut out[g * hd..(g + 1) * hd];
-            crate::ops::add(o, tmp);
-            let inv = 1.0 / sums[g];
-            o.iter_mut().for_each(|x| *x *= inv);
-        }
-    }
-
-    /// Whether the kernel takes this cache and group: keys and values each
-    /// TQ4 or Q8, whole 16-blocks, whole 16-blocks of rotary pairs, up to
-    /// 8 heads.
-    pub(super) fn takes(kv: &KvStorage, group: usize) -> bool {
-        let hd = kv.shape.head_dim;
-        let lossy = |d: &Data| matches!(d, Data::Tq4 { .. } | Data::Q8 { .. });
-        lossy(&kv.k)
-            && lossy(&kv.v)
-            && crate::cpu::simd() >= crate::cpu::Simd::Avx512Vnni
-            && (1..=8).contains(&group)
-            && hd.is_multiple_of(16)
-            && hd <= super::ROTATED_MAX_DIM
-            && kv.basis.as_ref().is_none_or(|(_, t)| {
-                (0..kv.shape.layers).all(|l| {
-                    let tr = t.trig(l);
-                    tr.pairs.len() == hd / 2 && tr.fixed.is_empty()
-                })
-            })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_group_coded(
-        kv: &KvStorage,
-        layer: usize,
-        kv_head: usize,
-        query: &AttnQuery,
-        q: &[f32],
-        scale: f32,
-        out: &mut [f32],
-        scratch: &mut AttnScratch,
-    ) {
-        let hd = kv.shape.head_dim;
-        let (kq8, vq8) = (matches!(kv.k, Data::Q8 { .. }), matches!(kv.v, Data::Q8 { .. }));
-        macro_rules! by_group {
-            ($k:literal, $v:literal) => {
-                match q.len() / hd {
-                    1 => group_coded::<1, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    2 => group_coded::<2, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    3 => group_coded::<3, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    4 => group_coded::<4, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    5 => group_coded::<5, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    6 => group_coded::<6, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    7 => group_coded::<7, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    8 => group_coded::<8, $k, $v>(kv, layer, kv_head, query, q, scale, out, scratch),
-                    g => unreachable!("coded attention: {g} query heads per KV head take the scalar path"),
-                }
-            };
-        }
-        match (kq8, vq8) {
-            (false, false) => by_group!(false, false),
-            (false, true) => by_group!(false, true),
-            (true, false) => by_group!(true, false),
-            (true, true) => by_group!(true, true),
         }
     }
 }
