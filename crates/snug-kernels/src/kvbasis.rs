@@ -328,7 +328,8 @@ impl Trig {
 
     /// `(X', Y')` for the page starting at `page * page_tokens`, so that
     /// the position `t` into the page takes `Σ_j X'_j cos θ_j t + Y'_j sin
-    /// θ_j t`.
+    /// θ_j t`. The attention kernel performs the same products and sums
+    /// 16 pairs at a time (`kv::coded`); this form checks the tables.
     pub fn shift(&self, xy: &[f32], page: usize, out: &mut [f32]) {
         let np = self.pairs.len();
         let (c, s) = (
