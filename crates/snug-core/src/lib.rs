@@ -5,6 +5,7 @@
 
 pub mod alloc;
 pub mod draft;
+pub mod durable;
 pub mod ledger;
 pub mod pages;
 pub mod prefix;

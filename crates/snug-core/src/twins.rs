@@ -28,6 +28,15 @@ use crate::pages::PagesError;
 /// Marks a page index without a twin.
 pub const NO_TWIN: u32 = u32::MAX;
 
+/// The exact window's rule: whether a query at position `end - 1` reads
+/// page `index` of its sequence from the page's twin (page 0 and the
+/// query's own page) rather than coded. Attention (`snug_kernels::kv`)
+/// reads by it, and the twins kept here are the ones it needs.
+#[inline]
+pub fn reads_exact(index: usize, end: usize, page_tokens: usize) -> bool {
+    index == 0 || index == (end - 1) / page_tokens
+}
+
 /// The newest pages of a sequence that keep their twins after a step.
 pub const KEEP: usize = 2;
 

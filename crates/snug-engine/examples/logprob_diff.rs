@@ -6,8 +6,10 @@
 //! `SNUG_NUMERICS=llama.cpp` runs the llama.cpp numerics; `SNUG_VERBOSE=1`
 //! prints each step's top-2 margin error; `SNUG_SPLIT=K` feeds a prompt's
 //! last `K` tokens as a second batch.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use snug_engine::{Engine, EngineOptions};
+use snug_kernels::ggml::Numerics;
 use snug_model::arch::Model;
 use snug_model::GgufFile;
 
@@ -26,7 +28,10 @@ fn main() {
         }
         let path = snug_model::testing::model_path(alias).unwrap();
         let file = GgufFile::open(&path).unwrap();
-        let model_q = Model::load(&file).unwrap();
+        let mut model_q = Model::load(&file).unwrap();
+        if let Some(n) = std::env::var("SNUG_NUMERICS").ok().and_then(|v| Numerics::parse(&v)) {
+            model_q.numerics = n;
+        }
         let f32_mode = std::env::var("SNUG_F32_REFERENCE").is_ok();
         let arena = if f32_mode {
             model_q.dequantized_buffers()
@@ -54,7 +59,9 @@ fn main() {
         let model_r = if cmp {
             model_q.with_f32_matrices(&arena2)
         } else {
-            Model::load(&file).unwrap()
+            let mut m = Model::load(&file).unwrap();
+            m.numerics = model_q.numerics;
+            m
         };
         let mut ref_engine = Engine::new(
             &model_r,

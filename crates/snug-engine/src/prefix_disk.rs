@@ -88,18 +88,12 @@ impl DiskTier {
         head.extend_from_slice(&VERSION.to_le_bytes());
         head.extend_from_slice(&crc.finalize().to_le_bytes());
         head.extend_from_slice(&len.to_le_bytes());
-        let tmp = self.dir.join(format!(".{}.{}.tmp", hex(&key[..8]), std::process::id()));
-        let write = || -> std::io::Result<()> {
-            let mut f = std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        snug_core::durable::write_with(&path, |file| {
+            let mut f = std::io::BufWriter::with_capacity(1 << 20, file);
             f.write_all(&head)?;
             storage.page_runs(page, pt, false, |r| f.write_all(r))?;
-            f.flush()?;
-            std::fs::rename(&tmp, &path)
-        };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
+            f.flush()
+        })?;
         self.bytes += HEADER as u64 + len;
         if self.bytes > self.cap {
             self.prune()?;

@@ -235,48 +235,6 @@ impl<W: Write> SectionWriter<W> {
     }
 }
 
-/// The temporary file a save of `path` writes first (same directory, so
-/// the rename is atomic).
-fn temp_path(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
-}
-
-/// Removes temporary files that saves of `path` by processes no longer
-/// running left behind (a save killed midway).
-fn remove_stale_temps(path: &Path) {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return;
-    };
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    let prefix = format!(".{}.", name.to_string_lossy());
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    // Whether a process runs is read from /proc; without it nothing is
-    // removed.
-    if !Path::new("/proc/self").exists() {
-        return;
-    }
-    for e in entries.flatten() {
-        let f = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = f.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".tmp")) else {
-            continue;
-        };
-        let alive = pid
-            .parse::<u32>()
-            .is_ok_and(|p| Path::new(&format!("/proc/{p}")).exists());
-        if !alive {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-}
-
 impl Engine<'_> {
     /// The KV half of a session identity, with the model's half from the
     /// caller.
@@ -367,18 +325,12 @@ impl Engine<'_> {
         let json = serde_json::to_vec(&meta).expect("the header serializes");
         let basis = self.storage.key_basis().map(basis_bytes);
         let n_sections = 4 + usize::from(basis.is_some());
-        remove_stale_temps(path);
-        let tmp = temp_path(path);
-        let io = |source| SessionError::Io {
-            path: tmp.display().to_string(),
-            source,
-        };
-        let write = || -> std::io::Result<(u64, u64)> {
-            let mut file = File::create(&tmp)?;
+        snug_core::durable::remove_stale_temps(path);
+        let write = |file: &mut File| -> std::io::Result<(u64, u64)> {
             let head = header_len(n_sections);
             file.write_all(&vec![0u8; head as usize])?;
             let mut w = SectionWriter {
-                out: std::io::BufWriter::with_capacity(1 << 20, &mut file),
+                out: std::io::BufWriter::with_capacity(1 << 20, &mut *file),
                 at: head,
                 entries: Vec::new(),
                 crc: crc32fast::Hasher::new(),
@@ -415,28 +367,10 @@ impl Engine<'_> {
             drop(w);
             file.seek(SeekFrom::Start(0))?;
             file.write_all(&encode_header(&entries))?;
-            file.sync_all()?;
             Ok((total, kv_bytes))
         };
-        let (bytes, kv_bytes) = match write() {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(io(e));
-            }
-        };
-        if let Err(e) = std::fs::rename(&tmp, path) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(SessionError::Io { path: p, source: e });
-        }
-        // The rename itself survives a crash once the directory is synced.
-        let dir = path
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
+        let (bytes, kv_bytes) =
+            snug_core::durable::write_with(path, write).map_err(|source| SessionError::Io { path: p, source })?;
         Ok(Saved { bytes, kv_bytes })
     }
 

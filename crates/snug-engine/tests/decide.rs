@@ -3,6 +3,7 @@
 //! same answer; a branch forked from the shared state scores exactly as
 //! the state and question fed as one plain sequence; an over-long request
 //! is a capacity error naming the limit.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use serde_json::json;
 use snug_engine::decide::{parse_questions, DecideError, Framing, Question, Temperatures};

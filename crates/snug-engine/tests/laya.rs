@@ -1,6 +1,7 @@
 //! Native Laya checkpoints against the reference SDK: two tiny randomly
 //! initialised checkpoints (ModernBERT and mmBERT layouts) and the SDK's
 //! answers to a set of requests, built by `scripts/make-laya-fixtures.py`.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use std::path::{Path, PathBuf};
 

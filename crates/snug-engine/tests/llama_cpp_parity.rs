@@ -15,6 +15,7 @@
 //! Under the llama.cpp numerics (`--numerics llama.cpp`), snug computes as
 //! llama.cpp's x86 build does, and its greedy tokens and log-probabilities
 //! must equal the fixture's outright.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use snug_engine::sampling::argmax;
 use snug_engine::{Engine, EngineOptions};

@@ -3,6 +3,7 @@
 //! what a cold engine generates, on F16, Q8 and TQ4 pages; eviction under
 //! a tight budget keeps generation working; a damaged page file is a miss,
 //! never used.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use std::path::PathBuf;
 

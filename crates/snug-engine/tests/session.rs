@@ -2,6 +2,7 @@
 //! goes on exactly as the uninterrupted engine does (greedy and seeded
 //! sampling, F16, Q8 and TQ4 pages), and every kind of bad file is refused
 //! with its own error before any of it is used.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use std::path::{Path, PathBuf};
 

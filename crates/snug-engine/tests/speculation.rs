@@ -4,6 +4,7 @@
 //! four real models and on prompts of several kinds, including positions
 //! where the two best logits nearly tie. And a verify row's logits are
 //! bitwise the logits of decoding that position alone.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use snug_core::speculate::Mode;
 use snug_engine::generate::{GenerateRequest, Generation};

@@ -5,15 +5,27 @@
 //! With `COLD=1` each round of calls runs over 24 layers after reading a
 //! 512 MiB buffer, so the keys and values come from memory, as they do
 //! in a model whose weights stream through the caches between layers.
-//! `[SHAPE=qwen1.5b] [COLD=1] [KV=tq4] cargo run --release -p snug-kernels --example attnbench [DEPTH...]`
+//! With `ROWS=n`, the time a row of a prefill chunk takes: `n` rows at the
+//! positions before the depth, through `attend_rows` (over lossy pages,
+//! up to 8 rows read each page together), per row.
+//! `[SHAPE=qwen1.5b] [COLD=1] [KV=tq4] [ROWS=n] cargo run --release -p snug-kernels --example attnbench [DEPTH...]`
 
 use std::time::Instant;
 
-use snug_kernels::kv::{attend_group, AttnQuery, AttnScratch, KvFormat, KvShape, KvSlot, KvStorage};
+use snug_kernels::kv::{
+    attend_group, attend_rows, AttnQuery, AttnRow, AttnScratch, KvFormat, KvShape, KvSlot, KvStorage,
+};
 use snug_kernels::kvbasis::KeyBasis;
 use snug_kernels::ops::{Rope, RopeLayout};
 
 fn main() {
+    // `SNUG_SIMD=avx2|scalar` caps the kernels' level, as for `snug`.
+    if let Some(level) = std::env::var("SNUG_SIMD")
+        .ok()
+        .and_then(|v| snug_kernels::cpu::Simd::parse(&v))
+    {
+        snug_kernels::cpu::limit(level);
+    }
     let depths: Vec<usize> = {
         let d: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
         if d.is_empty() {
@@ -33,6 +45,7 @@ fn main() {
     let cold = std::env::var("COLD").is_ok_and(|v| v == "1");
     let layers = if cold { 24 } else { 1 };
     let flush: Vec<u64> = if cold { vec![1; 64 << 20] } else { Vec::new() };
+    let rows: usize = std::env::var("ROWS").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
     println!("| shape | depth | us a call | GB/s of K+V |");
     println!("| --- | ---: | ---: | ---: |");
     let only = std::env::var("SHAPE").ok();
@@ -86,10 +99,43 @@ fn main() {
                 start: 0,
                 end: depth,
             };
-            let mut scratch = AttnScratch::new(depth, hd, group, pt);
+            let lossy = matches!(format, KvFormat::Q8 | KvFormat::Tq4);
+            let block: usize = std::env::var("BLOCK").ok().and_then(|b| b.parse().ok()).unwrap_or(8);
+            let mut scratch = AttnScratch::for_rows(if lossy { 0 } else { depth }, hd, group, pt, block);
             let mut out = vec![0f32; group * hd];
             let scale = 1.0 / (hd as f32).sqrt();
             attend_group(&kv, 0, 0, &query, &q, scale, &mut out, &mut scratch);
+            if rows > 0 {
+                let n = rows.min(depth);
+                let qs: Vec<f32> = (0..n * group * hd).map(|_| rnd() * 2.0).collect();
+                let mut outs = vec![0f32; n * group * hd];
+                let mut times = Vec::new();
+                for _ in 0..5 {
+                    let t0 = Instant::now();
+                    for l in 0..layers {
+                        let mut block: Vec<AttnRow> = qs
+                            .chunks(group * hd)
+                            .zip(outs.chunks_mut(group * hd))
+                            .enumerate()
+                            .map(|(i, (q, out))| AttnRow {
+                                query: AttnQuery {
+                                    end: depth - n + i + 1,
+                                    ..query
+                                },
+                                q,
+                                out,
+                            })
+                            .collect();
+                        attend_rows(&kv, l, 0, &mut block, scale, &mut scratch);
+                    }
+                    times.push(t0.elapsed().as_secs_f64() / (n * layers) as f64);
+                }
+                times.sort_by(f64::total_cmp);
+                let t = times[2];
+                let bytes = (2 * depth * format.vector_bytes(hd)) as f64;
+                println!("| {name} | {depth} | {:.1} a row | {:.1} |", t * 1e6, bytes / t / 1e9);
+                continue;
+            }
             let reps = (std::env::var("WORK")
                 .ok()
                 .and_then(|w| w.parse().ok())

@@ -3,6 +3,7 @@
 //! a plain loop and, where the CPU has AVX-512, for 512-bit loads into
 //! eight independent sums (more reads in flight), and the best of them.
 //! `cargo run --release -p snug-kernels --example bandwidth -- [threads]`
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use std::time::Instant;
 

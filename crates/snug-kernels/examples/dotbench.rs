@@ -6,6 +6,7 @@
 //! `K` and `ROWS` set the matrix, `ONLY=packed` runs only the packed
 //! panels, `N=1,4` only those activation rows, and `REPS=10` repeats
 //! each measurement ten times as often.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use std::time::Instant;
 

@@ -2,9 +2,12 @@
 //!
 //! Every SIMD path computes exactly what the scalar reference computes (the
 //! kernels fix each output's operation order; see `dot`), so the choice
-//! changes speed, never bits. `SNUG_SIMD=scalar|avx2|avx512` forces a path
-//! (a path the CPU lacks falls back to the best one it has).
+//! changes speed, never bits. A program may cap the level before the first
+//! kernel runs ([`limit`]; the `snug` binary does so for
+//! `SNUG_SIMD=scalar|avx2|avx512`); a level the CPU lacks falls back to the
+//! best one it has.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// A kernel implementation level.
@@ -58,17 +61,39 @@ impl Simd {
     }
 }
 
-/// The level the kernels use: the best available, or `SNUG_SIMD` if set.
+impl Simd {
+    /// The level a name gives (`scalar`, `avx2`, `avx512`).
+    pub fn parse(name: &str) -> Option<Simd> {
+        match name {
+            "scalar" => Some(Simd::Scalar),
+            "avx2" => Some(Simd::Avx2),
+            "avx512" => Some(Simd::Avx512Vnni),
+            _ => None,
+        }
+    }
+}
+
+/// The cap [`limit`] set (`u8::MAX`: none).
+static CAP: AtomicU8 = AtomicU8::new(u8::MAX);
+static LEVEL: OnceLock<Simd> = OnceLock::new();
+
+/// Caps the level the kernels use at `level`, for comparing levels on one
+/// machine. Takes effect only before the first kernel asks ([`simd`] is
+/// decided once); returns whether it did.
+pub fn limit(level: Simd) -> bool {
+    CAP.store(level as u8, Ordering::Relaxed);
+    LEVEL.get().is_none()
+}
+
+/// The level the kernels use: the best available, capped by [`limit`].
 pub fn simd() -> Simd {
-    static LEVEL: OnceLock<Simd> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         let best = Simd::detect();
-        let wanted = match std::env::var("SNUG_SIMD").as_deref() {
-            Ok("scalar") => Simd::Scalar,
-            Ok("avx2") => Simd::Avx2,
-            Ok("avx512") => Simd::Avx512Vnni,
-            _ => best,
+        let cap = match CAP.load(Ordering::Relaxed) {
+            0 => Simd::Scalar,
+            1 => Simd::Avx2,
+            _ => Simd::Avx512Vnni,
         };
-        wanted.min(best)
+        cap.min(best)
     })
 }

@@ -65,9 +65,7 @@ const TILE_OUTS: usize = 3;
 /// A tile's results: `[activation row][output]`.
 type Tile = [[f32; TILE_OUTS]; TILE_ROWS];
 
-struct SendPtr(*mut f32);
-unsafe impl Sync for SendPtr {}
-unsafe impl Send for SendPtr {}
+use crate::pool::SendPtr;
 
 /// `out` (`n_rows x w.rows`) = `x` (`n_rows x w.cols`) times `w` transposed.
 pub fn dense_matmul(pool: &ThreadPool, w: &Dense, x: &[f32], n_rows: usize, out: &mut [f32]) {

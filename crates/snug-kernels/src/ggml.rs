@@ -62,14 +62,6 @@ impl Numerics {
             _ => None,
         }
     }
-
-    /// `SNUG_NUMERICS` if it names one, else the default.
-    pub fn from_env() -> Numerics {
-        std::env::var("SNUG_NUMERICS")
-            .ok()
-            .and_then(|v| Numerics::parse(&v))
-            .unwrap_or_default()
-    }
 }
 
 /// `x` rounded to f16 (to nearest, ties to even; overflow to infinity), as

@@ -74,11 +74,11 @@ impl MatmulScratch {
     }
 }
 
-struct SendPtr(*mut f32);
+use crate::pool::SendPtr;
+
 struct SendBlocks(*mut BlockQ8, *mut i32);
+// SAFETY: tasks write disjoint blocks (see where the tasks are made).
 unsafe impl Sync for SendBlocks {}
-unsafe impl Sync for SendPtr {}
-unsafe impl Send for SendPtr {}
 
 /// Output features handed to a thread at a time.
 const FEATURES_PER_TASK: usize = 16;

@@ -258,3 +258,15 @@ mod tests {
         assert_eq!(total.load(Ordering::Relaxed), 2000 * 6);
     }
 }
+
+/// A raw pointer that tasks on the pool may share: each task writes only
+/// the elements it was given (disjoint ranges of one output), which the
+/// code that makes the tasks states where it builds the slices.
+#[derive(Clone, Copy)]
+pub struct SendPtr<T>(pub *mut T);
+
+// SAFETY: the pointer is only turned into slices over ranges no other task
+// touches while the pool runs (see above).
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for SendPtr<T> {}

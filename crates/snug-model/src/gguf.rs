@@ -399,8 +399,9 @@ pub struct GgufFile {
     mmap: Mmap,
     path: std::path::PathBuf,
     modified: Option<std::time::SystemTime>,
-    /// The matrices repacked into panels, made on first use.
+    /// The matrices repacked into panels, made on first use, and where.
     packed: std::sync::OnceLock<Option<crate::packed::PackedWeights>>,
+    pack: crate::packed::PackMode,
 }
 
 impl GgufFile {
@@ -436,7 +437,15 @@ impl GgufFile {
             path: path.to_path_buf(),
             modified: meta.modified().ok(),
             packed: std::sync::OnceLock::new(),
+            pack: crate::packed::PackMode::default(),
         })
+    }
+
+    /// This file, its matrices packed per `mode` when first asked for
+    /// ([`GgufFile::packed`]; in memory unless told otherwise).
+    pub fn with_packing(mut self, mode: crate::packed::PackMode) -> GgufFile {
+        self.pack = mode;
+        self
     }
 
     /// The path the file was opened from.
@@ -455,7 +464,7 @@ impl GgufFile {
     pub fn packed(&self, names: &[&str]) -> Option<&crate::packed::PackedWeights> {
         self.packed
             .get_or_init(|| {
-                let p = crate::packed::PackedWeights::for_model(self, names, crate::packed::PackMode::from_env());
+                let p = crate::packed::PackedWeights::for_model(self, names, &self.pack);
                 if p.is_some() {
                     // Packing read the matrices through the map; compute
                     // reads the panels from now on, so give those pages

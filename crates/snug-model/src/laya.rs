@@ -948,9 +948,7 @@ impl LayaModel {
     }
 }
 
-struct SendPtr(*mut f32);
-unsafe impl Sync for SendPtr {}
-unsafe impl Send for SendPtr {}
+use snug_kernels::pool::SendPtr;
 
 /// Rotary embedding tables (rotate-half layout), computed in f32 like the
 /// reference: `inv_freq = 1 / theta^(2i/hd)`, angle `pos * inv_freq`.

@@ -47,25 +47,18 @@ pub struct PackedWeights {
     path: Option<PathBuf>,
 }
 
-/// How a model file's matrices are packed (from `SNUG_PACK`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a model file's matrices are packed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum PackMode {
-    /// In a cache file under snug's cache directory (the default).
-    File,
-    /// In memory, at every load.
+    /// In a cache file in this directory, made once and mapped after (what
+    /// the `snug` binary does, under its cache directory).
+    Cache(std::path::PathBuf),
+    /// In memory, at every load (the default: a library writes no file it
+    /// was not asked to).
+    #[default]
     Memory,
     /// Not at all.
     Off,
-}
-
-impl PackMode {
-    pub fn from_env() -> PackMode {
-        match std::env::var("SNUG_PACK").as_deref() {
-            Ok("off") | Ok("0") | Ok("no") => PackMode::Off,
-            Ok("memory") => PackMode::Memory,
-            _ => PackMode::File,
-        }
-    }
 }
 
 struct Plan<'f> {
@@ -153,17 +146,16 @@ impl PackedWeights {
     /// handle; others are skipped), per `mode`; `None` when nothing is
     /// packed (mode off, or a CPU without panels). A cache file that
     /// cannot be written falls back to memory.
-    pub fn for_model(file: &GgufFile, names: &[&str], mode: PackMode) -> Option<PackedWeights> {
-        if mode == PackMode::Off {
+    pub fn for_model(file: &GgufFile, names: &[&str], mode: &PackMode) -> Option<PackedWeights> {
+        if *mode == PackMode::Off {
             return None;
         }
         let plan = plan(file, names);
         if plan.tensors.is_empty() {
             return None;
         }
-        if mode == PackMode::File {
-            let dir = crate::catalog::cache_dir().join("packed");
-            if let Ok(p) = Self::from_cache(file, &plan, &dir) {
+        if let PackMode::Cache(dir) = mode {
+            if let Ok(p) = Self::from_cache(file, &plan, dir) {
                 return Some(p);
             }
         }
@@ -209,37 +201,15 @@ impl PackedWeights {
             });
         }
         std::fs::create_dir_all(dir).map_err(io)?;
-        let tmp = dir.join(format!(
-            ".{stem}-{:016x}.{}.{:?}.tmp",
-            plan.key,
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let result = (|| {
-            let f = File::options()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&tmp)?;
+        snug_core::durable::write_with(&path, |f| {
             f.set_len(plan.total as u64)?;
             // SAFETY: the file was just created under a name private to
-            // this thread; nothing else maps or writes it.
-            let mut map = unsafe { MmapMut::map_mut(&f)? };
+            // this call; nothing else maps or writes it.
+            let mut map = unsafe { MmapMut::map_mut(&*f)? };
             fill(file, plan, &mut map);
-            map.flush()?;
-            drop(map);
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(io(e));
-        }
+            map.flush()
+        })
+        .map_err(io)?;
         // Older files of the same model (a changed file or layout) are
         // stale: remove them.
         if let Ok(entries) = std::fs::read_dir(dir) {

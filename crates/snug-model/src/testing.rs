@@ -12,6 +12,14 @@ use std::path::{Path, PathBuf};
 
 use crate::catalog;
 
+/// snug's cache directory as the `snug` binary finds it. This module is
+/// the test harness' side of the library, set up by the environment the
+/// tests run in (as `SNUG_REQUIRE_MODELS`), so it reads it itself.
+fn cache_dir() -> PathBuf {
+    let var = |n: &str| std::env::var_os(n);
+    catalog::cache_dir_in(var("SNUG_HOME"), var("XDG_CACHE_HOME"), var("HOME"))
+}
+
 /// The four real models, by alias.
 pub const MODELS: [&str; 4] = [
     "smollm2-135m",
@@ -41,7 +49,7 @@ pub fn model_path(alias: &str) -> Option<PathBuf> {
             return Some(p);
         }
     }
-    if let Some(p) = entry.cached(&catalog::cache_dir()) {
+    if let Some(p) = entry.cached(&cache_dir()) {
         return Some(p);
     }
     assert!(

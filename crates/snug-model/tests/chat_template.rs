@@ -2,6 +2,7 @@
 //! Hugging Face's `apply_chat_template` sets it up): the templates inside
 //! the real models, and hand-written templates that exercise Jinja features.
 //! Expected strings come from `scripts/make_template_fixtures.py`.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 mod common;
 

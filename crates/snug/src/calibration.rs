@@ -6,7 +6,6 @@
 //! A missing, unreadable or malformed file is ignored (the run measures).
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use snug_engine::Engine;
@@ -34,7 +33,9 @@ fn cache_path(model: &Path, threads: usize, panels: bool) -> Option<PathBuf> {
         simd.to_string()
     };
     Some(
-        snug_model::catalog::cache_dir()
+        crate::env::get()
+            .cache
+            .clone()
             .join("calibration")
             .join(format!("{name}-{len}-t{threads}-{simd}.json")),
     )
@@ -84,11 +85,7 @@ fn write(path: &Path, costs: &[(usize, f64)]) -> std::io::Result<()> {
         "version": VERSION,
         "costs": costs.iter().map(|&(r, s)| serde_json::json!([r, s])).collect::<Vec<_>>(),
     });
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let mut f = fs::File::create(&tmp)?;
-    f.write_all(body.to_string().as_bytes())?;
-    f.sync_all()?;
-    fs::rename(&tmp, path)
+    snug_core::durable::write(path, body.to_string().as_bytes())
 }
 
 #[cfg(test)]

@@ -451,7 +451,7 @@ fn score_file(input: &LabeledArgs, temps: Option<&Temperatures>) -> Result<(Path
         return Ok((dir, out));
     }
     let (path, file) = crate::open_model_at(&input.model)?;
-    let model = Model::load(&file)?;
+    let model = crate::load_model(&file, &crate::KvArgs::default())?;
     let tok = Tokenizer::from_gguf(&file)?;
     let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
     let framing = Framing::new(Some(&template), &tok)?;

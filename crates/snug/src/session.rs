@@ -12,7 +12,7 @@ use crate::{SessionInfoArgs, SessionListArgs};
 /// The model half of a session identity: the file's SHA-256 (cached per
 /// path, size and time under the cache folder) and the tokenizer's.
 pub fn model_identity(path: &Path, file: &GgufFile, name: &str) -> Result<ModelIdentity> {
-    let cache = snug_model::catalog::cache_dir();
+    let cache = crate::env::get().cache.clone();
     Ok(ModelIdentity {
         model_sha256: snug_model::fingerprint::file_sha256(path, Some(&cache))
             .with_context(|| format!("fingerprinting {}", path.display()))?,
@@ -31,7 +31,7 @@ pub fn chat_session_path(name: &str) -> Result<PathBuf> {
     if name.is_empty() || name.starts_with('.') {
         anyhow::bail!("session name {name:?}: use letters, digits, '-' or '_'");
     }
-    let dir = snug_model::catalog::cache_dir().join("sessions");
+    let dir = crate::env::get().cache.clone().join("sessions");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir.join(format!("{name}.snug")))
 }
@@ -108,7 +108,7 @@ pub fn cmd_info(a: SessionInfoArgs) -> Result<()> {
 /// `snug session list`: each `NAME.snug` in the cache's sessions folder,
 /// with what its header says (a damaged file is listed with why).
 pub fn cmd_list(a: SessionListArgs) -> Result<()> {
-    let dir = snug_model::catalog::cache_dir().join("sessions");
+    let dir = crate::env::get().cache.clone().join("sessions");
     let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
         Ok(rd) => rd
             .flatten()

@@ -768,9 +768,16 @@ fn killing_a_save_midway_leaves_the_previous_session_loadable() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let tmp = dir.join(format!(".s.snug.{}.tmp", child.id()));
+        // Its temporary name: `.s.snug.PID.N.tmp`.
+        let prefix = format!(".s.snug.{}.", child.id());
+        let saving = || {
+            std::fs::read_dir(&dir).unwrap().any(|e| {
+                let n = e.unwrap().file_name().to_string_lossy().into_owned();
+                n.starts_with(&prefix) && n.ends_with(".tmp")
+            })
+        };
         let start = std::time::Instant::now();
-        while !tmp.exists() && child.try_wait().unwrap().is_none() && start.elapsed().as_secs() < 60 {
+        while !saving() && child.try_wait().unwrap().is_none() && start.elapsed().as_secs() < 60 {
             std::thread::sleep(std::time::Duration::from_micros(200));
         }
         if child.try_wait().unwrap().is_none() {

@@ -1,6 +1,8 @@
 //! Attention over lossy pages: keys or values (or both) stored as Q8 or
-//! TQ4 codes of the rotated vector, read in place, page by page with a
-//! running softmax.
+//! TQ4 codes of the rotated vector, page by page with a running softmax.
+//! A page's codes are decoded once (to the levels, unscaled, exact) for
+//! every row of a call: a prefill chunk's rows of one sequence go through
+//! the pages together and share the decoding.
 //!
 //! One body ([`body`]) serves every SIMD level: it is written over
 //! [`Lanes`], sixteen f32 lanes, and each level implements `Lanes` with the
@@ -36,11 +38,12 @@
 //!   the end the rotated sums are put back in order, rotated back, added
 //!   to the output, and the output is divided by the running sum.
 //!
-//! Scratch is one page of scores per head whatever the context, and a
-//! page's codes are used while they are in cache; the next page's codes
-//! are asked for at the start of each page, since pages lie anywhere.
+//! Scratch is one page of scores per head and one decoded page whatever
+//! the context, and a page's codes are used while they are in cache; the
+//! next page's codes are asked for at the start of each page, since pages
+//! lie anywhere.
 
-use super::{AttnQuery, AttnScratch, Data, KvStorage};
+use super::{AttnQuery, AttnRow, AttnScratch, Data, KvStorage};
 use crate::ops::{exp_fixed, fold16};
 
 /// How one part (keys or values) is stored.
@@ -95,8 +98,13 @@ impl Kind {
 }
 
 /// A part's kind, known when compiling (the common pairs) or at run time.
-trait Part: Copy {
+pub(super) trait Part: Copy {
     fn kind(self) -> Kind;
+    /// The part its vectors are read as once a coded page is decoded (in
+    /// the part's lane order, unscaled): f32 for a coded kind, itself for
+    /// a plain one (whose vectors are read in place).
+    type Read: Part;
+    fn read(self) -> Self::Read;
 }
 
 #[derive(Clone, Copy)]
@@ -105,35 +113,70 @@ struct Tq4;
 struct Q8;
 #[derive(Clone, Copy)]
 struct Dyn(Kind);
+/// Decoded vectors.
+#[derive(Clone, Copy)]
+struct F32s;
 /// The exact window's twins.
 #[derive(Clone, Copy)]
 struct Twin;
 
 impl Part for Tq4 {
+    type Read = F32s;
     #[inline(always)]
     fn kind(self) -> Kind {
         Kind::Tq4
     }
+    #[inline(always)]
+    fn read(self) -> F32s {
+        F32s
+    }
 }
 
 impl Part for Q8 {
+    type Read = F32s;
     #[inline(always)]
     fn kind(self) -> Kind {
         Kind::Q8
     }
+    #[inline(always)]
+    fn read(self) -> F32s {
+        F32s
+    }
 }
 
 impl Part for Twin {
+    type Read = Twin;
     #[inline(always)]
     fn kind(self) -> Kind {
         Kind::F16
     }
+    #[inline(always)]
+    fn read(self) -> Twin {
+        self
+    }
+}
+
+impl Part for F32s {
+    type Read = F32s;
+    #[inline(always)]
+    fn kind(self) -> Kind {
+        Kind::F32
+    }
+    #[inline(always)]
+    fn read(self) -> F32s {
+        self
+    }
 }
 
 impl Part for Dyn {
+    type Read = Dyn;
     #[inline(always)]
     fn kind(self) -> Kind {
         self.0
+    }
+    #[inline(always)]
+    fn read(self) -> Dyn {
+        Dyn(if self.0.coded() { Kind::F32 } else { self.0 })
     }
 }
 
@@ -184,6 +227,15 @@ pub(super) trait Lanes: Copy {
     /// Asks for the cache line at `p`.
     #[inline(always)]
     unsafe fn prefetch(_p: *const u8) {}
+    /// [`body`] for this level, compiled as a function of its own (with
+    /// the level's CPU features).
+    #[inline(always)]
+    unsafe fn run<const G: usize, const P: usize, const BLOCK: bool, K: Part, V: Part>(c: &mut Call, kp: K, vp: V)
+    where
+        Self: Sized,
+    {
+        run_plain::<Self, G, P, BLOCK, K, V>(c, kp, vp)
+    }
 }
 
 /// The scalar reference: an array of 16.
@@ -295,73 +347,106 @@ pub(super) fn takes(kv: &KvStorage) -> bool {
     kv.is_lossy() && hd.is_multiple_of(16) && hd <= super::ROTATED_MAX_DIM
 }
 
-/// Attention of the query heads `q` that share KV head `kv_head` over a
-/// cache with a lossy part, at the level `level` (the same bits at every
-/// level). Groups of more than 8 heads go 8 at a time: a head's result does
-/// not depend on which heads share its pass.
-#[allow(clippy::too_many_arguments)]
+/// Attention of the query heads of `rows` (one sequence's rows) that share
+/// KV head `kv_head`, over a cache with a lossy part, at the level `level`
+/// (the same bits at every level, and for a row the same bits whichever
+/// rows share the call). Groups of more than 8 heads go 8 at a time: a
+/// head's result does not depend on which heads share its pass.
 pub(super) fn attend(
     level: crate::cpu::Simd,
     kv: &KvStorage,
     layer: usize,
     kv_head: usize,
-    query: &AttnQuery,
-    q: &[f32],
+    rows: &mut [AttnRow],
     scale: f32,
-    out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
     let hd = kv.shape.head_dim;
-    for (qs, os) in q.chunks(8 * hd).zip(out.chunks_mut(8 * hd)) {
+    let Some(group) = rows.first().map(|r| r.q.len() / hd) else {
+        return;
+    };
+    for h in (0..group).step_by(8) {
+        let g = (group - h).min(8);
+        let mut call = Call {
+            kv,
+            layer,
+            kv_head,
+            rows: &mut *rows,
+            h,
+            scale,
+            scratch: &mut *scratch,
+        };
         match level {
             // SAFETY: the level's features were detected (`simd`).
             #[cfg(target_arch = "x86_64")]
-            crate::cpu::Simd::Avx512Vnni => unsafe {
-                x86::attend_avx512(kv, layer, kv_head, query, qs, scale, os, scratch)
-            },
+            crate::cpu::Simd::Avx512Vnni => unsafe { by_kinds::<x86::Avx512, true>(&mut call, g) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            crate::cpu::Simd::Avx2 => unsafe { x86::attend_avx2(kv, layer, kv_head, query, qs, scale, os, scratch) },
+            crate::cpu::Simd::Avx2 => unsafe { by_kinds::<x86::Avx2, true>(&mut call, g) },
             // SAFETY: the scalar lanes need no CPU feature; the body keeps
             // every pointer inside the cache and the scratch.
-            _ => unsafe { by_kinds::<Scalar, false>(kv, layer, kv_head, query, qs, scale, os, scratch) },
+            _ => unsafe { by_kinds::<Scalar, false>(&mut call, g) },
         }
     }
 }
 
-/// The body for the storage's pair of kinds and the group's size (and
-/// the block of positions its scores take: blocks times heads fill at
-/// most 8 registers): TQ4 and Q8 alone compiled for their kinds when
-/// `FIXED`, every other pair (and every pair when not) reading kinds at
-/// run time.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn by_kinds<L: Lanes, const FIXED: bool>(
-    kv: &KvStorage,
+/// One call's arguments, as the compiled bodies take them: heads `h..h +
+/// G` of every row.
+pub(super) struct Call<'c, 'r> {
+    kv: &'c KvStorage,
     layer: usize,
     kv_head: usize,
-    query: &AttnQuery,
-    q: &[f32],
+    rows: &'c mut [AttnRow<'r>],
+    h: usize,
     scale: f32,
-    out: &mut [f32],
-    scratch: &mut AttnScratch,
+    scratch: &'c mut AttnScratch,
+}
+
+/// [`body`] compiled as a function of its own (each one is large; the
+/// compiler takes far longer over one function holding them all).
+#[inline(never)]
+unsafe fn run_plain<L: Lanes, const G: usize, const P: usize, const BLOCK: bool, K: Part, V: Part>(
+    c: &mut Call,
+    kp: K,
+    vp: V,
 ) {
+    body::<L, G, P, BLOCK, K, V>(c, kp, vp)
+}
+
+/// The body for the storage's pair of kinds and the `g` heads from `h`
+/// (and the block of positions its scores take: blocks times heads fill
+/// at most 8 registers): TQ4 and Q8 alone compiled for their kinds when
+/// `FIXED`, every other pair (and every pair when not) reading kinds at
+/// run time.
+#[inline(always)]
+unsafe fn by_kinds<L: Lanes, const FIXED: bool>(c: &mut Call, g: usize) {
+    // One row reads the codes in place; several decode each page once.
+    let block = c.rows.len() > 1;
     macro_rules! by_group {
-        ($k:expr, $v:expr) => {
-            match q.len() / kv.shape.head_dim {
-                1 => body::<L, 1, 4, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
-                2 => body::<L, 2, 4, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
-                3 => body::<L, 3, 2, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
-                4 => body::<L, 4, 2, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
-                5 => body::<L, 5, 1, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
-                6 => body::<L, 6, 1, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
-                7 => body::<L, 7, 1, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
-                8 => body::<L, 8, 1, _, _>(kv, layer, kv_head, query, q, scale, out, scratch, $k, $v),
+        ($k:expr, $v:expr) => {{
+            macro_rules! go {
+                ($g:tt, $p:tt) => {
+                    if block {
+                        L::run::<$g, $p, true, _, _>(c, $k, $v)
+                    } else {
+                        L::run::<$g, $p, false, _, _>(c, $k, $v)
+                    }
+                };
+            }
+            match g {
+                1 => go!(1, 4),
+                2 => go!(2, 4),
+                3 => go!(3, 2),
+                4 => go!(4, 2),
+                5 => go!(5, 1),
+                6 => go!(6, 1),
+                7 => go!(7, 1),
+                8 => go!(8, 1),
                 g => unreachable!("coded attention takes 1 to 8 query heads at once, not {g}"),
             }
-        };
+        }};
     }
-    let (k, v) = (Kind::of(&kv.k), Kind::of(&kv.v));
+    let (k, v) = (Kind::of(&c.kv.k), Kind::of(&c.kv.v));
     match (FIXED, k, v) {
         (true, Kind::Tq4, Kind::Tq4) => by_group!(Tq4, Tq4),
         (true, Kind::Q8, Kind::Q8) => by_group!(Q8, Q8),
@@ -684,109 +769,150 @@ unsafe fn page_offsets<L: Lanes, const G: usize>(
     }
 }
 
-/// The kernel: see the module's documentation for its arithmetic.
+/// Decodes the vectors of slots `from..to` of a page (slot 0 at `src`,
+/// `bytes` apart) to f32 in the part's lane order, unscaled, `hd` apart
+/// from `dst` (slot 0). Every lane is the exact value a chunk load gives,
+/// so reading the decoded vectors gives the scores and sums the same bits.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn body<L: Lanes, const G: usize, const P: usize, K: Part, V: Part>(
-    kv: &KvStorage,
-    layer: usize,
-    kv_head: usize,
-    query: &AttnQuery,
-    q: &[f32],
-    scale: f32,
-    out: &mut [f32],
-    scratch: &mut AttnScratch,
-    kp: K,
-    vp: V,
+unsafe fn decode<L: Lanes, K: Part>(
+    part: K,
+    src: *const u8,
+    bytes: usize,
+    hd: usize,
+    from: usize,
+    to: usize,
+    dst: *mut f32,
+    book: L::Book,
 ) {
-    let (kk, vk) = (kp.kind(), vp.kind());
-    let hd = kv.shape.head_dim;
-    let pt = kv.shape.page_tokens;
-    let chunks = hd / 16;
-    let ((ck, sk), (cv, sv)) = (raw(&kv.k), raw(&kv.v));
-    let (kb, vb) = (kk.vector_bytes(hd), vk.vector_bytes(hd));
-    let (tk, tv): (&[u16], &[u16]) = match (&kv.twin_k, &kv.twin_v) {
-        (Data::F16(a), Data::F16(b)) => (a, b),
-        _ => (&[], &[]),
-    };
-    let signs = kv.signs_of(layer, kv_head);
-    let book = if kk == Kind::Tq4 || vk == Kind::Tq4 {
-        L::book(crate::tq4::codebook(hd))
-    } else {
-        L::book(&[0.0; 16])
-    };
-    let AttnScratch {
-        scores,
-        kv: tmp,
-        rotated: qr,
-        acc,
-        xy,
-        shifted,
-        c0,
-        run,
-        offsets,
-    } = scratch;
-    assert!(scores.len() >= G * pt && offsets.len() >= G * pt && qr.len() >= G * hd && tmp.len() >= hd);
-    assert!(run.len() >= 2 * G && c0.len() >= G);
-    assert!(out.len() == G * hd && q.len() == G * hd);
-    // The key basis applies to TQ4 keys only (see `with_key_basis`).
-    let offset = match (&kv.basis, kk) {
-        (Some((b, t)), Kind::Tq4) => Some((&**b, t.trig(layer))),
-        _ => None,
-    };
-    for g in 0..G {
-        let qg = &q[g * hd..(g + 1) * hd];
-        let qrg = &mut qr[g * hd..(g + 1) * hd];
-        if kk.coded() {
-            tmp.copy_from_slice(qg);
-            if let Some((b, trig)) = offset {
-                tmp.iter_mut().zip(b.weight(layer, kv_head)).for_each(|(x, &w)| *x /= w);
-                c0[g] = trig.prepare(qg, b.offset(layer, kv_head), &mut xy[g * hd..(g + 1) * hd]);
-            }
-            crate::tq4::rotate(tmp, signs);
-            for (e, &x) in tmp.iter().enumerate() {
-                qrg[kk.lane(e, hd)] = x;
-            }
-        } else {
-            qrg.copy_from_slice(qg);
+    let (kind, chunks) = (part.kind(), hd / 16);
+    for t in from..to {
+        let (v, d) = (src.add(t * bytes), dst.add(t * hd));
+        for c2 in 0..chunks / 2 {
+            chunk::<L, false>(kind, v, c2, book).store(d.add(32 * c2));
+            chunk::<L, true>(kind, v, c2, book).store(d.add(32 * c2 + 16));
+        }
+        if chunks % 2 == 1 {
+            last_chunk::<L>(kind, v, chunks - 1, book).store(d.add(16 * (chunks - 1)));
         }
     }
-    out.fill(0.0);
-    acc[..G * hd].fill(0.0);
-    let (maxes, sums) = run[..2 * G].split_at_mut(G);
-    maxes.fill(f32::NEG_INFINITY);
-    sums.fill(0.0);
-    let (qp, qrp, sp) = (q.as_ptr(), qr.as_ptr(), scores.as_mut_ptr());
-    let mut p = query.start;
-    while p < query.end {
-        let (index, first) = (p / pt, p % pt);
+}
+
+/// What every row of a call shares: the cache's parts and the scratch that
+/// one row's page step uses and leaves.
+struct Ctx<'a, B> {
+    kv: &'a KvStorage,
+    layer: usize,
+    kv_head: usize,
+    hd: usize,
+    pt: usize,
+    kk: Kind,
+    vk: Kind,
+    sk: *const u16,
+    sv: *const u16,
+    tk: *const u16,
+    tv: *const u16,
+    signs: &'a [u64],
+    book: B,
+    offset: Option<(&'a crate::kvbasis::KeyBasis, &'a crate::kvbasis::Trig)>,
+    scale: f32,
+    tmp: *mut f32,
+    scores: *mut f32,
+    offsets: *mut f32,
+    shifted: *mut f32,
+}
+
+/// One row's query heads, output and running state (its slots of the
+/// scratch).
+struct Row<'a> {
+    query: &'a AttnQuery<'a>,
+    q: *const f32,
+    out: *mut f32,
+    qr: *mut f32,
+    xy: *mut f32,
+    c0: *mut f32,
+    acc: *mut f32,
+    /// `G` running maxima, then `G` running sums.
+    run: *mut f32,
+}
+
+impl<B: Copy> Ctx<'_, B> {
+    /// The row's queries as the keys are read (divided by the key basis'
+    /// weights and rotated, in the keys' lane order), its offset terms,
+    /// and empty sums.
+    #[inline(always)]
+    unsafe fn prepare<L: Lanes<Book = B>, const G: usize>(&self, row: &Row) {
+        let (hd, kk) = (self.hd, self.kk);
+        let tmp = std::slice::from_raw_parts_mut(self.tmp, hd);
+        for g in 0..G {
+            let qg = std::slice::from_raw_parts(row.q.add(g * hd), hd);
+            let qrg = std::slice::from_raw_parts_mut(row.qr.add(g * hd), hd);
+            if kk.coded() {
+                tmp.copy_from_slice(qg);
+                if let Some((b, trig)) = self.offset {
+                    tmp.iter_mut()
+                        .zip(b.weight(self.layer, self.kv_head))
+                        .for_each(|(x, &w)| *x /= w);
+                    let xy = std::slice::from_raw_parts_mut(row.xy.add(g * hd), hd);
+                    *row.c0.add(g) = trig.prepare(qg, b.offset(self.layer, self.kv_head), xy);
+                }
+                crate::tq4::rotate(tmp, self.signs);
+                for (e, &x) in tmp.iter().enumerate() {
+                    qrg[kk.lane(e, hd)] = x;
+                }
+            } else {
+                qrg.copy_from_slice(qg);
+            }
+        }
+        std::slice::from_raw_parts_mut(row.out, G * hd).fill(0.0);
+        std::slice::from_raw_parts_mut(row.acc, G * hd).fill(0.0);
+        std::slice::from_raw_parts_mut(row.run, G).fill(f32::NEG_INFINITY);
+        std::slice::from_raw_parts_mut(row.run.add(G), G).fill(0.0);
+    }
+
+    /// The row's step over page `index` of its sequence: scores, the
+    /// running softmax, values. Keys and values the row reads coded come
+    /// from `keys` and `values` (slot 0 of the page, vectors `kb` and `vb`
+    /// apart, read as `ks` and `vs`: the cache's codes, or the same
+    /// vectors decoded); the exact window's from the twins.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn page<L: Lanes<Book = B>, const G: usize, const P: usize, KS: Part, VS: Part>(
+        &self,
+        row: &Row,
+        index: usize,
+        ks: KS,
+        keys: *const u8,
+        kb: usize,
+        vs: VS,
+        values: *const u8,
+        vb: usize,
+    ) {
+        let (hd, pt, kk, vk) = (self.hd, self.pt, self.kk, self.vk);
+        let chunks = hd / 16;
+        let query = row.query;
+        let first = if index == query.start / pt { query.start % pt } else { 0 };
         let last = (pt - 1).min(query.end - 1 - index * pt);
         let len = last + 1 - first;
         let exact = query.exact(index, pt);
         let base = match exact {
-            Some(t) => kv.vector(t, layer, kv_head, 0),
-            None => kv.vector(query.pages[index], layer, kv_head, 0),
+            Some(t) => self.kv.vector(t, self.layer, self.kv_head, 0),
+            None => self.kv.vector(query.pages[index], self.layer, self.kv_head, 0),
         };
-        // The next page's codes, while this one is worked on.
-        let next = (index + 1) * pt;
-        if next < query.end && query.exact(index + 1, pt).is_none() {
-            let nb = kv.vector(query.pages[index + 1], layer, kv_head, 0);
-            let n = pt.min(query.end - next);
-            prefetch_run::<L>(ck.add(nb * kb), n * kb);
-            prefetch_run::<L>(cv.add(nb * vb), n * vb);
-        }
+        let sp = self.scores;
         // Scores of the page, a block of positions at a time.
         let block = Block {
             hd,
-            book,
+            book: self.book,
             scores: sp,
             pt,
         };
-        let off = match (exact, offset) {
+        let off = match (exact, self.offset) {
             (None, Some((_, trig))) => {
-                shift::<L, G>(trig, xy.as_ptr(), index, hd, shifted.as_mut_ptr());
-                page_offsets::<L, G>(trig, shifted.as_ptr(), hd, c0, first, len, offsets.as_mut_ptr());
-                Some(offsets.as_ptr())
+                shift::<L, G>(trig, row.xy, index, hd, self.shifted);
+                let c0 = std::slice::from_raw_parts(row.c0, G);
+                page_offsets::<L, G>(trig, self.shifted, hd, c0, first, len, self.offsets);
+                Some(self.offsets as *const f32)
             }
             _ => None,
         };
@@ -794,13 +920,12 @@ unsafe fn body<L: Lanes, const G: usize, const P: usize, K: Part, V: Part>(
         macro_rules! blocks {
             ($p:tt) => {
                 while len - t >= $p {
-                    let vi = base + first + t;
                     match exact {
                         Some(_) => {
-                            let keys = (tk.as_ptr() as *const u8).add(vi * 2 * hd);
-                            block.score::<L, G, $p, _>(Twin, keys, 2 * hd, qp, t)
+                            let keys = self.tk.add((base + first + t) * hd) as *const u8;
+                            block.score::<L, G, $p, _>(Twin, keys, 2 * hd, row.q, t)
                         }
-                        None => block.score::<L, G, $p, _>(kp, ck.add(vi * kb), kb, qrp, t),
+                        None => block.score::<L, G, $p, _>(ks, keys.add((first + t) * kb), kb, row.qr, t),
                     }
                     t += $p;
                 }
@@ -813,8 +938,9 @@ unsafe fn body<L: Lanes, const G: usize, const P: usize, K: Part, V: Part>(
         // Scores: the fold times the key's scale (coded keys), plus the
         // offset's part, times the attention scale; then the running
         // softmax, rescaling the sums so far if the maximum grew.
-        let kscales = (exact.is_none() && kk.coded()).then(|| sk.as_ptr().add(base + first));
-        let vscales = (exact.is_none() && vk.coded()).then(|| sv.as_ptr().add(base + first));
+        let kscales = (exact.is_none() && kk.coded()).then(|| self.sk.add(base + first));
+        let vscales = (exact.is_none() && vk.coded()).then(|| self.sv.add(base + first));
+        let (maxes, sums) = (row.run, row.run.add(G));
         for g in 0..G {
             let sc = sp.add(g * pt);
             let mut m = L::splat(f32::NEG_INFINITY);
@@ -827,22 +953,23 @@ unsafe fn body<L: Lanes, const G: usize, const P: usize, K: Part, V: Part>(
                 if let Some(o) = off {
                     x = L::add(x, load_upto(o.add(g * pt + t), k));
                 }
-                x = L::mul(x, L::splat(scale));
+                x = L::mul(x, L::splat(self.scale));
                 store_upto(x, sc.add(t), k);
                 m = L::max(m, x.fill_after(k, f32::NEG_INFINITY));
             }
-            let grown = lanes_of(m).iter().fold(maxes[g], |m, &v| if v > m { v } else { m });
-            if grown > maxes[g] {
-                let c = exp_fixed(maxes[g] - grown);
-                sums[g] *= c;
+            let was = *maxes.add(g);
+            let grown = lanes_of(m).iter().fold(was, |m, &v| if v > m { v } else { m });
+            if grown > was {
+                let c = exp_fixed(was - grown);
+                *sums.add(g) *= c;
                 let cv = L::splat(c);
-                for arr in [out.as_mut_ptr(), acc.as_mut_ptr()] {
+                for arr in [row.out, row.acc] {
                     for ch in 0..chunks {
                         let ptr = arr.add(g * hd + ch * 16);
                         L::mul(L::load(ptr), cv).store(ptr);
                     }
                 }
-                maxes[g] = grown;
+                *maxes.add(g) = grown;
             }
             // The weights: the exponentials, times the value's scale
             // (coded values, whose levels are summed unscaled).
@@ -858,33 +985,228 @@ unsafe fn body<L: Lanes, const G: usize, const P: usize, K: Part, V: Part>(
                 };
                 store_upto(w, sc.add(t), k);
             }
-            sums[g] += fold16(&lanes_of(total));
+            *sums.add(g) += fold16(&lanes_of(total));
         }
         // Values of the page: twins' and plain ones into the output, coded
         // ones into the rotated sums.
         let weights = Weights { w: sp, pt, n: len, hd };
         match exact {
             Some(_) => {
-                let v = (tv.as_ptr() as *const u8).add((base + first) * 2 * hd);
-                weights.add::<L, G, _>(Twin, v, 2 * hd, out.as_mut_ptr(), book);
+                let v = self.tv.add((base + first) * hd) as *const u8;
+                weights.add::<L, G, _>(Twin, v, 2 * hd, row.out, self.book);
             }
             None => {
-                let into = if vk.coded() { acc.as_mut_ptr() } else { out.as_mut_ptr() };
-                weights.add::<L, G, _>(vp, cv.add((base + first) * vb), vb, into, book);
+                let into = if vk.coded() { row.acc } else { row.out };
+                weights.add::<L, G, _>(vs, values.add(first * vb), vb, into, self.book);
             }
         }
-        p = index * pt + last + 1;
     }
-    for g in 0..G {
-        let o = &mut out[g * hd..(g + 1) * hd];
-        if vk.coded() {
-            for (e, t) in tmp.iter_mut().enumerate() {
-                *t = acc[g * hd + vk.lane(e, hd)];
+
+    /// The row's output: the rotated sums put back in order, rotated back
+    /// and added; then divided by the running sums.
+    #[inline(always)]
+    unsafe fn finish<const G: usize>(&self, row: &Row) {
+        let (hd, vk) = (self.hd, self.vk);
+        let tmp = std::slice::from_raw_parts_mut(self.tmp, hd);
+        for g in 0..G {
+            let o = std::slice::from_raw_parts_mut(row.out.add(g * hd), hd);
+            if vk.coded() {
+                for (e, t) in tmp.iter_mut().enumerate() {
+                    *t = *row.acc.add(g * hd + vk.lane(e, hd));
+                }
+                crate::tq4::rotate_back(tmp, self.signs);
+                crate::ops::add(o, tmp);
             }
-            crate::tq4::rotate_back(tmp, signs);
-            crate::ops::add(o, tmp);
+            let inv = 1.0 / *row.run.add(G + g);
+            o.iter_mut().for_each(|x| *x *= inv);
         }
-        let inv = 1.0 / sums[g];
-        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// The kernel over heads `h..h + G` of every row of `rows` (see the
+/// module's documentation for its arithmetic). One row (not `BLOCK`)
+/// reads the pages' codes in place. Several rows (of one sequence) go
+/// through the pages together: the vectors of a page that any of them
+/// reads coded are decoded once (exact values, so a row's arithmetic is
+/// the same with any company), and each row takes its step over the
+/// decoded page.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn body<L: Lanes, const G: usize, const P: usize, const BLOCK: bool, K: Part, V: Part>(
+    c: &mut Call,
+    kp: K,
+    vp: V,
+) {
+    let Call {
+        kv,
+        layer,
+        kv_head,
+        ref mut rows,
+        h,
+        scale,
+        ref mut scratch,
+    } = *c;
+    let (kk, vk) = (kp.kind(), vp.kind());
+    let hd = kv.shape.head_dim;
+    let pt = kv.shape.page_tokens;
+    let ((ck, sk), (cv, sv)) = (raw(&kv.k), raw(&kv.v));
+    let (kb, vb) = (kk.vector_bytes(hd), vk.vector_bytes(hd));
+    let (tk, tv): (&[u16], &[u16]) = match (&kv.twin_k, &kv.twin_v) {
+        (Data::F16(a), Data::F16(b)) => (a, b),
+        _ => (&[], &[]),
+    };
+    let book = if kk == Kind::Tq4 || vk == Kind::Tq4 {
+        L::book(crate::tq4::codebook(hd))
+    } else {
+        L::book(&[0.0; 16])
+    };
+    let n = rows.len();
+    assert!(n <= scratch.rows, "{n} rows at once, scratch for {}", scratch.rows);
+    let AttnScratch {
+        scores,
+        kv: tmp,
+        rotated,
+        acc,
+        xy,
+        shifted,
+        c0,
+        run,
+        offsets,
+        decoded,
+        ..
+    } = scratch;
+    assert!(scores.len() >= G * pt && offsets.len() >= G * pt && tmp.len() >= hd && shifted.len() >= G * hd);
+    assert!(rotated.len() >= n * G * hd && acc.len() >= n * G * hd && xy.len() >= n * G * hd);
+    assert!(run.len() >= 2 * n * G && c0.len() >= n * G);
+    assert!(!BLOCK || decoded.len() >= 2 * pt * hd);
+    for r in rows.iter() {
+        assert!(r.q.len() >= (h + G) * hd && r.out.len() == r.q.len());
+        assert!(std::ptr::eq(r.query.pages, rows[0].query.pages));
+    }
+    let ctx = Ctx {
+        kv,
+        layer,
+        kv_head,
+        hd,
+        pt,
+        kk,
+        vk,
+        sk: sk.as_ptr(),
+        sv: sv.as_ptr(),
+        tk: tk.as_ptr(),
+        tv: tv.as_ptr(),
+        signs: kv.signs_of(layer, kv_head),
+        book,
+        // The key basis applies to TQ4 keys only (see `with_key_basis`).
+        offset: match (&kv.basis, kk) {
+            (Some((b, t)), Kind::Tq4) => Some((&**b, t.trig(layer))),
+            _ => None,
+        },
+        scale,
+        tmp: tmp.as_mut_ptr(),
+        scores: scores.as_mut_ptr(),
+        offsets: offsets.as_mut_ptr(),
+        shifted: shifted.as_mut_ptr(),
+    };
+    let (qr, ac, xyp, c0p, rp_run) = (
+        rotated.as_mut_ptr(),
+        acc.as_mut_ptr(),
+        xy.as_mut_ptr(),
+        c0.as_mut_ptr(),
+        run.as_mut_ptr(),
+    );
+    let rp = rows.as_mut_ptr();
+    // Row `r`'s slots (rows are not moved or otherwise borrowed meanwhile).
+    let at = |r: usize| {
+        let row = &mut *rp.add(r);
+        Row {
+            query: &*(&row.query as *const AttnQuery),
+            q: row.q.as_ptr().add(h * hd),
+            out: row.out.as_mut_ptr().add(h * hd),
+            qr: qr.add(r * G * hd),
+            xy: xyp.add(r * G * hd),
+            c0: c0p.add(r * G),
+            acc: ac.add(r * G * hd),
+            run: rp_run.add(2 * r * G),
+        }
+    };
+    for r in 0..n {
+        ctx.prepare::<L, G>(&at(r));
+    }
+    let pages = at(0).query.pages;
+    let page_of = |index: usize| kv.vector(pages[index], layer, kv_head, 0);
+    if !BLOCK {
+        // One row: the codes read in place.
+        assert!(n == 1);
+        let row = at(0);
+        let query = row.query;
+        let mut index = query.start / pt;
+        while index * pt < query.end {
+            // The next page's codes, while this one is worked on.
+            let next = (index + 1) * pt;
+            if next < query.end && query.exact(index + 1, pt).is_none() {
+                let nb = page_of(index + 1);
+                let n = pt.min(query.end - next);
+                prefetch_run::<L>(ck.add(nb * kb), n * kb);
+                prefetch_run::<L>(cv.add(nb * vb), n * vb);
+            }
+            let base = page_of(index);
+            ctx.page::<L, G, P, _, _>(&row, index, kp, ck.add(base * kb), kb, vp, cv.add(base * vb), vb);
+            index += 1;
+        }
+        ctx.finish::<G>(&row);
+        return;
+    }
+    let (lo, hi) = (0..n).fold((usize::MAX, 0), |(lo, hi), r| {
+        let q = at(r).query;
+        (lo.min(q.start), hi.max(q.end))
+    });
+    let (dk, dv) = decoded.split_at_mut(pt * hd);
+    let (dk, dv) = (dk.as_mut_ptr(), dv.as_mut_ptr());
+    let mut index = lo / pt;
+    while index * pt < hi {
+        let (p0, p1) = (index * pt, (index + 1) * pt);
+        let covers = |q: &AttnQuery| q.start < p1 && q.end > p0;
+        // The slots that some row reads coded.
+        let (a, b) = (0..n)
+            .map(|r| at(r).query)
+            .filter(|q| covers(q) && q.exact(index, pt).is_none())
+            .fold((pt, 0), |(a, b), q| {
+                (a.min(q.start.max(p0) - p0), b.max(q.end.min(p1) - p0))
+            });
+        let base = page_of(index);
+        if a < b {
+            // The next page's codes, while this one is worked on.
+            if p1 < hi {
+                let nb = page_of(index + 1);
+                let n = pt.min(hi - p1);
+                prefetch_run::<L>(ck.add(nb * kb), n * kb);
+                prefetch_run::<L>(cv.add(nb * vb), n * vb);
+            }
+            if kk.coded() {
+                decode::<L, _>(kp, ck.add(base * kb), kb, hd, a, b, dk, book);
+            }
+            if vk.coded() {
+                decode::<L, _>(vp, cv.add(base * vb), vb, hd, a, b, dv, book);
+            }
+        }
+        let (keys, kbytes) = match kk.coded() {
+            true => (dk as *const u8, 4 * hd),
+            false => (ck.add(base * kb), kb),
+        };
+        let (values, vbytes) = match vk.coded() {
+            true => (dv as *const u8, 4 * hd),
+            false => (cv.add(base * vb), vb),
+        };
+        for r in 0..n {
+            let row = at(r);
+            if covers(row.query) {
+                ctx.page::<L, G, P, _, _>(&row, index, kp.read(), keys, kbytes, vp.read(), values, vbytes);
+            }
+        }
+        index += 1;
+    }
+    for r in 0..n {
+        ctx.finish::<G>(&at(r));
     }
 }

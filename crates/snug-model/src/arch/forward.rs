@@ -9,7 +9,7 @@
 //! therefore do not depend on the batch.
 
 use snug_kernels::ggml::{self, Numerics};
-use snug_kernels::kv::{attend_group, attend_group_ggml, AttnQuery, AttnScratch, KvSlot, KvStorage, NO_TWIN};
+use snug_kernels::kv::{attend_group_ggml, attend_rows, AttnQuery, AttnRow, AttnScratch, KvSlot, KvStorage, NO_TWIN};
 use snug_kernels::kvbasis::KeyStats;
 use snug_kernels::matmul::{matmul, matmul_ggml, MatmulScratch, Weight};
 use snug_kernels::ops::{add, gelu_mul, rms_norm, silu_mul, Rope};
@@ -85,7 +85,11 @@ impl ForwardScratch {
             sel: committed(0.0, max_rows * c.dim),
             attn_threads: (0..threads.max(1))
                 .map(|_| {
-                    std::sync::Mutex::new(AttnScratch::new(max_ctx, c.head_dim, c.heads / c.kv_heads, page_tokens))
+                    // Lossy pages (no scratch per position) are read by
+                    // blocks of rows, each page decoded once for the block.
+                    let rows = if max_ctx == 0 { ATTN_ROWS } else { 1 };
+                    let group = c.heads / c.kv_heads;
+                    std::sync::Mutex::new(AttnScratch::for_rows(max_ctx, c.head_dim, group, page_tokens, rows))
                 })
                 .collect(),
             mm: MatmulScratch::with_capacity(max_rows, c.ff.max(c.dim).max(qd)),
@@ -124,44 +128,9 @@ impl ForwardScratch {
     }
 }
 
-/// `SNUG_TRACE=1` prints the sum of each intermediate of the first and last
-/// layers to stderr, for comparing with other runtimes' tensor dumps.
-fn trace_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("SNUG_TRACE").is_some())
-}
+use super::trace::trace;
 
-/// With `SNUG_DUMP=DIR`, every traced tensor is also written raw (f32,
-/// native byte order) to `DIR/NNNN_NAME-LAYER.bin`, for comparison with
-/// another program's intermediate values.
-fn dump(name: &str, layer: usize, v: &[f32]) {
-    static DIR: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    if let Some(dir) = DIR.get_or_init(|| std::env::var_os("SNUG_DUMP").map(Into::into)) {
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let layer = if layer == usize::MAX {
-            "out".to_string()
-        } else {
-            layer.to_string()
-        };
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
-        let _ = std::fs::write(dir.join(format!("{n:04}_{name}-{layer}.bin")), bytes);
-    }
-}
-
-fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
-    dump(name, layer, v);
-    if trace_on()
-        && (layer == 0 || layer + 1 == layers || layer == usize::MAX || std::env::var_os("SNUG_TRACE_ALL").is_some())
-    {
-        let sum: f64 = v.iter().map(|&x| x as f64).sum();
-        let head: Vec<String> = v.iter().take(4).map(|x| format!("{x:.4}")).collect();
-        eprintln!("trace {name}-{layer}: sum = {sum:.6} [{}]", head.join(", "));
-    }
-}
-
-struct SendPtr(*mut f32);
-unsafe impl Sync for SendPtr {}
+use snug_kernels::pool::SendPtr;
 
 /// Runs the element-wise `f` over matching chunks of `a` and `b`, on the
 /// pool when they are long enough to pay for the hand-off (prefill). The
@@ -431,41 +400,80 @@ impl Model<'_> {
         } else {
             c.attn_scale
         };
-        // A task is a part of one (row, KV head) group of query heads. Few
-        // rows (decode) give too few groups to keep every thread busy, so
-        // groups are split into parts then; a head's arithmetic does not
-        // depend on which heads share its pass over the keys and values.
-        let parts = attention_parts(rows.len() * c.kv_heads, group, pool.threads());
+        // A task is a part of the query heads of one KV head, over a
+        // block of consecutive rows of one sequence (read together over
+        // lossy pages: each page decoded once for the block; a row's
+        // arithmetic is the same alone). Few blocks (decode) give too few
+        // groups to keep every thread busy, so groups are split into parts
+        // then; a head's arithmetic does not depend on which heads share
+        // its pass over the keys and values.
+        let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
+        for (r, row) in rows.iter().enumerate() {
+            match blocks.last_mut() {
+                Some(b) if b.len() < ATTN_ROWS && rows[b.start].seq == row.seq => b.end = r + 1,
+                _ => blocks.push(r..r + 1),
+            }
+        }
+        let parts = attention_parts(blocks.len() * c.kv_heads, group, pool.threads());
         let per_part = group.div_ceil(parts);
-        pool.run_with_thread(rows.len() * c.kv_heads * parts, &|task, thread| {
+        pool.run_with_thread(blocks.len() * c.kv_heads * parts, &|task, thread| {
             let out = &out;
-            let (rg, part) = (task / parts, task % parts);
-            let (r, g) = (rg / c.kv_heads, rg % c.kv_heads);
+            let (bg, part) = (task / parts, task % parts);
+            let (b, g) = (bg / c.kv_heads, bg % c.kv_heads);
             let heads = part * per_part..((part + 1) * per_part).min(group);
             if heads.is_empty() {
                 return;
             }
-            let row = rows[r];
-            let query = AttnQuery {
-                pages: kv.pages[row.seq],
-                twins: kv.twins.get(row.seq).copied().unwrap_or(&[]),
-                start: c.window_start(layer, row.pos),
-                end: row.pos + 1,
-            };
             let mut scratch = threads[thread].lock().unwrap_or_else(|e| e.into_inner());
-            let first = r * qd + (g * group + heads.start) * hd;
-            let span = first..first + heads.len() * hd;
-            // SAFETY: each (row, query head) slice of the output is written
-            // by exactly one task.
-            let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(span.start), span.len()) };
-            let attend = match numerics {
-                Numerics::Native => attend_group,
-                Numerics::Ggml => attend_group_ggml,
-            };
-            attend(storage, layer, g, &query, &q[span], scale, o, &mut scratch);
+            let (from, n) = (blocks[b].start, blocks[b].len());
+            let mut block: [AttnRow; ATTN_ROWS] = std::array::from_fn(|i| {
+                let Some(&row) = rows.get(from + i).filter(|_| i < n) else {
+                    let query = AttnQuery {
+                        pages: &[],
+                        twins: &[],
+                        start: 0,
+                        end: 0,
+                    };
+                    return AttnRow {
+                        query,
+                        q: &[],
+                        out: Default::default(),
+                    };
+                };
+                let query = AttnQuery {
+                    pages: kv.pages[row.seq],
+                    twins: kv.twins.get(row.seq).copied().unwrap_or(&[]),
+                    start: c.window_start(layer, row.pos),
+                    end: row.pos + 1,
+                };
+                let first = (from + i) * qd + (g * group + heads.start) * hd;
+                let span = first..first + heads.len() * hd;
+                // SAFETY: each (row, query head) slice of the output is
+                // written by exactly one task.
+                let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(span.start), span.len()) };
+                AttnRow {
+                    query,
+                    q: &q[span],
+                    out,
+                }
+            });
+            let block = &mut block[..n];
+            match numerics {
+                Numerics::Native => attend_rows(storage, layer, g, block, scale, &mut scratch),
+                Numerics::Ggml => {
+                    for j in block.iter_mut() {
+                        attend_group_ggml(storage, layer, g, &j.query, j.q, scale, j.out, &mut scratch);
+                    }
+                }
+            }
         });
     }
 }
+
+/// Rows a thread takes through the pages of a lossy KV cache together.
+/// Each page's codes are decoded once for the block, so a longer block
+/// saves more decoding and holds more rows' state.
+const ATTN_ROWS: usize = 8;
 
 /// Into how many parts each (row, KV head) group of `group` query heads is
 /// split so that `groups` groups leave no thread of `threads` idle. Only

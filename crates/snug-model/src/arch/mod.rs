@@ -6,6 +6,7 @@
 
 mod config;
 mod forward;
+pub mod trace;
 mod weights;
 
 pub use config::{Arch, Config};

@@ -175,7 +175,7 @@ impl<'a> Model<'a> {
             layers,
             output_norm,
             output,
-            numerics: Numerics::from_env(),
+            numerics: Numerics::default(),
         })
     }
 

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::Lanes;
+use super::{Call, Lanes, Part};
 use crate::ops::x86::exp8;
 use crate::ops::x86_512::exp16;
 
@@ -178,6 +178,10 @@ impl Lanes for Avx2 {
     unsafe fn prefetch(p: *const u8) {
         _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
     }
+    #[inline(always)]
+    unsafe fn run<const G: usize, const P: usize, const BLOCK: bool, K: Part, V: Part>(c: &mut Call, kp: K, vp: V) {
+        run_avx2::<G, P, BLOCK, K, V>(c, kp, vp)
+    }
 }
 
 /// All 16 lanes in one AVX-512 register.
@@ -296,34 +300,22 @@ impl Lanes for Avx512 {
     unsafe fn prefetch(p: *const u8) {
         _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
     }
+    #[inline(always)]
+    unsafe fn run<const G: usize, const P: usize, const BLOCK: bool, K: Part, V: Part>(c: &mut Call, kp: K, vp: V) {
+        run_avx512::<G, P, BLOCK, K, V>(c, kp, vp)
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// [`super::body`] at AVX2, a function of its own.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::kv) unsafe fn attend_avx2(
-    kv: &super::KvStorage,
-    layer: usize,
-    kv_head: usize,
-    query: &super::AttnQuery,
-    q: &[f32],
-    scale: f32,
-    out: &mut [f32],
-    scratch: &mut super::AttnScratch,
-) {
-    super::by_kinds::<Avx2, true>(kv, layer, kv_head, query, q, scale, out, scratch)
+#[inline(never)]
+unsafe fn run_avx2<const G: usize, const P: usize, const BLOCK: bool, K: Part, V: Part>(c: &mut Call, kp: K, vp: V) {
+    super::body::<Avx2, G, P, BLOCK, K, V>(c, kp, vp)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// [`super::body`] at AVX-512, a function of its own.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-pub(in crate::kv) unsafe fn attend_avx512(
-    kv: &super::KvStorage,
-    layer: usize,
-    kv_head: usize,
-    query: &super::AttnQuery,
-    q: &[f32],
-    scale: f32,
-    out: &mut [f32],
-    scratch: &mut super::AttnScratch,
-) {
-    super::by_kinds::<Avx512, true>(kv, layer, kv_head, query, q, scale, out, scratch)
+#[inline(never)]
+unsafe fn run_avx512<const G: usize, const P: usize, const BLOCK: bool, K: Part, V: Part>(c: &mut Call, kp: K, vp: V) {
+    super::body::<Avx512, G, P, BLOCK, K, V>(c, kp, vp)
 }

@@ -1,0 +1,292 @@
+#![allow(clippy::needless_range_loop, clippy::int_plus_one)] // register arrays indexed by head and position; blocks of `$p`
+//! Attention over F16 pages with 512-bit vectors: a register holds one
+//! 16-element chunk, which is exactly the dot product's 16 lanes, so
+//! each lane takes the same fused multiply-adds as `dot_f32` and the
+//! value sums the same as `axpy`, and the lanes are folded by the same
+//! tree. Scores of several (position, head) pairs share one fold
+//! (`hsums`); value sums keep up to 64 dimensions of every head of the
+//! group in registers over all positions; each page is walked as one
+//! contiguous run of vectors.
+
+use std::arch::x86_64::*;
+
+use super::coded::x86::hsums;
+use super::{softmax_row, AttnQuery, KvStorage};
+
+/// Positions the prefetch cursor runs ahead of the scores (measured
+/// with `attnbench`, keys and values in memory: 8 to 64 all gain about
+/// a third over none; 16 was best).
+const AHEAD: usize = 16;
+
+/// The query range's runs of consecutive positions within one page:
+/// (index in the range of the run's first position, element offset of
+/// its vector, positions).
+fn runs<'a>(
+    kv: &'a KvStorage,
+    layer: usize,
+    is_v: bool,
+    kv_head: usize,
+    query: &'a AttnQuery,
+) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+    let pt = kv.shape.page_tokens;
+    let mut p = query.start;
+    std::iter::from_fn(move || {
+        if p >= query.end {
+            return None;
+        }
+        let (index, first) = (p / pt, p % pt);
+        let len = (pt - first).min(query.end - p);
+        let run = (
+            p - query.start,
+            kv.offset(query.pages[index], layer, is_v, kv_head, first),
+            len,
+        );
+        p += len;
+        Some(run)
+    })
+}
+
+/// A cursor some positions ahead of the scores' pass: at each step it
+/// asks for the key and the value there to be brought into cache, so
+/// the keys arrive before the pass reaches them and the values before
+/// the value pass does. A page's vectors are a few KiB in one place,
+/// pages anywhere, which the hardware's prefetchers do not follow.
+struct Ahead<'a> {
+    kv: &'a KvStorage,
+    pages: &'a [u32],
+    layer: usize,
+    kv_head: usize,
+    pos: usize,
+    end: usize,
+    off: usize,
+}
+
+impl<'a> Ahead<'a> {
+    fn new(kv: &'a KvStorage, layer: usize, kv_head: usize, query: &'a AttnQuery, distance: usize) -> Ahead<'a> {
+        let mut a = Ahead {
+            kv,
+            pages: query.pages,
+            layer,
+            kv_head,
+            pos: query.start,
+            end: query.end,
+            off: 0,
+        };
+        a.seek();
+        for _ in 0..distance {
+            a.advance();
+        }
+        a
+    }
+
+    #[inline(always)]
+    fn seek(&mut self) {
+        if self.pos < self.end {
+            let pt = self.kv.shape.page_tokens;
+            self.off = self.kv.offset(
+                self.pages[self.pos / pt],
+                self.layer,
+                false,
+                self.kv_head,
+                self.pos % pt,
+            );
+        }
+    }
+
+    #[inline(always)]
+    fn advance(&mut self) {
+        self.pos += 1;
+        if self.pos.is_multiple_of(self.kv.shape.page_tokens) {
+            self.seek();
+        } else {
+            self.off += self.kv.shape.head_dim;
+        }
+    }
+
+    /// Prefetches the key and the value at the cursor, then moves on.
+    #[inline(always)]
+    unsafe fn step(&mut self, dk: *const u16, dv: *const u16) {
+        if self.pos >= self.end {
+            return;
+        }
+        for l in (0..self.kv.shape.head_dim).step_by(32) {
+            _mm_prefetch::<_MM_HINT_T0>(dk.add(self.off + l) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(dv.add(self.off + l) as *const i8);
+        }
+        self.advance();
+    }
+}
+
+/// Scores of `P` consecutive positions (keys at `k`, `hd` apart) for
+/// `G` heads, `P * G <= 16`, written to `scores[g * n + j]`.
+#[inline(always)]
+unsafe fn score_block<const G: usize, const P: usize>(
+    k: *const u16,
+    hd: usize,
+    q: *const f32,
+    scale: f32,
+    scores: *mut f32,
+    n: usize,
+) {
+    let mut a = [[_mm512_setzero_ps(); G]; P];
+    for c in (0..hd).step_by(16) {
+        let mut kc = [_mm512_setzero_ps(); P];
+        for (j, kj) in kc.iter_mut().enumerate() {
+            *kj = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(j * hd + c) as *const __m256i));
+        }
+        for g in 0..G {
+            let qv = _mm512_loadu_ps(q.add(g * hd + c));
+            for j in 0..P {
+                a[j][g] = _mm512_fmadd_ps(qv, kc[j], a[j][g]);
+            }
+        }
+    }
+    let mut flat = [[_mm512_setzero_ps(); 8]; 2];
+    for j in 0..P {
+        for g in 0..G {
+            flat[(j * G + g) / 8][(j * G + g) % 8] = a[j][g];
+        }
+    }
+    let mut sums = [[0f32; 8]; 2];
+    sums[0] = hsums(&flat[0]);
+    if P * G > 8 {
+        sums[1] = hsums(&flat[1]);
+    }
+    for j in 0..P {
+        for g in 0..G {
+            *scores.add(g * n + j) = sums[(j * G + g) / 8][(j * G + g) % 8] * scale;
+        }
+    }
+}
+
+/// Attention of `G` heads, value sums `R` registers (`16 * R`
+/// dimensions) wide; `R` divides `head_dim / 16`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn group<const G: usize, const R: usize>(
+    dk: &[u16],
+    dv: &[u16],
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let hd = kv.shape.head_dim;
+    let n = query.end - query.start;
+    // Positions a block of scores takes: their accumulators fill at most
+    // 16 registers (and the keys at most 8 more).
+    const fn per_block(g: usize) -> usize {
+        match g {
+            1 | 2 => 8,
+            3 | 4 => 4,
+            _ => 2,
+        }
+    }
+    let sp = scores.as_mut_ptr();
+    let mut ahead = Ahead::new(kv, layer, kv_head, query, AHEAD);
+    for (i0, off, len) in runs(kv, layer, false, kv_head, query) {
+        let k = dk.as_ptr().add(off);
+        let mut t = 0;
+        macro_rules! blocks {
+            ($p:expr) => {
+                while t + $p <= len {
+                    for _ in 0..$p {
+                        ahead.step(dk.as_ptr(), dv.as_ptr());
+                    }
+                    score_block::<G, { $p }>(k.add(t * hd), hd, q.as_ptr(), scale, sp.add(i0 + t), n);
+                    t += $p;
+                }
+            };
+        }
+        match per_block(G) {
+            8 => blocks!(8),
+            4 => blocks!(4),
+            2 => blocks!(2),
+            _ => {}
+        }
+        blocks!(1);
+    }
+    for g in 0..G {
+        softmax_row(&mut scores[g * n..(g + 1) * n]);
+    }
+    let sp = scores.as_ptr();
+    for d0 in (0..hd).step_by(16 * R) {
+        let mut o = [[_mm512_setzero_ps(); R]; G];
+        for (i0, off, len) in runs(kv, layer, true, kv_head, query) {
+            let v = dv.as_ptr().add(off + d0);
+            for t in 0..len {
+                let mut vr = [_mm512_setzero_ps(); R];
+                for (r, x) in vr.iter_mut().enumerate() {
+                    *x = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(t * hd + 16 * r) as *const __m256i));
+                }
+                for (g, og) in o.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*sp.add(g * n + i0 + t));
+                    for r in 0..R {
+                        og[r] = _mm512_fmadd_ps(w, vr[r], og[r]);
+                    }
+                }
+            }
+        }
+        for (g, og) in o.iter().enumerate() {
+            for (r, x) in og.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + d0 + 16 * r), *x);
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(super) unsafe fn attend_group_f16(
+    dk: &[u16],
+    dv: &[u16],
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    scores: &mut [f32],
+) {
+    let hd = kv.shape.head_dim;
+    debug_assert_eq!(hd % 16, 0);
+    let chunks = hd / 16;
+    // Value registers a head: as many as leave room for the group's
+    // accumulators, the values and a weight in 32 registers, dividing
+    // the head's chunks.
+    let most = match q.len() / hd {
+        1 | 2 => 8,
+        3..=6 => 4,
+        _ => 2,
+    };
+    let r = [8, 4, 2, 1]
+        .into_iter()
+        .find(|&r| r <= most && chunks.is_multiple_of(r))
+        .unwrap_or(1);
+    macro_rules! by_group {
+        ($r:literal) => {
+            match q.len() / hd {
+                1 => group::<1, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                2 => group::<2, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                3 => group::<3, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                4 => group::<4, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                5 => group::<5, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                6 => group::<6, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                7 => group::<7, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                8 => group::<8, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
+                g => unreachable!("attention: {g} query heads per KV head take the generic path"),
+            }
+        };
+    }
+    match r {
+        8 => by_group!(8),
+        4 => by_group!(4),
+        2 => by_group!(2),
+        _ => by_group!(1),
+    }
+}

@@ -1,0 +1,63 @@
+//! The environment variables snug reads, all of them, read here once: the
+//! libraries take what they say as options.
+//!
+//! | variable | what it does |
+//! |---|---|
+//! | `SNUG_HOME` | snug's cache directory (else `$XDG_CACHE_HOME/snug`, else `~/.cache/snug`) |
+//! | `SNUG_SIMD` | caps the kernels' SIMD level: `scalar`, `avx2`, `avx512` |
+//! | `SNUG_NUMERICS` | the default of `--numerics` |
+//! | `SNUG_PACK` | where matrices are packed into panels: in a cache file (default), `memory`, or `off` |
+//! | `SNUG_PIP` | the pip program `snug pull` runs (else `python3 -m pip`) |
+//! | `SNUG_TRACE`, `SNUG_TRACE_ALL`, `SNUG_DUMP` | the forward pass' intermediate values, for comparing with other runtimes |
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use snug_kernels::ggml::Numerics;
+use snug_model::packed::PackMode;
+use snug_model::pull::Pip;
+
+/// What the environment says.
+pub struct Env {
+    pub cache: PathBuf,
+    pub numerics: Numerics,
+    pub pack: PackMode,
+    pub pip: Pip,
+}
+
+/// The settings the environment gives, read on the first call (which
+/// `main` makes first thing), when the process-wide ones (the SIMD cap,
+/// tracing) are also handed to the libraries.
+pub fn get() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(read)
+}
+
+fn read() -> Env {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    let text = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    if let Some(level) = text("SNUG_SIMD").and_then(|v| snug_kernels::cpu::Simd::parse(&v)) {
+        snug_kernels::cpu::limit(level);
+    }
+    snug_model::arch::trace::configure(snug_model::arch::trace::Trace {
+        first_and_last: var("SNUG_TRACE").is_some(),
+        every_layer: var("SNUG_TRACE").is_some() && var("SNUG_TRACE_ALL").is_some(),
+        dump: var("SNUG_DUMP").map(PathBuf::from),
+    });
+    let cache = snug_model::catalog::cache_dir_in(var("SNUG_HOME"), var("XDG_CACHE_HOME"), var("HOME"));
+    let pack = match text("SNUG_PACK").as_deref() {
+        Some("off") | Some("0") | Some("no") => PackMode::Off,
+        Some("memory") => PackMode::Memory,
+        _ => PackMode::Cache(cache.join("packed")),
+    };
+    Env {
+        numerics: text("SNUG_NUMERICS")
+            .and_then(|v| Numerics::parse(&v))
+            .unwrap_or_default(),
+        pack,
+        pip: Pip {
+            program: var("SNUG_PIP").map(PathBuf::from),
+        },
+        cache,
+    }
+}
