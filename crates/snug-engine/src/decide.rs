@@ -32,6 +32,7 @@ use serde_json::{json, Map, Value};
 use snug_model::template::{ChatTemplate, Message};
 use snug_model::{EncodeOptions, Tokenizer};
 
+use crate::StepRow;
 use crate::{Engine, EngineError, SeqId};
 
 /// The three question types.
@@ -600,9 +601,9 @@ impl Engine<'_> {
         let result = (|| -> Result<(Vec<f32>, Vec<f32>), DecideError> {
             usage.cached_tokens = self.share_prefix(seq, &state_ids)?;
             let held = self.tokens(seq)?.len();
-            let mut rest: Vec<(SeqId, u32, bool)> = state_ids[held..].iter().map(|&t| (seq, t, false)).collect();
+            let mut rest: Vec<StepRow> = state_ids[held..].iter().map(|&t| StepRow::new(seq, t, false)).collect();
             if let Some(p) = prior_seq {
-                rest.extend(neutral.iter().map(|&t| (p, t, false)));
+                rest.extend(neutral.iter().map(|&t| StepRow::new(p, t, false)));
             }
             if !rest.is_empty() {
                 self.step(&rest)?;
@@ -619,7 +620,7 @@ impl Engine<'_> {
             let order: Vec<usize> = (0..questions.len()).chain(missing.iter().copied()).collect();
             for (&s, &i) in seqs.iter().zip(&order) {
                 let b = &branches[i];
-                rows.extend(b.iter().enumerate().map(|(j, &t)| (s, t, j + 1 == b.len())));
+                rows.extend(b.iter().enumerate().map(|(j, &t)| StepRow::new(s, t, j + 1 == b.len())));
             }
             let first = self.step(&rows)?.to_vec();
             // Labels of several tokens: each spelling's tokens but the last
@@ -632,7 +633,7 @@ impl Engine<'_> {
                         let c = self.fork(seqs[j])?;
                         seqs.push(c);
                         conts.push((j, o, v, more.len()));
-                        more.extend(ids[..ids.len() - 1].iter().map(|&t| (c, t, true)));
+                        more.extend(ids[..ids.len() - 1].iter().map(|&t| StepRow::new(c, t, true)));
                     }
                 }
             }

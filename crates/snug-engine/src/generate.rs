@@ -21,6 +21,7 @@ use snug_core::speculate::{Mode, Policy};
 use snug_model::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::sampling::{Sampler, SamplingParams};
+use crate::StepRow;
 use crate::{Engine, EngineError, SeqId};
 
 /// N-gram sizes the drafter matches, longest first.
@@ -544,7 +545,7 @@ impl Engine<'_> {
         let logits = self.feed(seq, &prompt)?;
         d.prefilled(prompt.len(), Some(logits));
         while let Some(tokens) = d.next_rows(self, tok, usize::MAX, &mut on_text)? {
-            let rows: Vec<(SeqId, u32, bool)> = tokens.iter().map(|&t| (seq, t, true)).collect();
+            let rows: Vec<StepRow> = tokens.iter().map(|&t| StepRow::new(seq, t, true)).collect();
             let logits = self.step(&rows)?.to_vec();
             d.absorb(self, &logits, true)?;
         }

@@ -24,6 +24,32 @@ use snug_model::arch::{BatchRow, ForwardScratch, KvView, Model};
 /// A sequence's handle.
 pub type SeqId = usize;
 
+/// One row of [`Engine::step`]: `token` appended to sequence `seq`, and
+/// whether the row's logits are wanted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRow {
+    pub seq: SeqId,
+    pub token: u32,
+    pub logits: bool,
+}
+
+/// The KV pool's pages ([`Engine::kv_pages`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPages {
+    /// In the pool.
+    pub total: usize,
+    /// Held by sequences or the prefix cache.
+    pub used: usize,
+    /// Held by the prefix cache alone (evictable).
+    pub idle: usize,
+}
+
+impl StepRow {
+    pub fn new(seq: SeqId, token: u32, logits: bool) -> StepRow {
+        StepRow { seq, token, logits }
+    }
+}
+
 /// Why the engine refused a step.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum EngineError {
@@ -312,7 +338,7 @@ impl<'m> Engine<'m> {
         };
         s.keys.truncate(s.tokens.len() / pt);
         if !redo.is_empty() {
-            let rows: Vec<(SeqId, u32, bool)> = redo.iter().map(|&t| (id, t, false)).collect();
+            let rows: Vec<StepRow> = redo.iter().map(|&t| StepRow::new(id, t, false)).collect();
             self.step(&rows)?;
         }
         Ok(())
@@ -342,11 +368,13 @@ impl<'m> Engine<'m> {
         Ok(new)
     }
 
-    /// KV pages: in the pool, held by sequences or the prefix cache, and
-    /// held by the prefix cache alone (evictable).
-    pub fn kv_pages(&self) -> (usize, usize, usize) {
-        let idle = self.prefix.as_ref().map_or(0, |c| c.idle_pages(&self.pages));
-        (self.pages.total_pages(), self.pages.used_pages(), idle)
+    /// The KV pool's pages.
+    pub fn kv_pages(&self) -> KvPages {
+        KvPages {
+            total: self.pages.total_pages(),
+            used: self.pages.used_pages(),
+            idle: self.prefix.as_ref().map_or(0, |c| c.idle_pages(&self.pages)),
+        }
     }
 
     /// Bytes of KV storage, total and in use (pages only; the exact
@@ -381,12 +409,15 @@ impl<'m> Engine<'m> {
         self.scratch.bytes()
     }
 
-    /// Runs one forward pass over `rows` = (sequence, token, wants logits):
-    /// each token is appended to its sequence. Returns the logits of the rows
+    /// Runs one forward pass over `rows`: each token is appended to its
+    /// sequence. Returns the logits of the rows
     /// that want them, in order (`vocab` floats each).
-    pub fn step(&mut self, rows: &[(SeqId, u32, bool)]) -> Result<&[f32], EngineError> {
+    pub fn step(&mut self, rows: &[StepRow]) -> Result<&[f32], EngineError> {
         let vocab = self.model.config.vocab;
-        for &(id, tok, _) in rows {
+        for &StepRow {
+            seq: id, token: tok, ..
+        } in rows
+        {
             self.seq(id)?;
             if tok as usize >= vocab {
                 return Err(EngineError::BadToken(tok));
@@ -394,12 +425,12 @@ impl<'m> Engine<'m> {
         }
         // Pages that filled in earlier steps and were not rolled back
         // since (a rejected draft's are gone by now) enter the prefix cache.
-        for &(id, _, _) in rows {
+        for &StepRow { seq: id, .. } in rows {
             self.register_pages(id);
         }
         // Plan: how many positions each sequence gains, and does it fit.
         let mut gains: Vec<(SeqId, usize)> = Vec::new();
-        for &(id, _, _) in rows {
+        for &StepRow { seq: id, .. } in rows {
             match gains.iter_mut().find(|g| g.0 == id) {
                 Some(g) => g.1 += 1,
                 None => gains.push((id, 1)),
@@ -461,7 +492,12 @@ impl<'m> Engine<'m> {
             }
             seq_index.push(id);
         }
-        for &(id, tok, want) in rows {
+        for &StepRow {
+            seq: id,
+            token: tok,
+            logits: want,
+        } in rows
+        {
             let s = self.seqs[id].as_mut().expect("checked above");
             let pos = s.tokens.len();
             s.tokens.push(tok);
@@ -668,7 +704,7 @@ impl<'m> Engine<'m> {
         for _pass in 0..2 {
             for (i, &rows) in counts.iter().enumerate() {
                 let t = std::time::Instant::now();
-                let r = self.step(&vec![(seq, token, true); rows]).map(|_| ());
+                let r = self.step(&vec![StepRow::new(seq, token, true); rows]).map(|_| ());
                 let secs = t.elapsed().as_secs_f64();
                 self.truncate(seq, held)?;
                 match r {
@@ -708,14 +744,14 @@ impl<'m> Engine<'m> {
     pub fn feed(&mut self, id: SeqId, tokens: &[u32]) -> Result<&[f32], EngineError> {
         let mut start = 0;
         for end in self.feed_breaks(tokens.len()) {
-            let rows: Vec<(SeqId, u32, bool)> = tokens[start..end].iter().map(|&t| (id, t, false)).collect();
+            let rows: Vec<StepRow> = tokens[start..end].iter().map(|&t| StepRow::new(id, t, false)).collect();
             self.step(&rows)?;
             start = end;
         }
-        let rows: Vec<(SeqId, u32, bool)> = tokens[start..]
+        let rows: Vec<StepRow> = tokens[start..]
             .iter()
             .enumerate()
-            .map(|(i, &t)| (id, t, start + i + 1 == tokens.len()))
+            .map(|(i, &t)| StepRow::new(id, t, start + i + 1 == tokens.len()))
             .collect();
         self.step(&rows)
     }

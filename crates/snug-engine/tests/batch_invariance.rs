@@ -4,7 +4,8 @@
 //! batch. Checked on all four real models.
 #![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
-use snug_engine::{Engine, EngineOptions, SeqId};
+use snug_engine::StepRow;
+use snug_engine::{Engine, EngineOptions};
 use snug_kernels::kv::KvFormat;
 use snug_model::arch::Model;
 use snug_model::testing::{model_path, MODELS};
@@ -26,7 +27,7 @@ fn logits_by_chunks(engine: &mut Engine, tokens: &[u32], chunks: &[usize]) -> Ve
     let mut out = Vec::new();
     let mut at = 0;
     for &n in chunks {
-        let rows: Vec<(SeqId, u32, bool)> = tokens[at..at + n].iter().map(|&t| (seq, t, true)).collect();
+        let rows: Vec<StepRow> = tokens[at..at + n].iter().map(|&t| StepRow::new(seq, t, true)).collect();
         let l = engine.step(&rows).unwrap();
         out.extend(l.chunks_exact(vocab).map(bits));
         at += n;
@@ -159,13 +160,13 @@ fn decoding_beside_other_sequences_never_changes_a_rows_logits() {
         for swap in [false, true] {
             let a = engine.create_sequence();
             let b = engine.create_sequence();
-            let mut rows: Vec<(SeqId, u32, bool)> = a_ids.iter().map(|&t| (a, t, false)).collect();
-            rows.extend(b_ids.iter().map(|&t| (b, t, false)));
+            let mut rows: Vec<StepRow> = a_ids.iter().map(|&t| StepRow::new(a, t, false)).collect();
+            rows.extend(b_ids.iter().map(|&t| StepRow::new(b, t, false)));
             engine.step(&rows).unwrap();
             let step = if swap {
-                vec![(b, b_ids[0], true), (a, a_ids[0], true)]
+                vec![StepRow::new(b, b_ids[0], true), StepRow::new(a, a_ids[0], true)]
             } else {
-                vec![(a, a_ids[0], true), (b, b_ids[0], true)]
+                vec![StepRow::new(a, a_ids[0], true), StepRow::new(b, b_ids[0], true)]
             };
             let l = engine.step(&step).unwrap().to_vec();
             let (la, lb) = if swap {

@@ -11,6 +11,7 @@ use snug_core::speculate::Mode;
 use snug_engine::generate::{GenerateRequest, Generation};
 use snug_engine::sampling::SamplingParams;
 use snug_engine::session::ModelIdentity;
+use snug_engine::StepRow;
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::kv::KvFormat;
 use snug_model::arch::Model;
@@ -226,7 +227,7 @@ fn rolled_back_pages_never_enter_the_cache() {
     e.feed(seq, &a[..30]).unwrap();
     // A verify of 9 rows fills page 1 (positions 16..32) and starts page 2
     // with a draft that is then rejected.
-    let rows: Vec<_> = a[30..39].iter().map(|&t| (seq, t, true)).collect();
+    let rows: Vec<_> = a[30..39].iter().map(|&t| StepRow::new(seq, t, true)).collect();
     e.step(&rows).unwrap();
     e.truncate(seq, 31).unwrap();
     e.feed(seq, &[a[31]]).unwrap();

@@ -9,6 +9,7 @@
 use snug_core::speculate::Mode;
 use snug_engine::generate::{GenerateRequest, Generation};
 use snug_engine::sampling::SamplingParams;
+use snug_engine::StepRow;
 use snug_engine::{Engine, EngineOptions, SeqId};
 use snug_model::arch::Model;
 use snug_model::testing::{model_path, MODELS};
@@ -278,7 +279,7 @@ fn check_near_ties(body: &str, tail: &str, ctx: usize, all_below: bool) {
         let seq = engine.create_sequence();
         let mut m = Vec::with_capacity(ids.len());
         for chunk in ids.chunks(64) {
-            let rows: Vec<(SeqId, u32, bool)> = chunk.iter().map(|&t| (seq, t, true)).collect();
+            let rows: Vec<StepRow> = chunk.iter().map(|&t| StepRow::new(seq, t, true)).collect();
             m.extend(margins(engine.step(&rows).unwrap(), vocab));
         }
         engine.free_sequence(seq);
@@ -333,7 +334,7 @@ fn a_verify_rows_logits_equal_decoding_that_position_alone() {
         let seq = engine.create_sequence();
         engine.feed(seq, prompt).unwrap();
         // One verify batch of 9 rows...
-        let rows: Vec<(SeqId, u32, bool)> = draft.iter().map(|&t| (seq, t, true)).collect();
+        let rows: Vec<StepRow> = draft.iter().map(|&t| StepRow::new(seq, t, true)).collect();
         let batched: Vec<u32> = engine.step(&rows).unwrap().iter().map(|x| x.to_bits()).collect();
         // ... rolled back, then the same positions decoded one at a time.
         engine.truncate(seq, prompt.len()).unwrap();

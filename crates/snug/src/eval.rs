@@ -20,6 +20,7 @@ use snug_kernels::kv::KvFormat;
 use snug_model::{EncodeOptions, Tokenizer};
 
 use crate::{open_model, progress, EvalPplArgs};
+use snug_engine::StepRow;
 
 /// `tq4`, or `q8/tq4` for keys and values in different formats.
 pub fn kv_name(k: KvFormat, v: KvFormat) -> String {
@@ -58,7 +59,7 @@ fn window_logits(engine: &mut Engine, tokens: &[u32], first: usize, batch: usize
     let mut at = 0;
     while at < tokens.len() - 1 {
         let end = (at + batch).min(tokens.len() - 1);
-        let rows: Vec<(SeqId, u32, bool)> = (at..end).map(|i| (seq, tokens[i], i >= first)).collect();
+        let rows: Vec<StepRow> = (at..end).map(|i| StepRow::new(seq, tokens[i], i >= first)).collect();
         let l = engine.step(&rows)?;
         out.extend_from_slice(l);
         at = end;

@@ -38,6 +38,9 @@
 //!   the end the rotated sums are put back in order, rotated back, added
 //!   to the output, and the output is divided by the running sum.
 //!
+//! This file is one concern (the kernel, its lanes and its entry), which
+//! is why it is longer than the others.
+//!
 //! Scratch is one page of scores per head and one decoded page whatever
 //! the context, and a page's codes are used while they are in cache; the
 //! next page's codes are asked for at the start of each page, since pages

@@ -433,7 +433,7 @@ fn engine_main(
     let speculate = crate::run::speculation_for(speculate, engine.model);
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
         .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
-    let (total, ..) = engine.kv_pages();
+    let total = engine.kv_pages().total;
     let pt = engine.options.page_tokens;
     let metrics = Arc::new(Mutex::new(Metrics::new(pt, page)));
     locked(&metrics).kv_pages_total = total as u64;

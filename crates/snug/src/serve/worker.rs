@@ -31,6 +31,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::locked;
 use super::metrics::Metrics;
+use snug_engine::StepRow;
 
 /// A generation asked for by a client.
 pub struct Job {
@@ -321,7 +322,7 @@ impl Loop<'_> {
             return;
         }
         // Rows: the prefill chunk's, then each decoding request's.
-        let mut rows: Vec<(SeqId, u32, bool)> = Vec::new();
+        let mut rows: Vec<StepRow> = Vec::new();
         // (request, rows it added, its logits rows, positions before)
         let mut spans: Vec<(RequestId, usize, usize, usize)> = Vec::new();
         if let Some((id, _, n)) = plan.prefill {
@@ -333,7 +334,7 @@ impl Loop<'_> {
                     left[..n]
                         .iter()
                         .enumerate()
-                        .map(|(i, &t)| (r.seq, t, last && i + 1 == n)),
+                        .map(|(i, &t)| StepRow::new(r.seq, t, last && i + 1 == n)),
                 );
                 let before = engine.tokens(r.seq).map_or(0, <[u32]>::len);
                 spans.push((id, n, usize::from(last), before));
@@ -358,7 +359,7 @@ impl Loop<'_> {
             match next {
                 Ok(Some(tokens)) => {
                     let before = engine.tokens(r.seq).map_or(0, <[u32]>::len);
-                    rows.extend(tokens.iter().map(|&t| (r.seq, t, true)));
+                    rows.extend(tokens.iter().map(|&t| StepRow::new(r.seq, t, true)));
                     spans.push((id, tokens.len(), tokens.len(), before));
                 }
                 Ok(None) => finished.push(id),
@@ -430,9 +431,9 @@ impl Loop<'_> {
 
     /// Gives the output head back before a forward that wants no logits;
     /// notes when one that does takes it again.
-    fn lease_head(&mut self, rows: &[(SeqId, u32, bool)]) {
+    fn lease_head(&mut self, rows: &[StepRow]) {
         let Some(release) = self.lease else { return };
-        let wants = rows.iter().any(|r| r.2);
+        let wants = rows.iter().any(|r| r.logits);
         let mut m = locked(&self.metrics);
         if !wants && !self.head_out {
             m.lease_released_bytes += release();
@@ -523,7 +524,7 @@ impl Loop<'_> {
         if fresh {
             self.ledger_at = Some(Instant::now());
         }
-        let (total, used, idle) = engine.kv_pages();
+        let snug_engine::KvPages { total, used, idle } = engine.kv_pages();
         let mut m = locked(&self.metrics);
         m.running = self.sched.running() as u64;
         m.waiting = self.sched.waiting() as u64;
