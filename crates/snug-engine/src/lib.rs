@@ -16,10 +16,10 @@ use std::sync::Arc;
 use snug_core::prefix::{self, Key, PrefixCache, PrefixStats};
 use snug_core::twins::{TwinPool, Twins, KEEP};
 use snug_core::{PagePool, PageTable, PagesError};
-use snug_kernels::kv::{KvFormat, KvShape, KvStorage};
+use snug_kernels::kv::{KvFormat, KvShape, KvStorage, KvStore};
 use snug_kernels::kvbasis::KeyBasis;
-use snug_kernels::pool::ThreadPool;
-use snug_model::arch::{BatchRow, ForwardScratch, KvView, Model};
+use snug_model::arch::{BatchRow, KvView, Model};
+use snug_model::backend::{CpuWorkspace, WorkspaceSize};
 
 /// A sequence's handle.
 pub type SeqId = usize;
@@ -173,11 +173,10 @@ pub fn kv_twin_bytes(model: &Model, options: &EngineOptions) -> usize {
 pub struct Engine<'m> {
     pub model: &'m Model<'m>,
     pub options: EngineOptions,
-    pool: ThreadPool,
     pages: PagePool,
     twin_pool: TwinPool,
     storage: KvStorage,
-    scratch: ForwardScratch,
+    scratch: CpuWorkspace,
     logits: Vec<f32>,
     seqs: Vec<Option<Sequence>>,
     /// Measured seconds per forward by row count, for speculation.
@@ -228,17 +227,15 @@ impl<'m> Engine<'m> {
         }
         Engine {
             model,
-            pool: ThreadPool::new(options.threads),
             pages: PagePool::new(n_pages, shape.page_tokens),
             twin_pool: TwinPool::new(twins),
             storage,
-            scratch: ForwardScratch::new(
-                model,
-                options.batch,
-                if is_lossy(&options) { 0 } else { options.ctx },
-                options.threads,
-                shape.page_tokens,
-            ),
+            scratch: model.workspace(WorkspaceSize {
+                rows: options.batch,
+                ctx: if is_lossy(&options) { 0 } else { options.ctx },
+                page_tokens: shape.page_tokens,
+                threads: options.threads,
+            }),
             logits: Vec::new(),
             seqs: Vec::new(),
             spec_costs: None,
@@ -309,7 +306,7 @@ impl<'m> Engine<'m> {
     /// page lost its twin recomputes that page's positions (fewer than a
     /// page), which rebuilds the twin bit for bit.
     pub fn truncate(&mut self, id: SeqId, len: usize) -> Result<(), EngineError> {
-        let pt = self.storage.shape.page_tokens;
+        let pt = self.storage.shape().page_tokens;
         let s = self
             .seqs
             .get_mut(id)
@@ -387,7 +384,7 @@ impl<'m> Engine<'m> {
     /// Positions the KV page pool holds in all (every page, every
     /// sequence).
     pub fn kv_capacity_tokens(&self) -> usize {
-        self.pages.total_pages() * self.storage.shape.page_tokens
+        self.pages.total_pages() * self.storage.shape().page_tokens
     }
 
     /// Bytes of the exact window: twin pages (total and in use) plus the
@@ -460,7 +457,7 @@ impl<'m> Engine<'m> {
                 total: self.pages.total_pages(),
             }));
         }
-        let pt = self.storage.shape.page_tokens;
+        let pt = self.storage.shape().page_tokens;
         let lossy = self.storage.is_lossy();
         if lossy {
             // Twins are handed out chunk by chunk and the ones a chunk no
@@ -542,7 +539,7 @@ impl<'m> Engine<'m> {
                 twins: &twins,
             };
             self.model
-                .forward(chunk, &mut view, &mut self.scratch, &self.pool, &mut self.logits);
+                .forward(chunk, &mut view, &mut self.scratch, &mut self.logits);
             if lossy {
                 for (si, span) in spans.iter().enumerate() {
                     if let Some((_, hi)) = *span {
@@ -562,7 +559,7 @@ impl<'m> Engine<'m> {
     /// freed.
     fn register_pages(&mut self, id: SeqId) {
         let Some(cache) = &mut self.prefix else { return };
-        let pt = self.storage.shape.page_tokens;
+        let pt = self.storage.shape().page_tokens;
         let Some(Some(s)) = self.seqs.get_mut(id) else { return };
         if !s.shareable {
             return;
@@ -591,7 +588,7 @@ impl<'m> Engine<'m> {
     /// than shared, which rebuilds its exact twin (a shared page's bytes
     /// are the same either way). Returns the positions the sequence holds.
     pub fn share_prefix(&mut self, id: SeqId, prompt: &[u32]) -> Result<usize, EngineError> {
-        let pt = self.storage.shape.page_tokens;
+        let pt = self.storage.shape().page_tokens;
         if !self.seq(id)?.tokens.is_empty() || prompt.len() > self.options.ctx {
             return Ok(self.seq(id)?.tokens.len());
         }

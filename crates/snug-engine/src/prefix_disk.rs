@@ -19,7 +19,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use snug_core::prefix::Key;
-use snug_kernels::kv::KvStorage;
+use snug_kernels::kv::KvStore;
 
 const MAGIC: &[u8; 8] = b"SNUGPAGE";
 const VERSION: u32 = 1;
@@ -69,16 +69,16 @@ impl DiskTier {
 
     /// Writes page `page` of `storage` (all positions) as `key`, unless a
     /// file for it exists. Returns whether it wrote.
-    pub fn write(&mut self, key: &Key, storage: &KvStorage, page: u32) -> std::io::Result<bool> {
+    pub fn write(&mut self, key: &Key, storage: &impl KvStore, page: u32) -> std::io::Result<bool> {
         let path = self.path(key);
         if path.exists() {
             return Ok(false);
         }
-        let pt = storage.shape.page_tokens;
+        let pt = storage.shape().page_tokens;
         let len = storage.stored_bytes(pt, false) as u64;
         let mut crc = crc32fast::Hasher::new();
         storage
-            .page_runs::<()>(page, pt, false, |r| {
+            .export_page::<()>(page, pt, false, |r| {
                 crc.update(r);
                 Ok(())
             })
@@ -91,7 +91,7 @@ impl DiskTier {
         snug_core::durable::write_with(&path, |file| {
             let mut f = std::io::BufWriter::with_capacity(1 << 20, file);
             f.write_all(&head)?;
-            storage.page_runs(page, pt, false, |r| f.write_all(r))?;
+            storage.export_page(page, pt, false, |r| f.write_all(r))?;
             f.flush()
         })?;
         self.bytes += HEADER as u64 + len;
@@ -105,10 +105,10 @@ impl DiskTier {
     /// Returns false (and deletes the file) if it is missing, of another
     /// size, or fails its checksum; the page's bytes are then undefined
     /// and must not be used.
-    pub fn read(&mut self, key: &Key, storage: &mut KvStorage, page: u32) -> bool {
+    pub fn read(&mut self, key: &Key, storage: &mut impl KvStore, page: u32) -> bool {
         let path = self.path(key);
         let Ok(f) = File::open(&path) else { return false };
-        let pt = storage.shape.page_tokens;
+        let pt = storage.shape().page_tokens;
         let len = storage.stored_bytes(pt, false) as u64;
         let mut head = [0u8; HEADER];
         let ok = f.read_exact_at(&mut head, 0).is_ok()
@@ -120,7 +120,7 @@ impl DiskTier {
         let mut at = HEADER as u64;
         let ok = ok
             && storage
-                .fill_page(page, pt, false, |run| {
+                .import_page(page, pt, false, |run| {
                     f.read_exact_at(run, at)?;
                     crc.update(run);
                     at += run.len() as u64;

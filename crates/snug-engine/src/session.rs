@@ -22,7 +22,7 @@
 //!     META  JSON: identity, token counts, sampler, chat messages, twins
 //!     TOKN  u32 token ids (every token, also those not yet in the KV)
 //!     BASI  f32 key-basis offsets then weights (TQ4 keys only)
-//!     PAGE  the KV bytes of each page in order (see `KvStorage::page_runs`)
+//!     PAGE  the KV bytes of each page in order (see `KvStore::export_page`)
 //!     TWIN  the KV bytes of each twin page, in `META.twins` order
 //! ```
 //!
@@ -46,7 +46,7 @@ use snug_model::template::Message;
 
 use crate::sampling::SamplingParams;
 use crate::{Engine, EngineError, EngineOptions, SeqId, Sequence};
-use snug_kernels::kv::KvFormat;
+use snug_kernels::kv::{KvFormat, KvStore};
 
 pub const MAGIC: &[u8; 8] = b"SNUGSESS";
 pub const VERSION: u32 = 1;
@@ -255,13 +255,13 @@ impl Engine<'_> {
         Identity {
             model_sha256: m.model_sha256.clone(),
             tokenizer_sha256: m.tokenizer_sha256.clone(),
-            arch: c.arch.name().to_string(),
+            arch: c.arch.name.to_string(),
             layers: c.layers,
             kv_heads: c.kv_heads,
             head_dim: c.head_dim,
-            kv_k: self.storage.format.name().to_string(),
-            kv_v: self.storage.format_v.name().to_string(),
-            page_tokens: self.storage.shape.page_tokens,
+            kv_k: self.storage.formats().0.name().to_string(),
+            kv_v: self.storage.formats().1.name().to_string(),
+            page_tokens: self.storage.shape().page_tokens,
             rotation_sha256: rotation,
             key_basis_sha256: self
                 .storage
@@ -300,7 +300,7 @@ impl Engine<'_> {
                 what: "the tokens to save do not start with the sequence's".into(),
             });
         }
-        let pt = self.storage.shape.page_tokens;
+        let pt = self.storage.shape().page_tokens;
         let twins: Vec<(usize, u32)> = s
             .twins
             .as_slice()
@@ -351,13 +351,13 @@ impl Engine<'_> {
             let kv_start = w.at;
             for (i, &page) in s.table.pages().iter().enumerate() {
                 let slots = kv_tokens.saturating_sub(i * pt).min(pt);
-                self.storage.page_runs(page, slots, false, |r| w.put(r))?;
+                self.storage.export_page(page, slots, false, |r| w.put(r))?;
             }
             w.end();
             w.begin(b"TWIN")?;
             for &(i, t) in &twins {
                 let slots = kv_tokens.saturating_sub(i * pt).min(pt);
-                self.storage.page_runs(t, slots, true, |r| w.put(r))?;
+                self.storage.export_page(t, slots, true, |r| w.put(r))?;
             }
             w.end();
             let kv_bytes = w.at - kv_start;
@@ -400,7 +400,7 @@ impl Engine<'_> {
                 limit: self.options.ctx,
             }));
         }
-        let pt = self.storage.shape.page_tokens;
+        let pt = self.storage.shape().page_tokens;
         let pages = n.div_ceil(pt);
         if m.twins.iter().any(|&i| i >= pages) {
             return Err(file.malformed("a twin lies beyond the saved positions"));
@@ -451,7 +451,7 @@ impl Engine<'_> {
     /// `twins`, checking their sizes and checksums.
     fn fill_from(&mut self, file: &SessionFile, id: SeqId, twins: &[u32]) -> Result<(), SessionError> {
         let m = &file.meta;
-        let pt = self.storage.shape.page_tokens;
+        let pt = self.storage.shape().page_tokens;
         let slots = |i: usize| (m.kv_tokens - i * pt).min(pt);
         let pages: Vec<(u32, usize)> = self
             .seq(id)
@@ -483,7 +483,7 @@ impl Engine<'_> {
             let mut at = e.offset;
             for (page, n) in list {
                 self.storage
-                    .fill_page(page, n, twin, |run| {
+                    .import_page(page, n, twin, |run| {
                         file.file.read_exact_at(run, at)?;
                         crc.update(run);
                         at += run.len() as u64;
@@ -655,7 +655,7 @@ impl SessionFile {
         let here = Identity {
             model_sha256: identity.model_sha256.clone(),
             tokenizer_sha256: identity.tokenizer_sha256.clone(),
-            arch: c.arch.name().to_string(),
+            arch: c.arch.name.to_string(),
             layers: c.layers,
             kv_heads: c.kv_heads,
             head_dim: c.head_dim,

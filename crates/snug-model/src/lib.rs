@@ -6,6 +6,7 @@
 //! with their encoder ([`laya`]).
 
 pub mod arch;
+pub mod backend;
 pub mod catalog;
 pub mod fingerprint;
 pub mod gguf;

@@ -75,3 +75,70 @@ pub fn fixtures_dir(workspace: &Path) -> Option<PathBuf> {
     eprintln!("skipping: shared fixtures not found at {}", p.display());
     None
 }
+
+/// A backend a test body runs on: how a model selects it and what it
+/// promises.
+#[derive(Clone, Copy, Debug)]
+pub struct TestBackend {
+    pub name: &'static str,
+    pub numerics: snug_kernels::ggml::Numerics,
+}
+
+impl TestBackend {
+    /// Loads the model of `file` to run on this backend.
+    pub fn load<'a>(&self, file: &'a crate::GgufFile) -> Result<crate::arch::Model<'a>, crate::arch::ModelError> {
+        let mut m = crate::arch::Model::load(file)?;
+        m.numerics = self.numerics;
+        Ok(m)
+    }
+}
+
+/// snug's own CPU arithmetic ([`crate::backend::Native`]).
+pub const NATIVE: TestBackend = TestBackend {
+    name: "native",
+    numerics: snug_kernels::ggml::Numerics::Native,
+};
+
+/// llama.cpp's CPU arithmetic ([`crate::backend::LlamaCpp`]). It pairs
+/// rows in its matrix products as llama.cpp does, so a row's bits depend
+/// on its batch there: it runs the suites that do not promise otherwise.
+pub const LLAMA_CPP: TestBackend = TestBackend {
+    name: "llama_cpp",
+    numerics: snug_kernels::ggml::Numerics::Ggml,
+};
+
+/// Runs one test body on every backend, as a module of one test per
+/// backend: `test_backends! { fn name(backend) { ... } }`, where `backend`
+/// is a [`TestBackend`]. With `batch_invariant:` before `fn`, only on the
+/// backends that keep a row's bits whatever its batch (the batch
+/// invariance, speculation and prefix-cache suites). A new backend is
+/// added to these lists once and inherits every suite.
+#[macro_export]
+macro_rules! test_backends {
+    (batch_invariant: fn $name:ident($b:ident) $body:block) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            fn body($b: $crate::testing::TestBackend) $body
+            #[test]
+            fn native() {
+                body($crate::testing::NATIVE)
+            }
+        }
+    };
+    (fn $name:ident($b:ident) $body:block) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            fn body($b: $crate::testing::TestBackend) $body
+            #[test]
+            fn native() {
+                body($crate::testing::NATIVE)
+            }
+            #[test]
+            fn llama_cpp() {
+                body($crate::testing::LLAMA_CPP)
+            }
+        }
+    };
+}

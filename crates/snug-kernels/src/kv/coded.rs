@@ -46,7 +46,7 @@
 //! next page's codes are asked for at the start of each page, since pages
 //! lie anywhere.
 
-use super::{AttnQuery, AttnRow, AttnScratch, Data, KvStorage};
+use super::{AttnQuery, AttnRow, AttnScratch, Data, KvStorage, KvStore};
 use crate::ops::{exp_fixed, fold16};
 
 /// How one part (keys or values) is stored.

@@ -27,9 +27,11 @@
 
 mod attend;
 mod coded;
+mod store;
 
 use attend::softmax_row;
 pub use attend::{attend_group, attend_group_generic, attend_group_ggml, attend_rows, AttnQuery, AttnRow, AttnScratch};
+pub use store::KvStore;
 
 use crate::kvbasis::{KeyBasis, OffsetTables};
 
@@ -272,7 +274,7 @@ pub struct KvSlot {
     pub twin: Option<u32>,
 }
 
-/// The KV pages.
+/// The KV pages in host memory (the CPU backends' [`KvStore`]).
 pub struct KvStorage {
     pub shape: KvShape,
     /// Format of the keys.
@@ -329,14 +331,6 @@ impl KvStorage {
         }
     }
 
-    /// Whether either part is stored lossily (Q8 or TQ4): then the engine
-    /// keeps an exact window in twin pages.
-    pub fn is_lossy(&self) -> bool {
-        [self.format, self.format_v]
-            .iter()
-            .any(|f| matches!(f, KvFormat::Q8 | KvFormat::Tq4))
-    }
-
     /// Adds `n` F16 twin pages.
     pub fn with_twins(mut self, n: usize) -> KvStorage {
         let half = self.shape.page_vectors() / 2 * n;
@@ -360,45 +354,8 @@ impl KvStorage {
         self
     }
 
-    /// The key basis TQ4 keys are coded in, if any.
-    pub fn key_basis(&self) -> Option<&KeyBasis> {
-        self.basis.as_ref().map(|(b, _)| &**b)
-    }
-
     pub fn n_twins(&self) -> usize {
         self.n_twins
-    }
-
-    /// Bytes of one twin page.
-    pub fn twin_page_bytes(&self) -> usize {
-        self.shape.page_bytes(KvFormat::F16)
-    }
-
-    /// Bytes of the twins, the key basis and its tables.
-    pub fn exact_window_bytes(&self) -> usize {
-        self.n_twins * self.twin_page_bytes() + self.basis.as_ref().map_or(0, |(b, t)| b.bytes() + t.bytes())
-    }
-
-    /// Copies twin `from` over twin `to`.
-    pub fn copy_twin(&mut self, from: u32, to: u32) {
-        let n = self.shape.page_vectors() / 2;
-        let hd = self.shape.head_dim;
-        self.twin_k.copy(from as usize * n, to as usize * n, n, hd);
-        self.twin_v.copy(from as usize * n, to as usize * n, n, hd);
-    }
-
-    pub fn n_pages(&self) -> usize {
-        self.n_pages
-    }
-
-    /// Bytes of one page (keys and values of every layer).
-    pub fn page_bytes(&self) -> usize {
-        let half = self.shape.page_vectors() / 2;
-        half * (self.format.vector_bytes(self.shape.head_dim) + self.format_v.vector_bytes(self.shape.head_dim))
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.page_bytes() * self.n_pages
     }
 
     /// Index of (page, layer, KV head, slot) in the key or the value array.
@@ -483,77 +440,6 @@ impl KvStorage {
         }
     }
 
-    /// Bytes the first `slots` positions of a page take as stored.
-    pub fn stored_bytes(&self, slots: usize, twin: bool) -> usize {
-        let mut n = 0;
-        self.page_ranges(0, slots, twin, |_, _, r| n += r.len());
-        n
-    }
-
-    /// Hands `f` the stored bytes of the first `slots` positions of page
-    /// `page` (twin `page` when `twin`), in runs (see
-    /// [`KvStorage::fill_page`], which takes them back in the same order).
-    /// Nothing is copied.
-    pub fn page_runs<E>(
-        &self,
-        page: u32,
-        slots: usize,
-        twin: bool,
-        mut f: impl FnMut(&[u8]) -> Result<(), E>,
-    ) -> Result<(), E> {
-        let arrays = if twin {
-            [&self.twin_k, &self.twin_v]
-        } else {
-            [&self.k, &self.v]
-        };
-        let parts = arrays.map(Data::part_bytes);
-        let mut result = Ok(());
-        self.page_ranges(page, slots, twin, |a, part, r| {
-            if result.is_ok() {
-                result = f(&parts[a][part][r]);
-            }
-        });
-        result
-    }
-
-    /// Fills the first `slots` positions of page `page` (twin `page`
-    /// when `twin`) run by run, in the order [`KvStorage::page_runs`]
-    /// hands them out: `f` writes each run.
-    pub fn fill_page<E>(
-        &mut self,
-        page: u32,
-        slots: usize,
-        twin: bool,
-        mut f: impl FnMut(&mut [u8]) -> Result<(), E>,
-    ) -> Result<(), E> {
-        let mut ranges = Vec::new();
-        self.page_ranges(page, slots, twin, |a, part, r| ranges.push((a, part, r)));
-        let (k, v) = if twin {
-            (&mut self.twin_k, &mut self.twin_v)
-        } else {
-            (&mut self.k, &mut self.v)
-        };
-        let parts = [k.part_bytes_mut(), v.part_bytes_mut()];
-        for (a, part, r) in ranges {
-            f(&mut parts[a][part][r])?;
-        }
-        Ok(())
-    }
-
-    /// The rotation signs of every (layer, KV head), for the session
-    /// identity (empty for the unrotated formats).
-    pub fn rotation_signs(&self) -> &[Vec<u64>] {
-        &self.signs
-    }
-
-    /// Copies page `from` over page `to`.
-    pub fn copy_page(&mut self, from: u32, to: u32) {
-        let n = self.shape.page_vectors() / 2;
-        let hd = self.shape.head_dim;
-        self.k.copy(from as usize * n, to as usize * n, n, hd);
-        self.v.copy(from as usize * n, to as usize * n, n, hd);
-    }
-
     fn data(&self, is_v: bool) -> &Data {
         if is_v {
             &self.v
@@ -599,6 +485,101 @@ impl KvStorage {
     fn read_rotated(&self, page: u32, layer: usize, is_v: bool, head: usize, slot: usize, out: &mut [f32]) {
         let i = self.vector(page, layer, head, slot);
         self.data(is_v).get_rotated(i, out);
+    }
+}
+
+impl KvStore for KvStorage {
+    fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    fn formats(&self) -> (KvFormat, KvFormat) {
+        (self.format, self.format_v)
+    }
+
+    fn n_pages(&self) -> usize {
+        self.n_pages
+    }
+
+    fn page_bytes(&self) -> usize {
+        let half = self.shape.page_vectors() / 2;
+        half * (self.format.vector_bytes(self.shape.head_dim) + self.format_v.vector_bytes(self.shape.head_dim))
+    }
+
+    fn exact_window_bytes(&self) -> usize {
+        self.n_twins * self.twin_page_bytes() + self.basis.as_ref().map_or(0, |(b, t)| b.bytes() + t.bytes())
+    }
+
+    fn copy_page(&mut self, from: u32, to: u32) {
+        let n = self.shape.page_vectors() / 2;
+        let hd = self.shape.head_dim;
+        self.k.copy(from as usize * n, to as usize * n, n, hd);
+        self.v.copy(from as usize * n, to as usize * n, n, hd);
+    }
+
+    fn copy_twin(&mut self, from: u32, to: u32) {
+        let n = self.shape.page_vectors() / 2;
+        let hd = self.shape.head_dim;
+        self.twin_k.copy(from as usize * n, to as usize * n, n, hd);
+        self.twin_v.copy(from as usize * n, to as usize * n, n, hd);
+    }
+
+    fn stored_bytes(&self, slots: usize, twin: bool) -> usize {
+        let mut n = 0;
+        self.page_ranges(0, slots, twin, |_, _, r| n += r.len());
+        n
+    }
+
+    /// Nothing is copied: the runs are the stored bytes.
+    fn export_page<E>(
+        &self,
+        page: u32,
+        slots: usize,
+        twin: bool,
+        mut f: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let arrays = if twin {
+            [&self.twin_k, &self.twin_v]
+        } else {
+            [&self.k, &self.v]
+        };
+        let parts = arrays.map(Data::part_bytes);
+        let mut result = Ok(());
+        self.page_ranges(page, slots, twin, |a, part, r| {
+            if result.is_ok() {
+                result = f(&parts[a][part][r]);
+            }
+        });
+        result
+    }
+
+    fn import_page<E>(
+        &mut self,
+        page: u32,
+        slots: usize,
+        twin: bool,
+        mut f: impl FnMut(&mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut ranges = Vec::new();
+        self.page_ranges(page, slots, twin, |a, part, r| ranges.push((a, part, r)));
+        let (k, v) = if twin {
+            (&mut self.twin_k, &mut self.twin_v)
+        } else {
+            (&mut self.k, &mut self.v)
+        };
+        let parts = [k.part_bytes_mut(), v.part_bytes_mut()];
+        for (a, part, r) in ranges {
+            f(&mut parts[a][part][r])?;
+        }
+        Ok(())
+    }
+
+    fn rotation_signs(&self) -> &[Vec<u64>] {
+        &self.signs
+    }
+
+    fn key_basis(&self) -> Option<&KeyBasis> {
+        self.basis.as_ref().map(|(b, _)| &**b)
     }
 }
 

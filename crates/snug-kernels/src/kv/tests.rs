@@ -11,7 +11,7 @@ fn slot_at(pages: &[u32], p: usize) -> KvSlot {
 }
 
 #[test]
-fn page_runs_round_trip_into_another_page_of_another_storage() {
+fn export_page_round_trip_into_another_page_of_another_storage() {
     let shape = KvShape {
         layers: 2,
         kv_heads: 2,
@@ -45,14 +45,14 @@ fn page_runs_round_trip_into_another_page_of_another_storage() {
         let mut b = KvStorage::with_formats(shape, fk, fv, 3).with_twins(2);
         for (from, to, slots, twin) in [(2u32, 0u32, 16, false), (1, 2, 5, false), (1, 0, 5, true)] {
             let mut runs: Vec<Vec<u8>> = Vec::new();
-            a.page_runs::<()>(from, slots, twin, |r| {
+            a.export_page::<()>(from, slots, twin, |r| {
                 runs.push(r.to_vec());
                 Ok(())
             })
             .unwrap();
             assert_eq!(runs.iter().map(Vec::len).sum::<usize>(), a.stored_bytes(slots, twin));
             let mut it = runs.into_iter();
-            b.fill_page::<()>(to, slots, twin, |r| {
+            b.import_page::<()>(to, slots, twin, |r| {
                 r.copy_from_slice(&it.next().unwrap());
                 Ok(())
             })

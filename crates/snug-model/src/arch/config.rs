@@ -1,47 +1,18 @@
-//! Hyperparameters of the supported decoder architectures, read from GGUF
-//! metadata plus the facts each architecture fixes in code.
+//! Hyperparameters of a decoder, read from GGUF metadata under its
+//! architecture's [`Description`].
 
 use snug_kernels::ops::RopeLayout;
 
 use crate::gguf::GgufHeader;
 
+use super::describe::{self, Description};
 use super::ModelError;
-
-/// The supported architectures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// Llama and relatives (SmolLM2): adjacent-pair RoPE, SiLU gate.
-    Llama,
-    /// Qwen2: Q/K/V biases, half-split RoPE, SiLU gate, untied head.
-    Qwen2,
-    /// Gemma 3: embedding scale, q/k norms, post-attention and post-FFN
-    /// norms, GELU gate, 5 sliding-window layers to 1 global.
-    Gemma3,
-}
-
-impl Arch {
-    pub fn from_name(name: &str) -> Result<Arch, ModelError> {
-        Ok(match name {
-            "llama" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            "gemma3" => Arch::Gemma3,
-            other => return Err(ModelError::UnsupportedArch(other.to_string())),
-        })
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Gemma3 => "gemma3",
-        }
-    }
-}
 
 /// Everything the forward pass needs to know about the shapes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
-    pub arch: Arch,
+    /// What the architecture fixes.
+    pub arch: &'static Description,
     pub dim: usize,
     pub layers: usize,
     pub heads: usize,
@@ -73,7 +44,8 @@ impl Config {
         let arch_name = h
             .architecture()
             .ok_or(ModelError::Missing("general.architecture".into()))?;
-        let arch = Arch::from_name(arch_name)?;
+        let arch = describe::describe(arch_name)
+            .ok_or_else(|| ModelError::UnsupportedArch(arch_name.to_string(), describe::supported()))?;
         let key = |k: &str| format!("{arch_name}.{k}");
         let req = |k: &str| -> Result<usize, ModelError> {
             h.get_u64(&key(k))
@@ -109,18 +81,22 @@ impl Config {
         let rms_eps = h.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6) as f32;
         let rope_base = h.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32;
         let rope_dim = h.get_u64(&key("rope.dimension_count")).map_or(head_dim, |v| v as usize);
-        let (rope_layout, sliding_window, swa_period, rope_base_local, embed_scale) = match arch {
-            Arch::Llama => (RopeLayout::Adjacent, None, 1, rope_base, 1.0),
-            Arch::Qwen2 => (RopeLayout::Halves, None, 1, rope_base, 1.0),
-            Arch::Gemma3 => (
-                RopeLayout::Halves,
+        let (sliding_window, swa_period, rope_base_local) = match arch.sliding_window {
+            None => (None, 1, rope_base),
+            Some(sw) => (
                 h.get_u64(&key("attention.sliding_window"))
                     .map(|v| v as usize)
                     .filter(|&w| w > 0),
-                6,
-                h.get_f64(&key("rope.freq_base_swa")).unwrap_or(10000.0) as f32,
-                (dim as f32).sqrt(),
+                sw.period,
+                h.get_f64(&key(sw.local_base_key))
+                    .map_or(sw.local_base_default, |v| v as f32),
             ),
+        };
+        let rope_layout = arch.rope_layout;
+        let embed_scale = if arch.scaled_embedding {
+            (dim as f32).sqrt()
+        } else {
+            1.0
         };
         Ok(Config {
             arch,

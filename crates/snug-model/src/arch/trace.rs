@@ -31,7 +31,7 @@ pub fn configure(t: Trace) -> bool {
 
 /// Traces `v`, the intermediate `name` of `layer` (`usize::MAX`: the
 /// output's) of a model of `layers` layers.
-pub(super) fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
+pub(crate) fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
     let Some(t) = TRACE.get() else {
         return;
     };

@@ -5,38 +5,17 @@ use snug_kernels::ggml::Numerics;
 use snug_kernels::matmul::{f32_data, matmul_supports, Weight};
 use snug_kernels::GgmlType;
 
-use super::config::{Arch, Config};
+use super::config::Config;
+use super::forward::{forward, BatchRow, KvView, Layer, Weights};
 use super::ModelError;
+use crate::backend::{Backend, Cpu, CpuWorkspace, LlamaCpp, Native, WorkspaceSize};
 use crate::gguf::GgufFile;
-
-/// One layer's weights.
-#[derive(Clone)]
-pub(super) struct Layer<'a> {
-    pub attn_norm: &'a [f32],
-    pub wq: Weight<'a>,
-    pub wk: Weight<'a>,
-    pub wv: Weight<'a>,
-    pub wo: Weight<'a>,
-    pub bq: Option<&'a [f32]>,
-    pub bk: Option<&'a [f32]>,
-    pub bv: Option<&'a [f32]>,
-    pub q_norm: Option<&'a [f32]>,
-    pub k_norm: Option<&'a [f32]>,
-    pub post_attn_norm: Option<&'a [f32]>,
-    pub ffn_norm: &'a [f32],
-    pub w_gate: Weight<'a>,
-    pub w_up: Weight<'a>,
-    pub w_down: Weight<'a>,
-    pub post_ffn_norm: Option<&'a [f32]>,
-}
+use snug_kernels::ops::Rope;
 
 /// A loaded model: configuration and weights borrowed from the mapped file.
 pub struct Model<'a> {
     pub config: Config,
-    pub(super) embed: Weight<'a>,
-    pub(super) layers: Vec<Layer<'a>>,
-    pub(super) output_norm: &'a [f32],
-    pub(super) output: Weight<'a>,
+    pub(super) weights: Weights<Weight<'a>, &'a [f32]>,
     /// Whose arithmetic the forward pass follows: snug's own (the
     /// default) or llama.cpp's, f16 roundings included, for output that
     /// must equal llama.cpp's token for token. `SNUG_NUMERICS` sets it at
@@ -48,7 +27,7 @@ impl<'a> Model<'a> {
     /// The output head's bytes as compute reads them (its panels where
     /// packed), for leasing them out while no row wants logits.
     pub fn head_bytes(&self) -> &'a [u8] {
-        self.output.packed.unwrap_or(self.output.data)
+        self.weights.output.packed.unwrap_or(self.weights.output.data)
     }
 
     /// Binds the tensors of `file` (which must outlive the model).
@@ -128,7 +107,7 @@ impl<'a> Model<'a> {
         let mut layers = Vec::with_capacity(c.layers);
         for l in 0..c.layers {
             let n = |s: &str| format!("blk.{l}.{s}");
-            let gemma = c.arch == Arch::Gemma3;
+            let (qk, post) = (c.arch.qk_norms, c.arch.post_norms);
             layers.push(Layer {
                 attn_norm: vector(&n("attn_norm.weight"), c.dim)?,
                 wq: matrix(&n("attn_q.weight"), nh * hd, c.dim)?,
@@ -138,17 +117,17 @@ impl<'a> Model<'a> {
                 bq: opt_vector(&n("attn_q.bias"), nh * hd)?,
                 bk: opt_vector(&n("attn_k.bias"), nkv * hd)?,
                 bv: opt_vector(&n("attn_v.bias"), nkv * hd)?,
-                q_norm: if gemma {
+                q_norm: if qk {
                     Some(vector(&n("attn_q_norm.weight"), hd)?)
                 } else {
                     None
                 },
-                k_norm: if gemma {
+                k_norm: if qk {
                     Some(vector(&n("attn_k_norm.weight"), hd)?)
                 } else {
                     None
                 },
-                post_attn_norm: if gemma {
+                post_attn_norm: if post {
                     Some(vector(&n("post_attention_norm.weight"), c.dim)?)
                 } else {
                     None
@@ -157,7 +136,7 @@ impl<'a> Model<'a> {
                 w_gate: matrix(&n("ffn_gate.weight"), c.ff, c.dim)?,
                 w_up: matrix(&n("ffn_up.weight"), c.ff, c.dim)?,
                 w_down: matrix(&n("ffn_down.weight"), c.dim, c.ff)?,
-                post_ffn_norm: if gemma {
+                post_ffn_norm: if post {
                     Some(vector(&n("post_ffw_norm.weight"), c.dim)?)
                 } else {
                     None
@@ -171,10 +150,12 @@ impl<'a> Model<'a> {
         };
         Ok(Model {
             config: c,
-            embed,
-            layers,
-            output_norm,
-            output,
+            weights: Weights {
+                embed,
+                layers,
+                output_norm,
+                output,
+            },
             numerics: Numerics::default(),
         })
     }
@@ -182,13 +163,14 @@ impl<'a> Model<'a> {
     /// Matrices that run on panels packed at load (see
     /// [`crate::packed`]).
     pub fn packed_matrices(&self) -> usize {
-        let mut n = self.layers.iter().fold(0, |n, l| {
+        let w = &self.weights;
+        let mut n = w.layers.iter().fold(0, |n, l| {
             n + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
                 .iter()
                 .filter(|w| w.packed.is_some())
                 .count()
         });
-        n += self.output.packed.is_some() as usize;
+        n += w.output.packed.is_some() as usize;
         n
     }
 
@@ -198,25 +180,28 @@ impl<'a> Model<'a> {
     /// bits.
     pub fn without_packed_panels(&self) -> Model<'a> {
         let strip = |w: &Weight<'a>| Weight { packed: None, ..*w };
+        let w = &self.weights;
         Model {
             config: self.config.clone(),
-            embed: strip(&self.embed),
-            layers: self
-                .layers
-                .iter()
-                .map(|l| Layer {
-                    wq: strip(&l.wq),
-                    wk: strip(&l.wk),
-                    wv: strip(&l.wv),
-                    wo: strip(&l.wo),
-                    w_gate: strip(&l.w_gate),
-                    w_up: strip(&l.w_up),
-                    w_down: strip(&l.w_down),
-                    ..l.clone()
-                })
-                .collect(),
-            output_norm: self.output_norm,
-            output: strip(&self.output),
+            weights: Weights {
+                embed: strip(&w.embed),
+                layers: w
+                    .layers
+                    .iter()
+                    .map(|l| Layer {
+                        wq: strip(&l.wq),
+                        wk: strip(&l.wk),
+                        wv: strip(&l.wv),
+                        wo: strip(&l.wo),
+                        w_gate: strip(&l.w_gate),
+                        w_up: strip(&l.w_up),
+                        w_down: strip(&l.w_down),
+                        ..l.clone()
+                    })
+                    .collect(),
+                output_norm: w.output_norm,
+                output: strip(&w.output),
+            },
             numerics: self.numerics,
         }
     }
@@ -227,11 +212,12 @@ impl<'a> Model<'a> {
     pub fn bytes_read_per_token(&self) -> u64 {
         let w = |w: &Weight| w.packed.map_or(w.data.len(), |p| p.len()) as u64;
         let per_layer: u64 = self
+            .weights
             .layers
             .iter()
             .map(|l| w(&l.wq) + w(&l.wk) + w(&l.wv) + w(&l.wo) + w(&l.w_gate) + w(&l.w_up) + w(&l.w_down))
             .sum();
-        per_layer + w(&self.output) + self.embed.row_bytes() as u64
+        per_layer + w(&self.weights.output) + self.weights.embed.row_bytes() as u64
     }
 }
 
@@ -260,19 +246,20 @@ impl Model<'_> {
             v
         };
         let mut arena = Vec::new();
-        for l in &self.layers {
+        for l in &self.weights.layers {
             for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
                 arena.push(deq(w));
             }
         }
-        arena.push(deq(&self.output));
+        arena.push(deq(&self.weights.output));
         arena
     }
 
     /// This model with its matrices replaced by `arena` (from
     /// [`Model::dequantized_buffers`]).
     pub fn with_f32_matrices<'b>(&'b self, arena: &'b [Vec<f32>]) -> Model<'b> {
-        let layers = self
+        let w = &self.weights;
+        let layers = w
             .layers
             .iter()
             .enumerate()
@@ -297,11 +284,45 @@ impl Model<'_> {
             .collect();
         Model {
             config: self.config.clone(),
-            embed: self.embed,
-            layers,
-            output_norm: self.output_norm,
-            output: to_f32(&self.output, arena, 7 * self.layers.len()),
+            weights: Weights {
+                embed: w.embed,
+                layers,
+                output_norm: w.output_norm,
+                output: to_f32(&w.output, arena, 7 * w.layers.len()),
+            },
             numerics: self.numerics,
         }
+    }
+}
+
+impl Model<'_> {
+    /// Runs `rows` through the model on the CPU backend of its numerics,
+    /// writing each row's keys and values into `kv`, and appends the
+    /// logits of the rows that ask for them, in order, to `logits`
+    /// (`vocab` floats each).
+    pub fn forward(&self, rows: &[BatchRow], kv: &mut KvView, ws: &mut CpuWorkspace, logits: &mut Vec<f32>) {
+        let (c, w) = (&self.config, &self.weights);
+        match self.numerics {
+            Numerics::Native => forward::<Cpu<Native>>(c, w, rows, kv, ws, logits),
+            Numerics::Ggml => forward::<Cpu<LlamaCpp>>(c, w, rows, kv, ws, logits),
+        }
+    }
+
+    /// A workspace for this model's forward passes (the same for either
+    /// numerics).
+    pub fn workspace(&self, size: WorkspaceSize) -> CpuWorkspace {
+        <Cpu<Native> as Backend>::workspace(&self.config, size)
+    }
+
+    /// Each layer's rotary embedding (local layers may have their own
+    /// base).
+    pub fn layer_ropes(&self) -> Vec<Rope> {
+        let c = &self.config;
+        (0..c.layers)
+            .map(|l| {
+                let base = if c.is_local(l) { c.rope_base_local } else { c.rope_base };
+                Rope::new(c.rope_layout, c.rope_dim, base)
+            })
+            .collect()
     }
 }
