@@ -11,7 +11,7 @@
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::ggml::Numerics;
 use snug_model::arch::Model;
-use snug_model::GgufFile;
+use snug_model::{LoadOptions, ModelFiles};
 
 fn log_softmax(l: &[f32]) -> Vec<f64> {
     let max = l.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
@@ -27,7 +27,7 @@ fn main() {
             continue;
         }
         let path = snug_model::testing::model_path(alias).unwrap();
-        let file = GgufFile::open(&path).unwrap();
+        let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
         let mut model_q = Model::load(&file).unwrap();
         if let Some(n) = std::env::var("SNUG_NUMERICS").ok().and_then(|v| Numerics::parse(&v)) {
             model_q.numerics = n;

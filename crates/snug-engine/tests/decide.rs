@@ -12,7 +12,7 @@ use snug_kernels::kv::KvFormat;
 use snug_model::arch::Model;
 use snug_model::template::ChatTemplate;
 use snug_model::testing::model_path;
-use snug_model::{GgufFile, Tokenizer};
+use snug_model::{LoadOptions, ModelFiles, Tokenizer};
 
 const STATE: &str = "Hi, I ordered the blue kettle three weeks ago (order 5521) and it still has not arrived. \
 The tracking page has said 'label created' since the 3rd. I need it before my mother's visit on Friday. \
@@ -37,13 +37,13 @@ fn ten() -> Vec<Question> {
 }
 
 struct Setup {
-    file: GgufFile,
+    file: ModelFiles,
 }
 
 fn setup() -> Option<Setup> {
     let path = model_path("smollm2-135m")?;
     Some(Setup {
-        file: GgufFile::open(&path).unwrap(),
+        file: ModelFiles::open(&path, &LoadOptions::default()).unwrap(),
     })
 }
 

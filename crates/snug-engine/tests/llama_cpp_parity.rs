@@ -22,7 +22,7 @@ use snug_engine::{Engine, EngineOptions};
 use snug_kernels::ggml::Numerics;
 use snug_model::arch::Model;
 use snug_model::testing::{fixtures_dir, model_path, MODELS};
-use snug_model::GgufFile;
+use snug_model::{LoadOptions, ModelFiles};
 
 /// llama.cpp top-2 margin (nats) above which the top-1 tokens must agree.
 const CLEAR_MARGIN: f64 = 0.5;
@@ -60,39 +60,40 @@ fn engine<'m>(model: &'m Model<'m>) -> Engine<'m> {
     )
 }
 
-#[test]
-fn top1_agrees_with_llama_cpp_where_the_margin_is_clear() {
-    let Some(fx) = fixture() else { return };
-    for alias in MODELS {
-        let Some(path) = model_path(alias) else { continue };
-        let file = GgufFile::open(&path).unwrap();
-        let model = Model::load(&file).unwrap();
-        let mut engine = engine(&model);
-        let (mut checked, mut misses) = (0, Vec::new());
-        for case in fx["models"][alias]["cases"].as_array().unwrap() {
-            let seq = engine.create_sequence();
-            let prompt = ids(&case["prompt_ids"]);
-            let reference = ids(&case["ids"]);
-            let mut top1 = argmax(engine.feed(seq, &prompt).unwrap());
-            for (i, step) in case["steps"].as_array().unwrap().iter().enumerate() {
-                let top = step["top"].as_array().unwrap();
-                let margin = top[0]["logprob"].as_f64().unwrap() - top[1]["logprob"].as_f64().unwrap();
-                if margin > CLEAR_MARGIN {
-                    checked += 1;
-                    let prompt = case["prompt"].as_str().unwrap();
-                    let explained = EXPLAINED.contains(&(alias, prompt, i));
-                    if top1 != top[0]["id"].as_u64().unwrap() as u32 && !explained {
-                        misses.push(format!("{prompt:?} step {i} (margin {margin:.2})"));
+snug_model::test_backends! {
+    fn top1_agrees_with_llama_cpp_where_the_margin_is_clear(backend) {
+        let Some(fx) = fixture() else { return };
+        for alias in MODELS {
+            let Some(path) = model_path(alias) else { continue };
+            let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+            let model = backend.load(&file).unwrap();
+            let mut engine = engine(&model);
+            let (mut checked, mut misses) = (0, Vec::new());
+            for case in fx["models"][alias]["cases"].as_array().unwrap() {
+                let seq = engine.create_sequence();
+                let prompt = ids(&case["prompt_ids"]);
+                let reference = ids(&case["ids"]);
+                let mut top1 = argmax(engine.feed(seq, &prompt).unwrap());
+                for (i, step) in case["steps"].as_array().unwrap().iter().enumerate() {
+                    let top = step["top"].as_array().unwrap();
+                    let margin = top[0]["logprob"].as_f64().unwrap() - top[1]["logprob"].as_f64().unwrap();
+                    if margin > CLEAR_MARGIN {
+                        checked += 1;
+                        let prompt = case["prompt"].as_str().unwrap();
+                        let explained = EXPLAINED.contains(&(alias, prompt, i));
+                        if top1 != top[0]["id"].as_u64().unwrap() as u32 && !explained {
+                            misses.push(format!("{prompt:?} step {i} (margin {margin:.2})"));
+                        }
+                    }
+                    if i + 1 < reference.len() {
+                        top1 = argmax(engine.feed(seq, &[reference[i]]).unwrap());
                     }
                 }
-                if i + 1 < reference.len() {
-                    top1 = argmax(engine.feed(seq, &[reference[i]]).unwrap());
-                }
+                engine.free_sequence(seq);
             }
-            engine.free_sequence(seq);
+            assert!(checked > 100, "{alias}: only {checked} clear positions");
+            assert!(misses.is_empty(), "{alias}: top-1 differs from llama.cpp at {misses:?}");
         }
-        assert!(checked > 100, "{alias}: only {checked} clear positions");
-        assert!(misses.is_empty(), "{alias}: top-1 differs from llama.cpp at {misses:?}");
     }
 }
 
@@ -106,7 +107,7 @@ fn llama_cpp_numerics_reproduce_its_greedy_tokens_and_margins() {
     let Some(fx) = fixture() else { return };
     for alias in MODELS {
         let Some(path) = model_path(alias) else { continue };
-        let file = GgufFile::open(&path).unwrap();
+        let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
         let mut model = Model::load(&file).unwrap();
         model.numerics = Numerics::Ggml;
         let mut engine = engine(&model);

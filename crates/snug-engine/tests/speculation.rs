@@ -13,7 +13,7 @@ use snug_engine::StepRow;
 use snug_engine::{Engine, EngineOptions, SeqId};
 use snug_model::arch::Model;
 use snug_model::testing::{model_path, MODELS};
-use snug_model::{EncodeOptions, GgufFile, Tokenizer};
+use snug_model::{EncodeOptions, LoadOptions, ModelFiles, Tokenizer};
 
 /// Real text no one here wrote: the start of the Apache License 2.0 as
 /// Debian ships it, with a fallback for systems without it.
@@ -124,97 +124,99 @@ fn assert_same(what: &str, off: &(Generation, Vec<u32>), other: &(Generation, Ve
     assert_eq!(off.1, other.1, "{what}: tokens held by the sequence");
 }
 
-#[test]
-fn output_is_identical_with_speculation_on_off_and_auto() {
-    for alias in MODELS {
-        let Some(path) = model_path(alias) else { continue };
-        let file = GgufFile::open(&path).unwrap();
-        let model = Model::load(&file).unwrap();
-        let tok = Tokenizer::from_gguf(&file).unwrap();
-        let mut engine = Engine::new(&model, options());
-        let mut drafted = 0;
-        let mut accepted = 0;
-        for (kind, text) in prompts() {
-            let ids = tok.encode(&text, EncodeOptions::default());
-            let seq = engine.create_sequence();
-            let configs = [
-                ("greedy", greedy()),
-                ("sampled", sampled(7, false)),
-                ("sampled with penalties", sampled(11, true)),
-            ];
-            for (name, params) in configs {
-                let off = run(&mut engine, seq, &tok, &ids, &params, Mode::Off, 40);
-                assert_eq!(off.0.stats.speculation.rounds, 0);
-                let on = run(&mut engine, seq, &tok, &ids, &params, Mode::On, 40);
-                let what = format!("{alias} {kind} {name} on");
-                assert_same(&what, &off, &on);
-                drafted += on.0.stats.speculation.drafted;
-                accepted += on.0.stats.speculation.accepted;
-                if name == "greedy" {
-                    let auto = run(&mut engine, seq, &tok, &ids, &params, Mode::Auto, 40);
-                    assert_same(&format!("{alias} {kind} {name} auto"), &off, &auto);
-                }
-            }
-            engine.free_sequence(seq);
-        }
-        eprintln!("{alias}: {drafted} draft tokens verified, {accepted} accepted");
-        // The copying prompts must actually exercise verification.
-        assert!(
-            drafted > 50 && accepted > 20,
-            "{alias}: {drafted} drafted, {accepted} accepted"
-        );
-    }
-}
-
-#[test]
-fn output_is_identical_with_speculation_on_and_off_over_compressed_kv() {
-    // The same gate with keys and values stored as Q8, as TQ4, and as Q8
-    // keys with TQ4 values: verify
-    // rows read the same compressed pages a plain step reads, so the bytes
-    // must match here too.
-    use snug_kernels::kv::KvFormat;
-    for alias in MODELS {
-        let Some(path) = model_path(alias) else { continue };
-        let file = GgufFile::open(&path).unwrap();
-        let model = Model::load(&file).unwrap();
-        let tok = Tokenizer::from_gguf(&file).unwrap();
-        for (format, format_v) in [
-            (KvFormat::Q8, KvFormat::Q8),
-            (KvFormat::Tq4, KvFormat::Tq4),
-            (KvFormat::Q8, KvFormat::Tq4),
-        ] {
-            let calibration = tok.encode(
-                snug_engine::calibrate::TEXT,
-                EncodeOptions {
-                    add_special: true,
-                    parse_special: false,
-                },
-            );
-            let key_basis =
-                (format == KvFormat::Tq4).then(|| snug_engine::calibrate::key_basis(&model, &calibration, 2).unwrap());
-            let mut engine = Engine::new(
-                &model,
-                EngineOptions {
-                    kv_format: format,
-                    kv_format_v: Some(format_v),
-                    key_basis,
-                    ..options()
-                },
-            );
+snug_model::test_backends! {
+    batch_invariant: fn output_is_identical_with_speculation_on_off_and_auto(backend) {
+        for alias in MODELS {
+            let Some(path) = model_path(alias) else { continue };
+            let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+            let model = backend.load(&file).unwrap();
+            let tok = Tokenizer::from_gguf(&file).unwrap();
+            let mut engine = Engine::new(&model, options());
             let mut drafted = 0;
+            let mut accepted = 0;
             for (kind, text) in prompts() {
                 let ids = tok.encode(&text, EncodeOptions::default());
                 let seq = engine.create_sequence();
-                for (name, params) in [("greedy", greedy()), ("sampled", sampled(7, false))] {
+                let configs = [
+                    ("greedy", greedy()),
+                    ("sampled", sampled(7, false)),
+                    ("sampled with penalties", sampled(11, true)),
+                ];
+                for (name, params) in configs {
                     let off = run(&mut engine, seq, &tok, &ids, &params, Mode::Off, 40);
+                    assert_eq!(off.0.stats.speculation.rounds, 0);
                     let on = run(&mut engine, seq, &tok, &ids, &params, Mode::On, 40);
-                    let what = format!("{alias} {}/{} {kind} {name}", format.name(), format_v.name());
+                    let what = format!("{alias} {kind} {name} on");
                     assert_same(&what, &off, &on);
                     drafted += on.0.stats.speculation.drafted;
+                    accepted += on.0.stats.speculation.accepted;
+                    if name == "greedy" {
+                        let auto = run(&mut engine, seq, &tok, &ids, &params, Mode::Auto, 40);
+                        assert_same(&format!("{alias} {kind} {name} auto"), &off, &auto);
+                    }
                 }
                 engine.free_sequence(seq);
             }
-            assert!(drafted > 50, "{alias} {}: {drafted} drafted", format.name());
+            eprintln!("{alias}: {drafted} draft tokens verified, {accepted} accepted");
+            // The copying prompts must actually exercise verification.
+            assert!(
+                drafted > 50 && accepted > 20,
+                "{alias}: {drafted} drafted, {accepted} accepted"
+            );
+        }
+    }
+}
+
+snug_model::test_backends! {
+    batch_invariant: fn output_is_identical_with_speculation_on_and_off_over_compressed_kv(backend) {
+        // The same gate with keys and values stored as Q8, as TQ4, and as Q8
+        // keys with TQ4 values: verify
+        // rows read the same compressed pages a plain step reads, so the bytes
+        // must match here too.
+        use snug_kernels::kv::KvFormat;
+        for alias in MODELS {
+            let Some(path) = model_path(alias) else { continue };
+            let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+            let model = backend.load(&file).unwrap();
+            let tok = Tokenizer::from_gguf(&file).unwrap();
+            for (format, format_v) in [
+                (KvFormat::Q8, KvFormat::Q8),
+                (KvFormat::Tq4, KvFormat::Tq4),
+                (KvFormat::Q8, KvFormat::Tq4),
+            ] {
+                let calibration = tok.encode(
+                    snug_engine::calibrate::TEXT,
+                    EncodeOptions {
+                        add_special: true,
+                        parse_special: false,
+                    },
+                );
+                let key_basis =
+                    (format == KvFormat::Tq4).then(|| snug_engine::calibrate::key_basis(&model, &calibration, 2).unwrap());
+                let mut engine = Engine::new(
+                    &model,
+                    EngineOptions {
+                        kv_format: format,
+                        kv_format_v: Some(format_v),
+                        key_basis,
+                        ..options()
+                    },
+                );
+                let mut drafted = 0;
+                for (kind, text) in prompts() {
+                    let ids = tok.encode(&text, EncodeOptions::default());
+                    let seq = engine.create_sequence();
+                    for (name, params) in [("greedy", greedy()), ("sampled", sampled(7, false))] {
+                        let off = run(&mut engine, seq, &tok, &ids, &params, Mode::Off, 40);
+                        let on = run(&mut engine, seq, &tok, &ids, &params, Mode::On, 40);
+                        let what = format!("{alias} {}/{} {kind} {name}", format.name(), format_v.name());
+                        assert_same(&what, &off, &on);
+                        drafted += on.0.stats.speculation.drafted;
+                    }
+                    engine.free_sequence(seq);
+                }
+                assert!(drafted > 50, "{alias} {}: {drafted} drafted", format.name());
+            }
         }
     }
 }
@@ -270,7 +272,7 @@ fn check_near_ties(body: &str, tail: &str, ctx: usize, all_below: bool) {
     let text = format!("{body}\n\n{tail}");
     for alias in MODELS {
         let Some(path) = model_path(alias) else { continue };
-        let file = GgufFile::open(&path).unwrap();
+        let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
         let model = Model::load(&file).unwrap();
         let tok = Tokenizer::from_gguf(&file).unwrap();
         let ids = tok.encode(&text, EncodeOptions::default());
@@ -320,70 +322,72 @@ fn check_near_ties(body: &str, tail: &str, ctx: usize, all_below: bool) {
     }
 }
 
-#[test]
-fn a_verify_rows_logits_equal_decoding_that_position_alone() {
-    for alias in MODELS {
-        let Some(path) = model_path(alias) else { continue };
-        let file = GgufFile::open(&path).unwrap();
-        let model = Model::load(&file).unwrap();
-        let tok = Tokenizer::from_gguf(&file).unwrap();
-        let ids = tok.encode(&license_text(), EncodeOptions::default());
-        let (prompt, draft) = (&ids[..40], &ids[40..49]);
-        let vocab = model.config.vocab;
-        let mut engine = Engine::new(&model, options());
-        let seq = engine.create_sequence();
-        engine.feed(seq, prompt).unwrap();
-        // One verify batch of 9 rows...
-        let rows: Vec<StepRow> = draft.iter().map(|&t| StepRow::new(seq, t, true)).collect();
-        let batched: Vec<u32> = engine.step(&rows).unwrap().iter().map(|x| x.to_bits()).collect();
-        // ... rolled back, then the same positions decoded one at a time.
-        engine.truncate(seq, prompt.len()).unwrap();
-        for (i, &t) in draft.iter().enumerate() {
-            let alone: Vec<u32> = engine.feed(seq, &[t]).unwrap().iter().map(|x| x.to_bits()).collect();
-            assert!(
-                alone == batched[i * vocab..(i + 1) * vocab],
-                "{alias}: verify row {i} differs from decoding it alone"
-            );
+snug_model::test_backends! {
+    batch_invariant: fn a_verify_rows_logits_equal_decoding_that_position_alone(backend) {
+        for alias in MODELS {
+            let Some(path) = model_path(alias) else { continue };
+            let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+            let model = backend.load(&file).unwrap();
+            let tok = Tokenizer::from_gguf(&file).unwrap();
+            let ids = tok.encode(&license_text(), EncodeOptions::default());
+            let (prompt, draft) = (&ids[..40], &ids[40..49]);
+            let vocab = model.config.vocab;
+            let mut engine = Engine::new(&model, options());
+            let seq = engine.create_sequence();
+            engine.feed(seq, prompt).unwrap();
+            // One verify batch of 9 rows...
+            let rows: Vec<StepRow> = draft.iter().map(|&t| StepRow::new(seq, t, true)).collect();
+            let batched: Vec<u32> = engine.step(&rows).unwrap().iter().map(|x| x.to_bits()).collect();
+            // ... rolled back, then the same positions decoded one at a time.
+            engine.truncate(seq, prompt.len()).unwrap();
+            for (i, &t) in draft.iter().enumerate() {
+                let alone: Vec<u32> = engine.feed(seq, &[t]).unwrap().iter().map(|x| x.to_bits()).collect();
+                assert!(
+                    alone == batched[i * vocab..(i + 1) * vocab],
+                    "{alias}: verify row {i} differs from decoding it alone"
+                );
+            }
         }
     }
 }
 
-#[test]
-fn a_verify_that_does_not_fit_the_pages_decodes_plainly() {
-    // Another sequence holds all pages but exactly those that plain
-    // decoding needs. A verify reaching one position further (into a page
-    // plain decoding never needs) must give way to a plain step, with the
-    // same output as speculation off, not fail.
-    let Some(path) = model_path("smollm2-135m") else { return };
-    let file = GgufFile::open(&path).unwrap();
-    let model = Model::load(&file).unwrap();
-    let tok = Tokenizer::from_gguf(&file).unwrap();
-    let text = format!("{0} {0} {0} {0}", "one two three four five six seven eight");
-    let ids = tok.encode(&text, EncodeOptions::default());
-    let pt = 4;
-    // Plain decoding holds at most prompt + n - 1 positions: make that a
-    // whole number of pages.
-    let mut n = 24;
-    while !(ids.len() + n - 1).is_multiple_of(pt) {
-        n += 1;
+snug_model::test_backends! {
+    batch_invariant: fn a_verify_that_does_not_fit_the_pages_decodes_plainly(backend) {
+        // Another sequence holds all pages but exactly those that plain
+        // decoding needs. A verify reaching one position further (into a page
+        // plain decoding never needs) must give way to a plain step, with the
+        // same output as speculation off, not fail.
+        let Some(path) = model_path("smollm2-135m") else { return };
+        let file = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+        let model = backend.load(&file).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let text = format!("{0} {0} {0} {0}", "one two three four five six seven eight");
+        let ids = tok.encode(&text, EncodeOptions::default());
+        let pt = 4;
+        // Plain decoding holds at most prompt + n - 1 positions: make that a
+        // whole number of pages.
+        let mut n = 24;
+        while !(ids.len() + n - 1).is_multiple_of(pt) {
+            n += 1;
+        }
+        let opts = EngineOptions {
+            ctx: 256,
+            page_tokens: pt,
+            ..options()
+        };
+        let total_pages = 256 / pt;
+        let needed = (ids.len() + n - 1) / pt;
+        let mut outs = Vec::new();
+        for mode in [Mode::Off, Mode::On] {
+            let mut engine = Engine::new(&model, opts.clone());
+            let other = engine.create_sequence();
+            let filler = vec![ids[1]; (total_pages - needed) * pt];
+            engine.feed(other, &filler).unwrap();
+            let seq = engine.create_sequence();
+            outs.push(run(&mut engine, seq, &tok, &ids, &greedy(), mode, n));
+        }
+        assert_same("pages for plain decoding only", &outs[0], &outs[1]);
+        assert_eq!(outs[0].0.tokens.len(), n);
+        assert!(outs[1].0.stats.speculation.rounds > 0, "no draft was verified");
     }
-    let opts = EngineOptions {
-        ctx: 256,
-        page_tokens: pt,
-        ..options()
-    };
-    let total_pages = 256 / pt;
-    let needed = (ids.len() + n - 1) / pt;
-    let mut outs = Vec::new();
-    for mode in [Mode::Off, Mode::On] {
-        let mut engine = Engine::new(&model, opts.clone());
-        let other = engine.create_sequence();
-        let filler = vec![ids[1]; (total_pages - needed) * pt];
-        engine.feed(other, &filler).unwrap();
-        let seq = engine.create_sequence();
-        outs.push(run(&mut engine, seq, &tok, &ids, &greedy(), mode, n));
-    }
-    assert_same("pages for plain decoding only", &outs[0], &outs[1]);
-    assert_eq!(outs[0].0.tokens.len(), n);
-    assert!(outs[1].0.stats.speculation.rounds > 0, "no draft was verified");
 }

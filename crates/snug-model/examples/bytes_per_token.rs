@@ -4,7 +4,7 @@
 
 fn main() {
     let path = std::env::args().nth(1).expect("usage: bytes_per_token MODEL.gguf");
-    let file = snug_model::GgufFile::open(std::path::Path::new(&path)).expect("model opens");
+    let file = snug_model::ModelFiles::open(std::path::Path::new(&path), &Default::default()).expect("model opens");
     let model = snug_model::arch::Model::load(&file).expect("model loads");
     println!("{}", model.bytes_read_per_token());
 }

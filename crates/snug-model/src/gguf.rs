@@ -23,6 +23,8 @@ use std::fmt;
 use std::path::Path;
 
 use memmap2::Mmap;
+
+use crate::mapping::{mapping_rss, release_range};
 use snug_kernels::GgmlType;
 
 /// The four bytes every GGUF file starts with.
@@ -399,9 +401,6 @@ pub struct GgufFile {
     mmap: Mmap,
     path: std::path::PathBuf,
     modified: Option<std::time::SystemTime>,
-    /// The matrices repacked into panels, made on first use, and where.
-    packed: std::sync::OnceLock<Option<crate::packed::PackedWeights>>,
-    pack: crate::packed::PackMode,
 }
 
 impl GgufFile {
@@ -436,16 +435,7 @@ impl GgufFile {
             mmap,
             path: path.to_path_buf(),
             modified: meta.modified().ok(),
-            packed: std::sync::OnceLock::new(),
-            pack: crate::packed::PackMode::default(),
         })
-    }
-
-    /// This file, its matrices packed per `mode` when first asked for
-    /// ([`GgufFile::packed`]; in memory unless told otherwise).
-    pub fn with_packing(mut self, mode: crate::packed::PackMode) -> GgufFile {
-        self.pack = mode;
-        self
     }
 
     /// The path the file was opened from.
@@ -458,57 +448,20 @@ impl GgufFile {
         self.modified
     }
 
-    /// The tensors `names` packed into panels (see [`crate::packed`]),
-    /// made on the first call (later calls return the same panels,
-    /// whatever names they pass); `None` where nothing is packed.
-    pub fn packed(&self, names: &[&str]) -> Option<&crate::packed::PackedWeights> {
-        self.packed
-            .get_or_init(|| {
-                let p = crate::packed::PackedWeights::for_model(self, names, &self.pack);
-                if p.is_some() {
-                    // Packing read the matrices through the map; compute
-                    // reads the panels from now on, so give those pages
-                    // back (they are read again from the file if needed).
-                    // SAFETY: the map is a read-only view of a file, so
-                    // dropped pages are re-read unchanged on access.
-                    #[cfg(unix)]
-                    let _ = unsafe { self.mmap.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
-                }
-                p
-            })
-            .as_ref()
-    }
-
     /// Drops this process' resident pages of `bytes` (tensor data lent by
-    /// this file or its panel cache file); they are read again on next use.
-    /// Returns the bytes advised. Used to lease out parts of the weights a
-    /// phase of work does not read.
+    /// this file); they are read again on next use. Returns the bytes
+    /// advised, 0 when `bytes` is not in this file.
     pub fn release(&self, bytes: &[u8]) -> u64 {
-        let n = release_range(&self.mmap, bytes);
-        if n > 0 {
-            return n;
-        }
-        self.packed_weights().map_or(0, |p| p.release(bytes))
+        release_range(&self.mmap, bytes)
     }
 
-    /// The panels made by [`GgufFile::packed`], if it has run and packed
-    /// anything.
-    pub fn packed_weights(&self) -> Option<&crate::packed::PackedWeights> {
-        self.packed.get().and_then(|p| p.as_ref())
-    }
-
-    /// Bytes of the model mapped for compute: the file and its panels.
-    pub fn mapped_bytes(&self) -> u64 {
-        self.file_size() + self.packed_weights().map_or(0, |p| p.len())
-    }
-
-    /// Bytes of the file and its panels resident in this process.
-    pub fn weights_resident_bytes(&self) -> Option<u64> {
-        let packed = match self.packed_weights() {
-            Some(p) => p.resident_bytes()?,
-            None => 0,
-        };
-        Some(self.resident_bytes()? + packed)
+    /// Gives back every resident page of the file (they are read again
+    /// from the file if needed).
+    pub fn release_all(&self) {
+        // SAFETY: the map is a read-only view of a file, so dropped pages
+        // are re-read unchanged on access.
+        #[cfg(unix)]
+        let _ = unsafe { self.mmap.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
     }
 
     /// The bytes of tensor `t` (which must come from this file's header).
@@ -529,28 +482,6 @@ impl GgufFile {
         // The mapping ends on a page boundary; the file need not.
         mapping_rss(self.mmap.as_ptr() as usize).map(|b| b.min(self.file_size()))
     }
-}
-
-/// `Rss` of the mapping that starts at `start`, from `/proc/self/smaps`.
-pub(crate) fn mapping_rss(start: usize) -> Option<u64> {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-    let mut in_mapping = false;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or("");
-        if let Some((lo, _)) = first.split_once('-') {
-            if let Ok(lo) = usize::from_str_radix(lo, 16) {
-                in_mapping = lo == start;
-                continue;
-            }
-        }
-        if in_mapping {
-            if let Some(rest) = line.strip_prefix("Rss:") {
-                let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-                return Some(kb * 1024);
-            }
-        }
-    }
-    None
 }
 
 impl std::ops::Deref for GgufFile {
@@ -780,29 +711,6 @@ impl<'a> Reader<'a> {
             size,
         })
     }
-}
-
-/// `madvise(MADV_DONTNEED)` over the whole pages of `bytes` that lie in the
-/// read-only file map `map`; 0 when `bytes` is not in it.
-pub(crate) fn release_range(map: &Mmap, bytes: &[u8]) -> u64 {
-    let base = map.as_ptr() as usize;
-    let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
-    if lo < base || hi > base + map.len() || bytes.is_empty() {
-        return 0;
-    }
-    const PAGE: usize = 4096;
-    let start = (lo - base).div_ceil(PAGE) * PAGE;
-    let end = (hi - base) / PAGE * PAGE;
-    if end <= start {
-        return 0;
-    }
-    // SAFETY: the map is a read-only view of a file, so dropped pages are
-    // re-read unchanged on access.
-    #[cfg(unix)]
-    if unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) }.is_ok() {
-        return (end - start) as u64;
-    }
-    0
 }
 
 #[cfg(test)]

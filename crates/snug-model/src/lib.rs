@@ -8,15 +8,18 @@
 pub mod arch;
 pub mod backend;
 pub mod catalog;
+pub mod files;
 pub mod fingerprint;
 pub mod gguf;
 pub mod info;
 pub mod laya;
+mod mapping;
 pub mod packed;
 pub mod pull;
 pub mod template;
 pub mod testing;
 pub mod tokenizer;
 
+pub use files::{LoadOptions, ModelFiles};
 pub use gguf::{GgufError, GgufFile, GgufHeader};
 pub use tokenizer::{EncodeOptions, Tokenizer};

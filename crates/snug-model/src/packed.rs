@@ -262,7 +262,7 @@ impl PackedWeights {
     /// `bytes`).
     pub fn release(&self, bytes: &[u8]) -> u64 {
         match &self.backing {
-            Backing::Map(m) => crate::gguf::release_range(m, bytes),
+            Backing::Map(m) => crate::mapping::release_range(m, bytes),
             Backing::Memory(_) => 0,
         }
     }
@@ -271,7 +271,7 @@ impl PackedWeights {
     /// [`GgufFile::resident_bytes`] counts them for the model file).
     pub fn resident_bytes(&self) -> Option<u64> {
         let b = self.bytes();
-        crate::gguf::mapping_rss(b.as_ptr() as usize).map(|r| r.min(b.len() as u64))
+        crate::mapping::mapping_rss(b.as_ptr() as usize).map(|r| r.min(b.len() as u64))
     }
 }
 

@@ -86,7 +86,7 @@ pub struct TestBackend {
 
 impl TestBackend {
     /// Loads the model of `file` to run on this backend.
-    pub fn load<'a>(&self, file: &'a crate::GgufFile) -> Result<crate::arch::Model<'a>, crate::arch::ModelError> {
+    pub fn load<'a>(&self, file: &'a crate::ModelFiles) -> Result<crate::arch::Model<'a>, crate::arch::ModelError> {
         let mut m = crate::arch::Model::load(file)?;
         m.numerics = self.numerics;
         Ok(m)

@@ -13,7 +13,7 @@ use snug_engine::laya::LayaAgent;
 use snug_engine::{Engine, EngineOptions};
 use snug_model::arch::Model;
 use snug_model::template::ChatTemplate;
-use snug_model::{GgufFile, Tokenizer};
+use snug_model::{ModelFiles, Tokenizer};
 
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -177,7 +177,7 @@ fn parse_flag_question(spec: &str) -> Result<(String, Value)> {
 
 struct Loaded {
     path: PathBuf,
-    file: GgufFile,
+    file: ModelFiles,
 }
 
 fn engine_options(

@@ -23,7 +23,7 @@ use snug_model::arch::Model;
 use snug_model::catalog::{self, DEFAULT_ALIAS};
 use snug_model::info::ModelInfo;
 use snug_model::pull::{self, PullOutcome};
-use snug_model::{EncodeOptions, GgufFile, Tokenizer};
+use snug_model::{EncodeOptions, GgufFile, LoadOptions, ModelFiles, Tokenizer};
 
 #[derive(Parser)]
 #[command(name = "snug", version, about = "Run language models where memory is the limit.")]
@@ -134,7 +134,7 @@ impl KvArgs {
 
 /// Loads the model with the arithmetic `--numerics` asks for (else
 /// `SNUG_NUMERICS`'s, else snug's own).
-fn load_model<'a>(file: &'a GgufFile, cache: &KvArgs) -> Result<Model<'a>> {
+fn load_model<'a>(file: &'a ModelFiles, cache: &KvArgs) -> Result<Model<'a>> {
     let mut model = Model::load(file)?;
     model.numerics = cache.numerics()?.unwrap_or(env::get().numerics);
     Ok(model)
@@ -418,16 +418,17 @@ fn resolve_model(name: &str) -> Result<PathBuf> {
     Ok(pull::resolve(name, &env.cache, &env.pip, &bar)?)
 }
 
-fn open_model(name: &str) -> Result<GgufFile> {
+fn open_model(name: &str) -> Result<ModelFiles> {
     Ok(open_model_at(name)?.1)
 }
 
 /// [`open_model`], also returning the file's path.
-fn open_model_at(name: &str) -> Result<(PathBuf, GgufFile)> {
+fn open_model_at(name: &str) -> Result<(PathBuf, ModelFiles)> {
     let path = resolve_model(name)?;
-    let file = GgufFile::open(&path)
-        .with_context(|| format!("{}", path.display()))?
-        .with_packing(env::get().pack.clone());
+    let options = LoadOptions {
+        pack: env::get().pack.clone(),
+    };
+    let file = ModelFiles::open(&path, &options).with_context(|| format!("{}", path.display()))?;
     Ok((path, file))
 }
 

@@ -485,7 +485,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
 }
 
 /// The memory ledger of a run so far.
-pub fn ledger(file: &snug_model::GgufFile, engine: &Engine, speculation_bytes: usize) -> Ledger {
+pub fn ledger(file: &snug_model::ModelFiles, engine: &Engine, speculation_bytes: usize) -> Ledger {
     let (kv_reserved, kv_used) = engine.kv_bytes();
     let (kv_exact, _) = engine.kv_exact_window_bytes();
     Ledger::from_heap_peak(

@@ -9,6 +9,7 @@ use super::config::Config;
 use super::forward::{forward, BatchRow, KvView, Layer, Weights};
 use super::ModelError;
 use crate::backend::{Backend, Cpu, CpuWorkspace, LlamaCpp, Native, WorkspaceSize};
+use crate::files::ModelFiles;
 use crate::gguf::GgufFile;
 use snug_kernels::ops::Rope;
 
@@ -30,8 +31,10 @@ impl<'a> Model<'a> {
         self.weights.output.packed.unwrap_or(self.weights.output.data)
     }
 
-    /// Binds the tensors of `file` (which must outlive the model).
-    pub fn load(file: &'a GgufFile) -> Result<Model<'a>, ModelError> {
+    /// Binds the tensors of `files` (which must outlive the model), to
+    /// run in snug's own numerics.
+    pub fn load(files: &'a ModelFiles) -> Result<Model<'a>, ModelError> {
+        let file: &'a GgufFile = &files.gguf;
         let c = Config::from_gguf(file)?;
         let (hd, nh, nkv) = (c.head_dim, c.heads, c.kv_heads);
         let get = |name: &str| {
@@ -42,29 +45,8 @@ impl<'a> Model<'a> {
             name: name.to_string(),
             problem,
         };
-        // The matrices the forward pass multiplies by, packed into panels
-        // where this machine runs them.
-        let mut names: Vec<String> = Vec::new();
-        for l in 0..c.layers {
-            for m in [
-                "attn_q",
-                "attn_k",
-                "attn_v",
-                "attn_output",
-                "ffn_gate",
-                "ffn_up",
-                "ffn_down",
-            ] {
-                names.push(format!("blk.{l}.{m}.weight"));
-            }
-        }
-        names.push(if file.tensor("output.weight").is_some() {
-            "output.weight".into()
-        } else {
-            "token_embd.weight".into()
-        });
-        let name_refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
-        let packed = file.packed(&name_refs);
+        // The matrices packed into panels where this machine runs them.
+        let packed = files.packed();
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Weight<'a>, ModelError> {
             let t = get(name)?;
             if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {

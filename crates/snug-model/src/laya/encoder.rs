@@ -1,418 +1,18 @@
-//! Laya decision checkpoints: a bidirectional ModernBERT-family encoder
-//! (ModernBERT for `laya` and `laya-typed-decisions`, mmBERT for
-//! `laya-multilingual`) with a typed decision head, read from the
-//! directory the Laya SDK publishes:
-//!
-//! ```text
-//! rl_agent_config.json      max_len, head_max_len, head_layers, act_costs, temperatures
-//! model.safetensors         every weight (f16 as published; f32 and bf16 also read)
-//! encoder/config.json       the encoder's shape, layer types and RoPE thetas
-//! tokenizer/tokenizer.json  the tokenizer, with tokenizer_config.json naming
-//!                           its [CLS], [SEP], [MASK] and [PAD] tokens
-//! ```
-//!
-//! The forward takes rows (one per question: token ids, the positions of
-//! the option markers, the question type) and returns each row's option
-//! logits and action logits. f16 weights stay memory-mapped and are widened
-//! inside the matrix products ([`snug_kernels::dense`]); everything is
-//! computed in f32 like the reference. Each row is computed on its own (the
-//! matrix products fix every output's operation order and attention never
-//! crosses rows), so a row's logits are bitwise the same whatever else is
-//! in the batch.
+//! The encoder and its decision head: loading from a checkpoint
+//! directory, and the forward over rows of questions.
 
-use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::ops::Range;
-use std::path::{Path, PathBuf};
-
-use half::{bf16, f16};
-use memmap2::Mmap;
-use serde_json::Value;
-use snug_kernels::dense::{attend, dense_matmul, Dense, DenseData};
-use snug_kernels::ops::gelu_erf;
-use snug_kernels::pool::ThreadPool;
-
-/// Why a checkpoint cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum LayaError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("{path}: {message}")]
-    Format { path: PathBuf, message: String },
-    #[error("the tokenizer failed: {0}")]
-    Tokenizer(String),
-}
-
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LayaError + '_ {
-    move |source| LayaError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-fn format_err(path: &Path, message: impl Into<String>) -> LayaError {
-    LayaError::Format {
-        path: path.to_path_buf(),
-        message: message.into(),
-    }
-}
-
-/// Whether `dir` looks like a Laya checkpoint (it has `rl_agent_config.json`).
-pub fn is_checkpoint(dir: &Path) -> bool {
-    dir.is_dir() && dir.join("rl_agent_config.json").is_file()
-}
-
-/// `rl_agent_config.json`: the decision model's settings.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AgentConfig {
-    /// The encoder the checkpoint was trained from (a name; informational).
-    pub encoder: String,
-    /// Tokens per row.
-    pub max_len: usize,
-    /// Tokens a question (instructions and options) may take.
-    pub head_max_len: usize,
-    pub head_layers: usize,
-    /// Action-head outputs: one per entry of `act_costs`, plus "act".
-    pub n_act: usize,
-    /// Temperatures per type (choice, score, noul) as shipped (unclamped).
-    pub temperature: [f64; 3],
-    /// Temperatures per option-count bucket (`choice:3-5`, ...) as shipped.
-    pub temperature_by_options: BTreeMap<String, f64>,
-}
-
-/// `encoder/config.json`: the ModernBERT-family encoder's shape.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EncoderConfig {
-    pub vocab: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub layers: usize,
-    pub intermediate: usize,
-    pub norm_eps: f32,
-    /// Per layer: global attention (else local, within `window` tokens).
-    pub global: Vec<bool>,
-    /// A local layer's query sees keys at most this far away.
-    pub window: usize,
-    pub global_theta: f64,
-    pub local_theta: f64,
-    pub norm_bias: bool,
-    pub attention_bias: bool,
-    pub mlp_bias: bool,
-}
-
-/// The tokenizer's structural tokens.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Specials {
-    pub cls: u32,
-    pub sep: u32,
-    pub mask: u32,
-    pub pad: u32,
-    /// The mask token's text, which is blanked out of user text.
-    pub mask_text: String,
-}
-
-fn read_json(path: &Path) -> Result<Value, LayaError> {
-    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
-    serde_json::from_str(&text).map_err(|e| format_err(path, format!("not valid JSON: {e}")))
-}
-
-fn get_usize(v: &Value, key: &str, default: Option<usize>, path: &Path) -> Result<usize, LayaError> {
-    match v.get(key) {
-        Some(x) => x
-            .as_u64()
-            .map(|x| x as usize)
-            .ok_or_else(|| format_err(path, format!("'{key}' must be a non-negative integer"))),
-        None => default.ok_or_else(|| format_err(path, format!("'{key}' is missing"))),
-    }
-}
-
-impl AgentConfig {
-    pub fn read(path: &Path) -> Result<AgentConfig, LayaError> {
-        let v = read_json(path)?;
-        if !v.is_object() {
-            return Err(format_err(path, "must be a JSON object"));
-        }
-        match v.get("option_layout").and_then(Value::as_str) {
-            None | Some("sequential") => {}
-            Some(other) => {
-                return Err(format_err(
-                    path,
-                    format!("option_layout {other:?} is not supported; only the sequential layout is"),
-                ))
-            }
-        }
-        let temperature = match v.get("temperature") {
-            None => [1.0; 3],
-            Some(Value::Array(a)) if a.len() == 3 => [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(f64::NAN)),
-            Some(_) => return Err(format_err(path, "'temperature' must be a list of 3 numbers")),
-        };
-        let mut by_options = BTreeMap::new();
-        if let Some(m) = v.get("temperature_by_options").and_then(Value::as_object) {
-            for (k, t) in m {
-                by_options.insert(k.clone(), t.as_f64().unwrap_or(f64::NAN));
-            }
-        }
-        let n_act = v.get("act_costs").and_then(Value::as_object).map_or(0, |m| m.len()) + 1;
-        let max_len = get_usize(&v, "max_len", Some(512), path)?;
-        let head_max_len = get_usize(&v, "head_max_len", Some(192), path)?;
-        if max_len == 0 || head_max_len == 0 {
-            return Err(format_err(path, "max_len and head_max_len must be positive"));
-        }
-        Ok(AgentConfig {
-            encoder: v.get("encoder").and_then(Value::as_str).unwrap_or("").to_string(),
-            max_len,
-            head_max_len,
-            head_layers: get_usize(&v, "head_layers", Some(2), path)?,
-            n_act,
-            temperature,
-            temperature_by_options: by_options,
-        })
-    }
-}
-
-impl EncoderConfig {
-    pub fn read(path: &Path) -> Result<EncoderConfig, LayaError> {
-        let v = read_json(path)?;
-        match v.get("model_type").and_then(Value::as_str) {
-            Some("modernbert") => {}
-            other => {
-                return Err(format_err(
-                    path,
-                    format!("model_type {other:?} is not supported; Laya checkpoints use a ModernBERT-family encoder"),
-                ))
-            }
-        }
-        match v.get("hidden_activation").and_then(Value::as_str).unwrap_or("gelu") {
-            "gelu" => {}
-            other => {
-                return Err(format_err(
-                    path,
-                    format!("hidden_activation {other:?} is not supported"),
-                ))
-            }
-        }
-        let layers = get_usize(&v, "num_hidden_layers", None, path)?;
-        let hidden = get_usize(&v, "hidden_size", None, path)?;
-        let heads = get_usize(&v, "num_attention_heads", None, path)?;
-        if heads == 0 || hidden % heads != 0 || (hidden / heads) % 2 != 0 {
-            return Err(format_err(path, "hidden_size must split into heads of even size"));
-        }
-        let global = match v.get("layer_types").and_then(Value::as_array) {
-            Some(types) => {
-                if types.len() != layers {
-                    return Err(format_err(path, "layer_types must name every layer"));
-                }
-                let mut g = Vec::with_capacity(layers);
-                for t in types {
-                    g.push(match t.as_str() {
-                        Some("full_attention") => true,
-                        Some("sliding_attention") => false,
-                        _ => return Err(format_err(path, format!("unknown layer type {t}"))),
-                    });
-                }
-                g
-            }
-            None => {
-                let every = get_usize(&v, "global_attn_every_n_layers", Some(3), path)?.max(1);
-                (0..layers).map(|i| i % every == 0).collect()
-            }
-        };
-        let theta = |kind: &str, old: &str, default: f64| -> f64 {
-            let rope = v.get("rope_parameters");
-            rope.and_then(|r| r.get(kind))
-                .and_then(|p| p.get("rope_theta"))
-                .or_else(|| rope.and_then(|r| r.get("rope_theta")))
-                .or_else(|| v.get(old))
-                .and_then(Value::as_f64)
-                .unwrap_or(default)
-        };
-        let flag = |key: &str| v.get(key).and_then(Value::as_bool).unwrap_or(false);
-        Ok(EncoderConfig {
-            vocab: get_usize(&v, "vocab_size", None, path)?,
-            hidden,
-            heads,
-            layers,
-            intermediate: get_usize(&v, "intermediate_size", None, path)?,
-            norm_eps: v.get("norm_eps").and_then(Value::as_f64).unwrap_or(1e-5) as f32,
-            global,
-            window: get_usize(&v, "local_attention", Some(128), path)? / 2,
-            global_theta: theta("full_attention", "global_rope_theta", 160000.0),
-            local_theta: theta("sliding_attention", "local_rope_theta", 10000.0),
-            norm_bias: flag("norm_bias"),
-            attention_bias: flag("attention_bias"),
-            mlp_bias: flag("mlp_bias"),
-        })
-    }
-
-    pub fn head_dim(&self) -> usize {
-        self.hidden / self.heads
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Dtype {
-    F16,
-    F32,
-}
-
-enum Storage {
-    Mapped { dtype: Dtype, range: Range<usize> },
-    Owned(Vec<f32>),
-}
-
-struct TensorEntry {
-    shape: Vec<usize>,
-    storage: Storage,
-}
-
-/// The tensors of `model.safetensors`, memory-mapped.
-struct Tensors {
-    path: PathBuf,
-    map: Mmap,
-    entries: HashMap<String, TensorEntry>,
-}
-
-impl Tensors {
-    fn open(path: &Path) -> Result<Tensors, LayaError> {
-        let file = File::open(path).map_err(io_err(path))?;
-        // SAFETY: the file is opened read-only and treated as immutable;
-        // replacing a checkpoint under a running process is unsupported.
-        let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
-        let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map)
-            .map_err(|e| format_err(path, format!("not a safetensors file: {e}")))?;
-        let base = 8 + header_len;
-        let mut entries = HashMap::new();
-        for (name, info) in meta.tensors() {
-            let (start, end) = info.data_offsets;
-            let range = base + start..base + end;
-            if range.end > map.len() || start > end {
-                return Err(format_err(
-                    path,
-                    format!("tensor {name} lies past the end of the file (truncated?)"),
-                ));
-            }
-            let storage = match info.dtype {
-                safetensors::Dtype::F16 if (map.as_ptr() as usize + range.start).is_multiple_of(2) => Storage::Mapped {
-                    dtype: Dtype::F16,
-                    range,
-                },
-                safetensors::Dtype::F32 if (map.as_ptr() as usize + range.start).is_multiple_of(4) => Storage::Mapped {
-                    dtype: Dtype::F32,
-                    range,
-                },
-                safetensors::Dtype::F16 => Storage::Owned(
-                    map[range]
-                        .chunks_exact(2)
-                        .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-                        .collect(),
-                ),
-                safetensors::Dtype::F32 => Storage::Owned(
-                    map[range]
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect(),
-                ),
-                safetensors::Dtype::BF16 => Storage::Owned(
-                    map[range]
-                        .chunks_exact(2)
-                        .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                        .collect(),
-                ),
-                other => {
-                    return Err(format_err(
-                        path,
-                        format!("tensor {name}: dtype {other:?} is not supported"),
-                    ))
-                }
-            };
-            entries.insert(
-                name.clone(),
-                TensorEntry {
-                    shape: info.shape.clone(),
-                    storage,
-                },
-            );
-        }
-        Ok(Tensors {
-            path: path.to_path_buf(),
-            map,
-            entries,
-        })
-    }
-
-    fn entry(&self, name: &str, shape: &[usize]) -> Result<&TensorEntry, LayaError> {
-        let e = self
-            .entries
-            .get(name)
-            .ok_or_else(|| format_err(&self.path, format!("tensor {name} is missing")))?;
-        if e.shape != shape {
-            return Err(format_err(
-                &self.path,
-                format!("tensor {name} has shape {:?}; the configs say {shape:?}", e.shape),
-            ));
-        }
-        Ok(e)
-    }
-
-    fn has(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
-    }
-
-    /// A matrix (`rows x cols`), or a vector (`cols == 0` means 1-D of `rows`).
-    fn dense(&self, name: &str, rows: usize, cols: usize) -> Result<Dense<'_>, LayaError> {
-        let shape: Vec<usize> = if cols == 0 { vec![rows] } else { vec![rows, cols] };
-        let e = self.entry(name, &shape)?;
-        let data = match &e.storage {
-            Storage::Owned(v) => DenseData::F32(v),
-            Storage::Mapped { dtype, range } => {
-                let bytes = &self.map[range.clone()];
-                match dtype {
-                    // SAFETY: alignment was checked when the entry was made;
-                    // the length is a whole number of elements.
-                    Dtype::F16 => DenseData::F16(unsafe {
-                        std::slice::from_raw_parts(bytes.as_ptr() as *const u16, bytes.len() / 2)
-                    }),
-                    Dtype::F32 => DenseData::F32(unsafe {
-                        std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4)
-                    }),
-                }
-            }
-        };
-        Ok(Dense {
-            rows,
-            cols: cols.max(1),
-            data,
-        })
-    }
-
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, LayaError> {
-        let d = self.dense(name, len, 0)?;
-        let mut out = vec![0f32; len];
-        match d.data {
-            DenseData::F16(h) => out
-                .iter_mut()
-                .zip(h)
-                .for_each(|(o, &b)| *o = f16::from_bits(b).to_f32()),
-            DenseData::F32(f) => out.copy_from_slice(f),
-        }
-        Ok(out)
-    }
-
-    fn mapped_bytes(&self) -> usize {
-        self.map.len()
-    }
-}
+use super::*;
 
 /// A LayerNorm's parameters (no bias where the encoder has none).
 #[derive(Clone, Debug)]
-struct Norm {
-    w: Vec<f32>,
-    b: Option<Vec<f32>>,
-    eps: f32,
+pub(super) struct Norm {
+    pub(super) w: Vec<f32>,
+    pub(super) b: Option<Vec<f32>>,
+    pub(super) eps: f32,
 }
 
 impl Norm {
-    fn load(t: &Tensors, prefix: &str, d: usize, bias: bool, eps: f32) -> Result<Norm, LayaError> {
+    pub(super) fn load(t: &Tensors, prefix: &str, d: usize, bias: bool, eps: f32) -> Result<Norm, LayaError> {
         let b = if bias || t.has(&format!("{prefix}.bias")) {
             Some(t.vector(&format!("{prefix}.bias"), d)?)
         } else {
@@ -426,7 +26,7 @@ impl Norm {
     }
 
     /// Normalizes each `d`-wide row of `x` into `out`.
-    fn apply(&self, x: &[f32], out: &mut [f32]) {
+    pub(super) fn apply(&self, x: &[f32], out: &mut [f32]) {
         let d = self.w.len();
         for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
@@ -469,29 +69,29 @@ pub struct LayaModel {
     pub encoder: EncoderConfig,
     pub tokenizer: tokenizers::Tokenizer,
     pub specials: Specials,
-    tensors: Tensors,
-    norms: Norms,
-    pool: ThreadPool,
-    forward_tokens: usize,
+    pub(super) tensors: Tensors,
+    pub(super) norms: Norms,
+    pub(super) pool: ThreadPool,
+    pub(super) forward_tokens: usize,
 }
 
 /// Tokens a pass holds activations for, by default: about 100 MB of
 /// activations for ModernBERT-large, and room for four 512-token rows.
 pub const FORWARD_TOKENS: usize = 2048;
 
-struct Norms {
-    embed: Norm,
-    attn: Vec<Option<Norm>>,
-    mlp: Vec<Norm>,
-    last: Norm,
-    head1: Vec<Norm>,
-    head2: Vec<Norm>,
-    scorer: Norm,
-    type_emb: Vec<f32>,
-    biases: HashMap<String, Vec<f32>>,
+pub(super) struct Norms {
+    pub(super) embed: Norm,
+    pub(super) attn: Vec<Option<Norm>>,
+    pub(super) mlp: Vec<Norm>,
+    pub(super) last: Norm,
+    pub(super) head1: Vec<Norm>,
+    pub(super) head2: Vec<Norm>,
+    pub(super) scorer: Norm,
+    pub(super) type_emb: Vec<f32>,
+    pub(super) biases: HashMap<String, Vec<f32>>,
 }
 
-fn special_token(cfg: &Value, key: &str) -> Option<String> {
+pub(super) fn special_token(cfg: &Value, key: &str) -> Option<String> {
     match cfg.get(key)? {
         Value::String(s) => Some(s.clone()),
         Value::Object(m) => m.get("content").and_then(Value::as_str).map(str::to_string),
@@ -499,7 +99,7 @@ fn special_token(cfg: &Value, key: &str) -> Option<String> {
     }
 }
 
-fn load_tokenizer(dir: &Path) -> Result<(tokenizers::Tokenizer, Specials), LayaError> {
+pub(super) fn load_tokenizer(dir: &Path) -> Result<(tokenizers::Tokenizer, Specials), LayaError> {
     let path = dir.join("tokenizer").join("tokenizer.json");
     if !path.is_file() {
         return Err(format_err(
@@ -585,7 +185,7 @@ impl LayaModel {
         Ok(model)
     }
 
-    fn load_small(t: &Tensors, c: &AgentConfig, e: &EncoderConfig) -> Result<Norms, LayaError> {
+    pub(super) fn load_small(t: &Tensors, c: &AgentConfig, e: &EncoderConfig) -> Result<Norms, LayaError> {
         let d = e.hidden;
         let eps = e.norm_eps;
         let mut biases = HashMap::new();
@@ -650,7 +250,7 @@ impl LayaModel {
         })
     }
 
-    fn check_matrices(&self) -> Result<(), LayaError> {
+    pub(super) fn check_matrices(&self) -> Result<(), LayaError> {
         let e = &self.encoder;
         let d = e.hidden;
         let t = &self.tensors;
@@ -694,16 +294,16 @@ impl LayaModel {
         self.pool.threads()
     }
 
-    fn w(&self, name: &str, rows: usize, cols: usize) -> Dense<'_> {
+    pub(super) fn w(&self, name: &str, rows: usize, cols: usize) -> Dense<'_> {
         self.tensors.dense(name, rows, cols).expect("shapes checked at open")
     }
 
-    fn bias(&self, name: &str) -> Option<&[f32]> {
+    pub(super) fn bias(&self, name: &str) -> Option<&[f32]> {
         self.norms.biases.get(name).map(Vec::as_slice)
     }
 
     /// `out = x W^T (+ b)` for `n` rows.
-    fn linear(&self, name: &str, rows: usize, cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+    pub(super) fn linear(&self, name: &str, rows: usize, cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
         let w = self.w(&format!("{name}.weight"), rows, cols);
         dense_matmul(&self.pool, &w, &x[..n * cols], n, &mut out[..n * rows]);
         if let Some(b) = self.bias(&format!("{name}.bias")) {
@@ -752,7 +352,7 @@ impl LayaModel {
         out
     }
 
-    fn forward_pass(&self, rows: &[Row]) -> Vec<RowOutput> {
+    pub(super) fn forward_pass(&self, rows: &[Row]) -> Vec<RowOutput> {
         if rows.is_empty() {
             return Vec::new();
         }
@@ -858,7 +458,7 @@ impl LayaModel {
     }
 
     /// The scorer at each marker and the action head on the first token.
-    fn decide_row(&self, r: &Row, h: &[f32]) -> RowOutput {
+    pub(super) fn decide_row(&self, r: &Row, h: &[f32]) -> RowOutput {
         let d = self.encoder.hidden;
         let k = r.markers.len();
         let mut m = vec![0f32; k * d];
@@ -897,7 +497,7 @@ impl LayaModel {
     /// Bidirectional attention within each row's span; `qkv` rows hold
     /// `[q | k | v]`, each `heads x hd`. A local layer's query sees keys
     /// at most `window` positions away.
-    fn attention(
+    pub(super) fn attention(
         &self,
         qkv: &[f32],
         spans: &[(usize, usize)],
@@ -952,14 +552,14 @@ use snug_kernels::pool::SendPtr;
 
 /// Rotary embedding tables (rotate-half layout), computed in f32 like the
 /// reference: `inv_freq = 1 / theta^(2i/hd)`, angle `pos * inv_freq`.
-struct Rope {
-    half: usize,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+pub(super) struct Rope {
+    pub(super) half: usize,
+    pub(super) cos: Vec<f32>,
+    pub(super) sin: Vec<f32>,
 }
 
 impl Rope {
-    fn new(hd: usize, theta: f64, len: usize) -> Rope {
+    pub(super) fn new(hd: usize, theta: f64, len: usize) -> Rope {
         let half = hd / 2;
         let inv: Vec<f32> = (0..half)
             .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / hd as f32))
@@ -978,7 +578,7 @@ impl Rope {
 
     /// Rotates the q and k parts of each `[q | k | v]` row in place;
     /// positions count from the span's start.
-    fn apply(&self, qkv: &mut [f32], heads: usize, hd: usize, d: usize) {
+    pub(super) fn apply(&self, qkv: &mut [f32], heads: usize, hd: usize, d: usize) {
         let half = self.half;
         for (p, row) in qkv.chunks_exact_mut(3 * d).enumerate() {
             let (c, s) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);

@@ -1,0 +1,84 @@
+use super::*;
+use crate::dot::test_support::{weights, Rng, TYPES};
+use crate::dot::{act_format, dot_rows_with, quantize_row, QK8};
+
+#[test]
+fn tiles_cover_the_rows_evenly() {
+    for n in 0..100 {
+        let t: Vec<(usize, usize)> = tiles(n).collect();
+        assert_eq!(t.len(), n.div_ceil(TILE_ROWS), "{n}");
+        let mut next = 0;
+        for &(r0, rt) in &t {
+            assert_eq!(r0, next, "{n}: tiles are contiguous");
+            assert!((1..=TILE_ROWS).contains(&rt), "{n}: tile of {rt}");
+            next += rt;
+        }
+        assert_eq!(next, n);
+        let (lo, hi) = (t.iter().map(|x| x.1).min(), t.iter().map(|x| x.1).max());
+        assert!(hi.unwrap_or(0) - lo.unwrap_or(0) <= 1, "{n}: {t:?}");
+    }
+}
+
+#[test]
+fn panels_equal_the_scalar_reference_bitwise() {
+    if !available(GgmlType::Q8_0) {
+        eprintln!("no AVX2 here: panels are not used");
+        return;
+    }
+    let mut rng = Rng(42);
+    for ty in TYPES.into_iter().filter(|&t| supports(t)) {
+        // Fewer than 8, exactly 8, and more than 8 blocks or super-blocks
+        // (accumulator classes with no, one and two blocks).
+        for n in [768, 2048, 2304, 4608] {
+            let nb = n / QK8;
+            for n_w in [16, 5, 1] {
+                let ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
+                let wrefs: Vec<&[u8]> = ws.iter().map(|v| v.as_slice()).collect();
+                let n_r = 17;
+                let acts: Vec<Vec<BlockQ8>> = (0..n_r)
+                    .map(|r| {
+                        let x: Vec<f32> = (0..n).map(|_| rng.f32() * (0.5 + r as f32)).collect();
+                        let mut q = vec![BlockQ8::default(); nb];
+                        quantize_row(act_format(ty), &x, &mut q);
+                        q
+                    })
+                    .collect();
+                let aux: Vec<Vec<i32>> = acts
+                    .iter()
+                    .map(|a| {
+                        let mut v = vec![0; aux_len(ty, nb)];
+                        activation_aux(ty, a, &mut v);
+                        v
+                    })
+                    .collect();
+                let arefs: Vec<&[BlockQ8]> = acts.iter().map(|v| v.as_slice()).collect();
+                let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
+                let mut panel = Panel::new();
+                panel.pack(ty, &wrefs);
+                // The same rows as one panel of a packed matrix.
+                let flat: Vec<u8> = ws.concat();
+                let mut packed = vec![0u8; packed_matrix_bytes(ty, n_w, n)];
+                pack_matrix(ty, &flat, n_w, n, &mut packed);
+                assert_eq!(&packed[..], panel.as_ref().data, "{ty}: matrix and panel packing");
+                // Every tile size, and splits into two and three tiles.
+                for rows in [n_r, 9, 8, 7, 6, 5, 4, 3, 2, 1] {
+                    let mut got = vec![0f32; n_w * rows];
+                    panel.dot(&arefs[..rows], &xrefs[..rows], &mut got);
+                    for w in 0..n_w {
+                        let mut want = vec![0f32; rows];
+                        dot_rows_with(Simd::Scalar, ty, &ws[w], &arefs[..rows], &mut want);
+                        for r in 0..rows {
+                            assert_eq!(
+                                got[w * rows + r].to_bits(),
+                                want[r].to_bits(),
+                                "{ty} n {n} rows {n_w}x{rows} at ({w}, {r}): {} vs {}",
+                                got[w * rows + r],
+                                want[r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

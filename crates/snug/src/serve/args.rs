@@ -1,0 +1,80 @@
+//! `snug serve`'s flags.
+
+use super::*;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// A model alias (pulled if needed) or a path to a GGUF file.
+    #[arg(default_value = snug_model::catalog::DEFAULT_ALIAS)]
+    pub(super) model: String,
+    /// Address to listen on. Anything but a loopback address needs
+    /// --api-key.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(super) host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub(super) port: u16,
+    /// Clients must send `Authorization: Bearer KEY` (every route but
+    /// /health). Also read from SNUG_API_KEY.
+    #[arg(long, env = "SNUG_API_KEY", hide_env_values = true)]
+    pub(super) api_key: Option<String>,
+    /// Bytes the KV cache may take for all requests together (e.g.
+    /// 512MiB). Requests are admitted only with room for their prompt and
+    /// guaranteed output inside it. [default: --parallel contexts of
+    /// --ctx]
+    #[arg(long, value_name = "SIZE")]
+    pub(super) memory_budget: Option<String>,
+    /// Requests that may wait for admission; more get 503.
+    #[arg(long, default_value_t = 64)]
+    pub(super) max_queue: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 8)]
+    pub(super) parallel: usize,
+    /// Output tokens every admitted request is sure to have room for
+    /// (reserved with its prompt); past it, a request grows into free
+    /// pages.
+    #[arg(long, default_value_t = 256)]
+    pub(super) guaranteed_output: usize,
+    /// Prompt tokens per prefill chunk.
+    #[arg(long, default_value_t = 128)]
+    pub(super) prefill_chunk: usize,
+    /// Decode steps between two prefill chunks while requests decode.
+    #[arg(long, default_value_t = 2)]
+    pub(super) decode_steps: usize,
+    /// Context length per request (default: the model's, at most 4096).
+    #[arg(short = 'c', long)]
+    pub(super) ctx: Option<usize>,
+    #[arg(short = 't', long)]
+    pub(super) threads: Option<usize>,
+    #[command(flatten)]
+    pub(super) cache: crate::KvArgs,
+    /// Speculative decoding (for a request running alone): on, off or
+    /// auto. The output is the same either way.
+    #[arg(long, default_value = "auto")]
+    pub(super) speculate: String,
+    /// Largest request body in bytes (e.g. 4MiB).
+    #[arg(long, value_name = "SIZE", default_value = "4MiB")]
+    pub(super) max_body: String,
+    /// Append one JSON line per finished request (tokens, TTFT, per-token
+    /// latency percentiles, speculation, peak KV pages) to this file.
+    #[arg(long, value_name = "PATH")]
+    pub(super) metrics_file: Option<PathBuf>,
+    /// The model's name in /v1/models and responses [default: the model
+    /// argument].
+    #[arg(long)]
+    pub(super) alias: Option<String>,
+    /// Keep full KV pages of earlier prompts here too (the prefix cache's
+    /// disk tier).
+    #[arg(long, value_name = "DIR")]
+    pub(super) prefix_cache_dir: Option<PathBuf>,
+    #[arg(long, value_name = "SIZE", default_value = "2GiB")]
+    pub(super) prefix_cache_size: String,
+    /// Do not share cached KV pages between requests.
+    #[arg(long, conflicts_with = "prefix_cache_dir")]
+    pub(super) no_prefix_cache: bool,
+    /// Give the output head's resident pages back to the system while
+    /// only prompt chunks that need no logits run (they fault back in
+    /// when logits are next wanted). Lowers resident memory during long
+    /// prefills, at the cost of re-reading the head; see docs/SERVER.md.
+    #[arg(long)]
+    pub(super) lease_head: bool,
+}

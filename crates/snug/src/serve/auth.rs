@@ -1,0 +1,42 @@
+//! The API key: checked on every route but `/health`, in constant time.
+
+use super::*;
+
+/// Whether `req` may pass: no key is set, the route is /health, or it
+/// sends `Authorization: Bearer KEY` (compared in constant time).
+pub(crate) fn key_ok(req: &Request, key: Option<&str>) -> bool {
+    let Some(key) = key else { return true };
+    if req.uri().path() == "/health" {
+        return true;
+    }
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()))
+}
+
+/// The 401 for a missing or wrong key.
+pub(crate) fn unauthorized() -> ApiError {
+    ApiError {
+        status: 401,
+        message: "missing or wrong API key (send Authorization: Bearer KEY)".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("invalid_api_key"),
+        retry_after: None,
+    }
+}
+
+/// Checks the API key on every route but /health.
+pub(super) async fn authorize(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if !key_ok(&req, s.api_key.as_deref()) {
+        locked(&s.metrics).rejected("unauthorized");
+        return unauthorized().into_response();
+    }
+    next.run(req).await
+}
+
+pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

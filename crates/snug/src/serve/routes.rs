@@ -1,0 +1,596 @@
+//! The HTTP routes and their handlers.
+
+use super::*;
+
+pub(super) fn router(state: Arc<AppState>, max_body: usize) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/systemone", post(systemone))
+        .route("/v1/systemone/batch", post(systemone_batch))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(max_body, api::decompress))
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = (status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+pub(super) async fn not_found(req: Request) -> ApiError {
+    ApiError {
+        status: 404,
+        message: format!("no route {} {}", req.method(), req.uri().path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+        retry_after: None,
+    }
+}
+
+pub(super) async fn health(State(s): State<Arc<AppState>>) -> Response {
+    let m = locked(&s.metrics).clone();
+    let draining = s.draining.load(Ordering::SeqCst);
+    let body = json!({
+        "status": if draining { "draining" } else { "ok" },
+        "running": m.running,
+        "waiting": m.waiting,
+        "kv_pages_free": m.kv_pages_total.saturating_sub(m.kv_pages_used + m.kv_pages_cached),
+        "kv_pages_total": m.kv_pages_total,
+    });
+    let status = if draining {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(body)).into_response()
+}
+
+pub(super) async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
+    let text = {
+        let mut m = locked(&s.metrics);
+        m.request("metrics");
+        m.render(crate::run::rss_bytes("VmRSS:"), crate::run::peak_rss_bytes())
+    };
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+pub(super) async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    locked(&s.metrics).request("models");
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model_id,
+            "object": "model",
+            "created": s.started,
+            "owned_by": "snug",
+            "meta": {"n_ctx": s.ctx, "n_vocab": s.vocab},
+        }],
+    }))
+}
+
+/// The body, or the limit's 413 as an OpenAI error.
+pub(super) fn body_bytes(body: Result<Bytes, BytesRejection>, s: &AppState) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = e.status().as_u16();
+        s.metrics
+            .lock()
+            .expect("metrics")
+            .rejected(if status == 413 { "too_large" } else { "bad_request" });
+        ApiError {
+            status,
+            message: e.body_text(),
+            kind: "invalid_request_error",
+            param: None,
+            code: (status == 413).then_some("request_too_large"),
+            retry_after: None,
+        }
+    })
+}
+
+/// A request ready for the engine.
+pub(super) struct Prepared {
+    prompt: Vec<u32>,
+    settings: Settings,
+    max_tokens: usize,
+}
+
+impl AppState {
+    fn bad(&self, e: ApiError) -> ApiError {
+        self.metrics
+            .lock()
+            .expect("metrics")
+            .rejected(if e.code == Some("context_length_exceeded") {
+                "context_length"
+            } else {
+                "bad_request"
+            });
+        e
+    }
+
+    /// Checks the prompt against the context and settles `max_tokens`
+    /// (default: up to the context's end, or `default_max`).
+    fn prepare(&self, prompt: Vec<u32>, settings: Settings, default_max: Option<usize>) -> Result<Prepared, ApiError> {
+        if prompt.is_empty() {
+            return Err(ApiError::bad("the prompt is empty", Some("prompt")));
+        }
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(ApiError::bad(
+                format!("token id {t} is outside the vocabulary of {}", self.vocab),
+                Some("prompt"),
+            ));
+        }
+        if prompt.len() >= self.ctx {
+            return Err(ApiError {
+                code: Some("context_length_exceeded"),
+                ..ApiError::bad(
+                    format!(
+                        "This model's maximum context length is {} tokens; the prompt has {} tokens, which leaves no room to generate.",
+                        self.ctx,
+                        prompt.len()
+                    ),
+                    Some("messages"),
+                )
+            });
+        }
+        let room = self.ctx - prompt.len();
+        let max_tokens = settings.max_tokens.or(default_max).unwrap_or(room).min(room);
+        Ok(Prepared {
+            prompt,
+            settings,
+            max_tokens,
+        })
+    }
+
+    fn seed(&self, id: u64) -> u64 {
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        t ^ id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// Hands the job to the engine loop; returns its events once admitted
+    /// or queued, or the refusal as a 503.
+    async fn submit(&self, id: u64, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(unavailable("the server is shutting down", 5));
+        }
+        let (events, mut rx) = unbounded_channel();
+        let job = Job {
+            id,
+            prompt: p.prompt.clone(),
+            max_tokens: p.max_tokens,
+            params: p.settings.params.clone(),
+            stop: p.settings.stop.clone(),
+            events,
+            received: Instant::now(),
+        };
+        if locked(&self.jobs).send(Msg::Job(job)).is_err() {
+            return Err(unavailable("the engine has stopped", 5));
+        }
+        match rx.recv().await {
+            Some(Event::Accepted) => Ok(rx),
+            Some(Event::Refused(r)) => Err(match r {
+                Refused::QueueFull { .. } => unavailable(&format!("the server is busy: {r}"), 1),
+                Refused::NeverFits { .. } => {
+                    unavailable(&format!("the request cannot fit in the KV memory budget: {r}"), 30)
+                }
+            }),
+            Some(Event::Failed(e)) => Err(ApiError::bad(e, None)),
+            _ => Err(unavailable("the engine has stopped", 5)),
+        }
+    }
+}
+
+pub(super) fn unavailable(message: &str, retry_after: u64) -> ApiError {
+    ApiError {
+        status: 503,
+        message: message.to_string(),
+        kind: "server_error",
+        param: None,
+        code: Some("server_overloaded"),
+        retry_after: Some(retry_after),
+    }
+}
+
+pub(super) fn usage(prompt: usize, completion: usize, reused: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": reused},
+    })
+}
+
+/// Which endpoint a response is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Chat,
+    Completion,
+}
+
+pub(super) async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    ConnectInfo(conn): ConnectInfo<Conn>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    locked(&s.metrics).request("chat_completions");
+    match chat_inner(&s, conn, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn chat_inner(
+    s: &Arc<AppState>,
+    conn: Conn,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body, s)?;
+    let req: ChatRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let settings = req.common.settings(s.seed(id)).map_err(|e| s.bad(e))?;
+    if req.messages.is_empty() {
+        return Err(s.bad(ApiError::bad("messages must not be empty", Some("messages"))));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for m in &req.messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+            return Err(s.bad(ApiError::bad(
+                format!("unknown message role {:?}", m.role),
+                Some("messages"),
+            )));
+        }
+        let role = if m.role == "developer" {
+            "system"
+        } else {
+            m.role.as_str()
+        };
+        messages.push(Message::new(role, &m.text().map_err(|e| s.bad(e))?));
+    }
+    let text = s
+        .template
+        .render(
+            &messages,
+            true,
+            &s.bos,
+            &s.eos,
+            std::collections::BTreeMap::<String, String>::new(),
+        )
+        .map_err(|e| {
+            s.bad(ApiError::bad(
+                format!("the chat template failed: {e}"),
+                Some("messages"),
+            ))
+        })?;
+    let prompt = s.tok.encode(
+        &text,
+        EncodeOptions {
+            add_special: s.bos.is_empty() || !text.starts_with(&s.bos),
+            parse_special: true,
+        },
+    );
+    let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    respond(s, conn, id, Kind::Chat, p).await
+}
+
+pub(super) async fn completions(
+    State(s): State<Arc<AppState>>,
+    ConnectInfo(conn): ConnectInfo<Conn>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    locked(&s.metrics).request("completions");
+    match completion_inner(&s, conn, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn completion_inner(
+    s: &Arc<AppState>,
+    conn: Conn,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body, s)?;
+    let req: CompletionRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let settings = req.common.settings(s.seed(id)).map_err(|e| s.bad(e))?;
+    let prompt = match req.prompt {
+        Prompt::Text(t) => s.tok.encode(&t, EncodeOptions::default()),
+        Prompt::Texts(v) if v.len() == 1 => s.tok.encode(&v[0], EncodeOptions::default()),
+        Prompt::Texts(_) => {
+            return Err(s.bad(ApiError::bad(
+                "prompt: one text per request is supported",
+                Some("prompt"),
+            )))
+        }
+        Prompt::Tokens(ids) => {
+            let mut out = Vec::with_capacity(ids.len());
+            for t in ids {
+                out.push(
+                    u32::try_from(t)
+                        .map_err(|_| s.bad(ApiError::bad(format!("token id {t} is not valid"), Some("prompt"))))?,
+                );
+            }
+            out
+        }
+    };
+    // OpenAI's default for completions.
+    let p = s.prepare(prompt, settings, Some(16)).map_err(|e| s.bad(e))?;
+    respond(s, conn, id, Kind::Completion, p).await
+}
+
+/// Runs a prepared request and answers it, streaming or not.
+pub(super) async fn respond(
+    s: &Arc<AppState>,
+    conn: Conn,
+    id: u64,
+    kind: Kind,
+    p: Prepared,
+) -> Result<Response, ApiError> {
+    let mut rx = s.submit(id, &p).await?;
+    let created = unix_now();
+    let rid = match kind {
+        Kind::Chat => format!("chatcmpl-{id}"),
+        Kind::Completion => format!("cmpl-{id}"),
+    };
+    if !p.settings.stream {
+        let mut text = String::new();
+        let mut check = tokio::time::interval(std::time::Duration::from_millis(100));
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = check.tick() => {
+                    if conn.hung_up() {
+                        // Dropping the receiver cancels the request.
+                        return Err(ApiError::bad("the client closed the connection", None));
+                    }
+                    continue;
+                }
+            };
+            match ev {
+                Some(Event::Text(t)) => text.push_str(&t),
+                Some(Event::Done(d)) => {
+                    let u = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
+                    let body = match kind {
+                        Kind::Chat => json!({
+                            "id": rid, "object": "chat.completion", "created": created, "model": s.model_id,
+                            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                         "logprobs": null, "finish_reason": d.finish_reason.as_str()}],
+                            "usage": u,
+                        }),
+                        Kind::Completion => json!({
+                            "id": rid, "object": "text_completion", "created": created, "model": s.model_id,
+                            "choices": [{"index": 0, "text": text, "logprobs": null,
+                                         "finish_reason": d.finish_reason.as_str()}],
+                            "usage": u,
+                        }),
+                    };
+                    return Ok(Json(body).into_response());
+                }
+                Some(Event::Failed(e)) => {
+                    return Err(ApiError {
+                        status: 500,
+                        kind: "server_error",
+                        ..ApiError::bad(e, None)
+                    })
+                }
+                Some(_) => {}
+                None => return Err(unavailable("the engine has stopped", 5)),
+            }
+        }
+    }
+    // Streaming: a task turns engine events into SSE chunks; when the
+    // client goes away the chunk channel closes, the task ends and drops
+    // the engine's receiver, and the engine loop cancels the request.
+    let (out, out_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
+    let model = s.model_id.clone();
+    let include_usage = p.settings.include_usage;
+    tokio::spawn(async move {
+        let chunk = |choice: Value| -> Value {
+            match kind {
+                Kind::Chat => json!({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                     "model": model, "choices": [choice]}),
+                Kind::Completion => json!({"id": rid, "object": "text_completion", "created": created,
+                                           "model": model, "choices": [choice]}),
+            }
+        };
+        let send = |v: Value| out.send(Ok(SseEvent::default().data(v.to_string()))).is_ok();
+        if kind == Kind::Chat
+            && !send(chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": null, "finish_reason": null})))
+        {
+            return;
+        }
+        while let Some(ev) = rx.recv().await {
+            let ok = match ev {
+                Event::Text(t) => send(chunk(match kind {
+                    Kind::Chat => json!({"index": 0, "delta": {"content": t}, "logprobs": null, "finish_reason": null}),
+                    Kind::Completion => json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
+                })),
+                Event::Done(d) => {
+                    let reason = d.finish_reason.as_str();
+                    let last = match kind {
+                        Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
+                        Kind::Completion => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason}),
+                    };
+                    send(chunk(last));
+                    if include_usage {
+                        let mut v = chunk(Value::Null);
+                        v["choices"] = json!([]);
+                        v["usage"] = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
+                        send(v);
+                    }
+                    let _ = out.send(Ok(SseEvent::default().data("[DONE]")));
+                    return;
+                }
+                Event::Failed(e) => {
+                    send(json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}));
+                    return;
+                }
+                Event::Accepted | Event::Refused(_) => true,
+            };
+            if !ok {
+                return;
+            }
+        }
+    });
+    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+}
+
+/// `POST /v1/systemone`: Laya's typed decisions (see docs/DECIDE.md).
+pub(super) async fn systemone(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    locked(&s.metrics).request("systemone");
+    laya_errors(systemone_inner(&s, body, false).await)
+}
+
+/// `POST /v1/systemone/batch`: the same questions about several states.
+pub(super) async fn systemone_batch(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    locked(&s.metrics).request("systemone_batch");
+    laya_errors(systemone_inner(&s, body, true).await)
+}
+
+/// An error as the OpenAI object plus Laya's `detail` string.
+pub(super) fn laya_errors(r: Result<Response, ApiError>) -> Response {
+    match r {
+        Ok(r) => r,
+        Err(e) => {
+            let mut body = e.body();
+            body["detail"] = json!(e.message);
+            let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut r = (status, Json(body)).into_response();
+            if let Some(secs) = e.retry_after {
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            }
+            r
+        }
+    }
+}
+
+pub(super) fn unprocessable(message: String, code: Option<&'static str>) -> ApiError {
+    ApiError {
+        status: 422,
+        code,
+        ..ApiError::bad(message, None)
+    }
+}
+
+/// Most states in one batch request.
+pub(super) const MAX_BATCH_STATES: usize = 64;
+
+pub(super) async fn systemone_inner(
+    s: &Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    batch: bool,
+) -> Result<Response, ApiError> {
+    use snug_engine::decide::{self, MinConfidence};
+    let body = body_bytes(body, s)?;
+    let v: Value = api::parse(&body).map_err(|e| s.bad(e))?;
+    let Some(obj) = v.as_object().filter(|o| o.contains_key("questions")) else {
+        return Err(s.bad(ApiError::bad(
+            "request body must be an object with a 'questions' field",
+            None,
+        )));
+    };
+    let states: Vec<String> = if batch {
+        match obj.get("states") {
+            Some(Value::Array(a)) if !a.is_empty() && a.len() <= MAX_BATCH_STATES && a.iter().all(|x| !x.is_null()) => {
+                a.iter().map(crate::decide::state_text).collect()
+            }
+            _ => {
+                return Err(s.bad(ApiError::bad(
+                    format!("'states' must be a list of 1 to {MAX_BATCH_STATES} states"),
+                    Some("states"),
+                )))
+            }
+        }
+    } else {
+        match obj.get("state") {
+            None | Some(Value::Null) => return Err(s.bad(ApiError::bad("'state' is required", Some("state")))),
+            Some(v) => vec![crate::decide::state_text(v)],
+        }
+    };
+    let questions =
+        decide::parse_questions(&obj["questions"]).map_err(|e| s.bad(unprocessable(e.to_string(), None)))?;
+    let min = match obj.get("min_confidence") {
+        None | Some(Value::Null) => None,
+        Some(m) => Some(MinConfidence::parse(m).map_err(|e| s.bad(unprocessable(e.to_string(), None)))?),
+    };
+    let t0 = Instant::now();
+    let mut results = Vec::with_capacity(states.len());
+    let mut total = 0;
+    for state in states {
+        let (scored, usage) = decide_one(s, state, questions.clone()).await?;
+        total += usage.input_tokens;
+        results.push(decide::response_json(&s.model_id, &scored, &usage, min.as_ref()));
+    }
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let body = if batch {
+        json!({"results": results, "total_usage": {"input_tokens": total, "output_tokens": 0}})
+    } else {
+        results.pop().expect("one state")
+    };
+    let mut r = Json(body).into_response();
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&format!("inference;dur={ms:.1}")) {
+        h.insert("server-timing", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("{ms:.1}")) {
+        h.insert("x-inference-time-ms", v);
+    }
+    Ok(r)
+}
+
+/// One state's questions, answered by the engine loop.
+pub(super) async fn decide_one(
+    s: &Arc<AppState>,
+    state: String,
+    questions: Vec<snug_engine::decide::Question>,
+) -> Result<(Vec<snug_engine::decide::Scored>, snug_engine::decide::DecideUsage), ApiError> {
+    use snug_engine::decide::DecideError;
+    if s.draining.load(Ordering::SeqCst) {
+        return Err(unavailable("the server is shutting down", 5));
+    }
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let job = DecideJob {
+        state,
+        questions,
+        reply,
+    };
+    if locked(&s.jobs).send(Msg::Decide(job)).is_err() {
+        return Err(unavailable("the engine has stopped", 5));
+    }
+    match answer.await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e @ DecideError::TooLong { .. })) => {
+            Err(s.bad(unprocessable(e.to_string(), Some("context_length_exceeded"))))
+        }
+        Ok(Err(e @ DecideError::Invalid(_))) => Err(s.bad(unprocessable(e.to_string(), None))),
+        Ok(Err(DecideError::Engine(snug_engine::EngineError::Pages(e)))) => {
+            Err(unavailable(&format!("no KV room for the questions now: {e}"), 1))
+        }
+        Ok(Err(e)) => Err(ApiError {
+            status: 500,
+            kind: "server_error",
+            ..ApiError::bad(e.to_string(), None)
+        }),
+        Err(_) => Err(unavailable("the engine has stopped", 5)),
+    }
+}
