@@ -21,8 +21,23 @@ use snug_kernels::kvbasis::KeyBasis;
 use snug_model::arch::{BatchRow, KvView, Model};
 use snug_model::backend::{CpuWorkspace, WorkspaceSize};
 
-/// A sequence's handle.
-pub type SeqId = usize;
+/// A sequence's handle, from [`Engine::create_sequence`]. Handles are
+/// reused after [`Engine::free_sequence`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(usize);
+
+impl SeqId {
+    /// The handle's slot in the engine's table of sequences.
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 /// One row of [`Engine::step`]: `token` appended to sequence `seq`, and
 /// whether the row's logits are wanted.
@@ -259,18 +274,18 @@ impl<'m> Engine<'m> {
         match self.seqs.iter().position(Option::is_none) {
             Some(i) => {
                 self.seqs[i] = Some(s);
-                i
+                SeqId(i)
             }
             None => {
                 self.seqs.push(Some(s));
-                self.seqs.len() - 1
+                SeqId(self.seqs.len() - 1)
             }
         }
     }
 
     fn seq(&self, id: SeqId) -> Result<&Sequence, EngineError> {
         self.seqs
-            .get(id)
+            .get(id.0)
             .and_then(Option::as_ref)
             .ok_or(EngineError::NoSequence(id))
     }
@@ -292,7 +307,7 @@ impl<'m> Engine<'m> {
     /// Drops a sequence and returns its pages.
     pub fn free_sequence(&mut self, id: SeqId) {
         self.register_pages(id);
-        if let Some(Some(mut s)) = self.seqs.get_mut(id).map(Option::take) {
+        if let Some(Some(mut s)) = self.seqs.get_mut(id.0).map(Option::take) {
             if let Some(c) = &mut self.prefix {
                 c.touch_chain(&s.keys);
             }
@@ -309,7 +324,7 @@ impl<'m> Engine<'m> {
         let pt = self.storage.shape().page_tokens;
         let s = self
             .seqs
-            .get_mut(id)
+            .get_mut(id.0)
             .and_then(Option::as_mut)
             .ok_or(EngineError::NoSequence(id))?;
         let len = len.min(s.tokens.len());
@@ -355,7 +370,7 @@ impl<'m> Engine<'m> {
         }
         let table = table.fork(&mut self.pages);
         let new = self.create_sequence();
-        self.seqs[new] = Some(Sequence {
+        self.seqs[new.0] = Some(Sequence {
             table,
             tokens,
             twins,
@@ -466,7 +481,7 @@ impl<'m> Engine<'m> {
             let twins: usize = gains
                 .iter()
                 .map(|&(id, n)| {
-                    let s = self.seqs[id].as_ref().expect("checked above");
+                    let s = self.seqs[id.0].as_ref().expect("checked above");
                     let lo = s.tokens.len();
                     s.twins.needed(lo, lo + n.min(self.options.batch) - 1, pt)
                 })
@@ -483,7 +498,7 @@ impl<'m> Engine<'m> {
         let mut batch_rows = Vec::with_capacity(rows.len());
         let mut seq_index: Vec<SeqId> = Vec::new();
         for &(id, n) in &gains {
-            let s = self.seqs[id].as_mut().expect("checked above");
+            let s = self.seqs[id.0].as_mut().expect("checked above");
             if let Some(copy) = s.table.append(&mut self.pages, n)? {
                 self.storage.copy_page(copy.from, copy.to);
             }
@@ -495,7 +510,7 @@ impl<'m> Engine<'m> {
             logits: want,
         } in rows
         {
-            let s = self.seqs[id].as_mut().expect("checked above");
+            let s = self.seqs[id.0].as_mut().expect("checked above");
             let pos = s.tokens.len();
             s.tokens.push(tok);
             batch_rows.push(BatchRow {
@@ -518,7 +533,7 @@ impl<'m> Engine<'m> {
             if lossy {
                 for (si, span) in spans.iter().enumerate() {
                     if let Some((lo, hi)) = *span {
-                        let s = self.seqs[seq_index[si]].as_mut().expect("checked above");
+                        let s = self.seqs[seq_index[si].0].as_mut().expect("checked above");
                         let stale = s.twins.prepare(&mut self.twin_pool, lo, hi, pt)?;
                         assert!(stale.is_empty(), "a page read exactly lost its twin");
                     }
@@ -526,7 +541,7 @@ impl<'m> Engine<'m> {
             }
             let seqs: Vec<&Sequence> = seq_index
                 .iter()
-                .map(|&id| self.seqs[id].as_ref().expect("checked"))
+                .map(|&id| self.seqs[id.0].as_ref().expect("checked"))
                 .collect();
             let tables: Vec<&[u32]> = seqs.iter().map(|s| s.table.pages()).collect();
             let twins: Vec<&[u32]> = seqs
@@ -543,7 +558,7 @@ impl<'m> Engine<'m> {
             if lossy {
                 for (si, span) in spans.iter().enumerate() {
                     if let Some((_, hi)) = *span {
-                        let s = self.seqs[seq_index[si]].as_mut().expect("checked above");
+                        let s = self.seqs[seq_index[si].0].as_mut().expect("checked above");
                         s.twins.settle(&mut self.twin_pool, hi + 1, pt);
                     }
                 }
@@ -560,7 +575,7 @@ impl<'m> Engine<'m> {
     fn register_pages(&mut self, id: SeqId) {
         let Some(cache) = &mut self.prefix else { return };
         let pt = self.storage.shape().page_tokens;
-        let Some(Some(s)) = self.seqs.get_mut(id) else { return };
+        let Some(Some(s)) = self.seqs.get_mut(id.0) else { return };
         if !s.shareable {
             return;
         }
@@ -609,7 +624,7 @@ impl<'m> Engine<'m> {
             self.feed(id, &prompt[..pt])?;
         }
         let cache = self.prefix.as_mut().expect("checked above");
-        let s = self.seqs[id].as_mut().expect("checked above");
+        let s = self.seqs[id.0].as_mut().expect("checked above");
         let mut shared = 0;
         for (j, key) in keys.iter().enumerate().take(available).skip(first) {
             let page = match cache.get(key) {

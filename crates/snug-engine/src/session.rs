@@ -431,7 +431,7 @@ impl Engine<'_> {
             }
         };
         let id = self.create_sequence();
-        self.seqs[id] = Some(Sequence {
+        self.seqs[id.0] = Some(Sequence {
             table,
             tokens: file.tokens[..n].to_vec(),
             twins,
