@@ -177,3 +177,72 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 }
+
+/// Opens `path` for reading if it is a regular file. Anything else (a
+/// directory, a FIFO, a socket, a device) is refused with "not a regular
+/// file", and without blocking: a FIFO with no writer would otherwise hold
+/// the open (or the first read) forever.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+    }
+    #[cfg(unix)]
+    {
+        // Back to blocking reads (regular files never block, but the flag
+        // would be inherited by anything handed this descriptor).
+        use std::os::fd::AsRawFd;
+        let fd = file.as_raw_fd();
+        // SAFETY: fcntl on a descriptor this function owns.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+            }
+        }
+    }
+    Ok(file)
+}
+
+/// The whole of `path` if it is a regular file (see [`open_regular`]).
+pub fn read_regular(path: &Path) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    io::Read::read_to_end(&mut open_regular(path)?, &mut bytes)?;
+    Ok(bytes)
+}
+
+/// [`read_regular`] as UTF-8 text.
+pub fn read_regular_string(path: &Path) -> io::Result<String> {
+    String::from_utf8(read_regular(path)?).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+#[cfg(all(test, unix))]
+mod regular_tests {
+    use super::*;
+
+    #[test]
+    fn a_fifo_a_directory_and_a_device_are_refused_without_blocking() {
+        let dir = std::env::temp_dir().join(format!("snug-regular-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for p in [fifo.as_path(), dir.as_path(), Path::new("/dev/null")] {
+            let e = open_regular(p).unwrap_err();
+            assert_eq!(e.to_string(), "not a regular file", "{}", p.display());
+        }
+        let file = dir.join("f");
+        std::fs::write(&file, b"abc").unwrap();
+        assert_eq!(read_regular(&file).unwrap(), b"abc");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

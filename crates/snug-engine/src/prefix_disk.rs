@@ -13,7 +13,6 @@
 //! least recently used files (by modification time, which a hit renews)
 //! are deleted down to 90% of it.
 
-use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -107,7 +106,9 @@ impl DiskTier {
     /// and must not be used.
     pub fn read(&mut self, key: &Key, storage: &mut impl KvStore, page: u32) -> bool {
         let path = self.path(key);
-        let Ok(f) = File::open(&path) else { return false };
+        let Ok(f) = snug_core::durable::open_regular(&path) else {
+            return false;
+        };
         let pt = storage.shape().page_tokens;
         let len = storage.stored_bytes(pt, false) as u64;
         let mut head = [0u8; HEADER];

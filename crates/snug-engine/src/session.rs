@@ -527,7 +527,7 @@ impl SessionFile {
             path: p.clone(),
             source,
         };
-        let file = File::open(path).map_err(io)?;
+        let file = snug_core::durable::open_regular(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         let mut fixed = [0u8; 16];
         if len < 16 {

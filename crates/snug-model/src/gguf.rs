@@ -410,14 +410,11 @@ impl GgufFile {
             path: path.display().to_string(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = snug_core::durable::open_regular(path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
-        if !meta.is_file() {
-            return Err(io(std::io::Error::other("not a regular file")));
-        }
         if meta.len() < 24 {
             // Too short for the fixed header; also avoids mapping an empty file.
-            let head = std::fs::read(path).map_err(io)?;
+            let head = snug_core::durable::read_regular(path).map_err(io)?;
             return Err(GgufHeader::parse(&head).err().unwrap_or(GgufError::Truncated {
                 what: "header".into(),
                 offset: 0,

@@ -21,7 +21,6 @@
 //! product); `SNUG_PACK=memory` packs into memory instead of a file.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapMut};
@@ -288,7 +287,7 @@ fn index(plan: &Plan) -> HashMap<String, (usize, usize)> {
 /// The cache file at `path` mapped, if its header carries the plan's key
 /// and length.
 fn open_valid(path: &Path, plan: &Plan) -> Option<Mmap> {
-    let f = File::open(path).ok()?;
+    let f = snug_core::durable::open_regular(path).ok()?;
     if f.metadata().ok()?.len() != plan.total as u64 {
         return None;
     }

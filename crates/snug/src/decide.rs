@@ -43,7 +43,7 @@ pub struct DecideArgs {
     /// Print the response object.
     #[arg(long)]
     json: bool,
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Context length (default: the model's, at most 4096).
     #[arg(short = 'c', long)]
@@ -74,7 +74,7 @@ struct LabeledArgs {
     /// set written as label pairs splits into two balanced halves).
     #[arg(long, value_parser = ["even", "odd"])]
     half: Option<String>,
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
 }
 
@@ -122,7 +122,7 @@ pub fn load_temperatures(model: &Path, explicit: Option<&Path>) -> Result<Temper
             p
         }
     };
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let text = snug_core::durable::read_regular_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let t: Temperatures =
         serde_json::from_str(&text).with_context(|| format!("{}: not a temperatures file", path.display()))?;
     Ok(t.clamped())
@@ -393,7 +393,8 @@ struct Labeled {
 
 /// Scores every question of every (selected) line of a labeled file.
 fn score_file(input: &LabeledArgs, temps: Option<&Temperatures>) -> Result<(PathBuf, Vec<Labeled>)> {
-    let text = std::fs::read_to_string(&input.file).with_context(|| format!("reading {}", input.file.display()))?;
+    let text = snug_core::durable::read_regular_string(&input.file)
+        .with_context(|| format!("reading {}", input.file.display()))?;
     let mut items = Vec::new();
     for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let keep = match input.half.as_deref() {

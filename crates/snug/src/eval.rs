@@ -69,7 +69,8 @@ fn window_logits(engine: &mut Engine, tokens: &[u32], first: usize, batch: usize
 }
 
 pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text =
+        snug_core::durable::read_regular_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
     if a.ctx < 4 || !a.ctx.is_multiple_of(2) {
         bail!("--ctx must be an even number of at least 4");
     }

@@ -165,7 +165,7 @@ struct EvalPplArgs {
     /// Stop after this many windows.
     #[arg(long)]
     max_windows: Option<usize>,
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Print one JSON object: ppl, kl_vs_f16, top1_vs_f16, tokens, ...
     #[arg(long)]
@@ -210,7 +210,7 @@ struct BenchArgs {
     /// Repetitions (after one warm-up); medians are reported.
     #[arg(short = 'r', long, default_value_t = 3)]
     reps: usize,
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Rows per forward pass when prefilling.
     #[arg(short = 'b', long, default_value_t = 512)]
@@ -252,7 +252,7 @@ struct GenArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// Threads (default: the number of physical cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Context length (default: the model's, at most 4096).
     #[arg(short = 'c', long)]
@@ -393,11 +393,45 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let msg = format!("{e:#}").replace('\n', " ");
-            let _ = writeln!(std::io::stderr(), "error: {msg}");
+            let _ = writeln!(std::io::stderr(), "error: {}", error_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--threads N`: at least 1 and at most the threads this machine runs at
+/// once. snug's pool spins between parallel sections, so more threads than
+/// that would not run slower but stall.
+pub(crate) fn parse_threads(text: &str) -> Result<usize, String> {
+    let n: usize = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of threads"))?;
+    let most = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match n {
+        0 => Err("must be at least 1".into()),
+        n if n > most => Err(format!(
+            "{n} threads, but this machine runs {most} at once; use at most {most}"
+        )),
+        n => Ok(n),
+    }
+}
+
+/// An error and its causes on one line, each cause once: a library error
+/// that already says its cause (`PATH: Is a directory`) is not followed
+/// by that cause again.
+fn error_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string().replace('\n', " ");
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 /// A model alias or path, pulled if it is an alias not yet cached.
@@ -728,7 +762,8 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
         let input = if a.text == "-" {
             read_stdin()?
         } else {
-            std::fs::read_to_string(&a.text).with_context(|| format!("reading {}", a.text))?
+            snug_core::durable::read_regular_string(std::path::Path::new(&a.text))
+                .with_context(|| format!("reading {}", a.text))?
         };
         let file = open_model(&a.model)?;
         let tok = Tokenizer::from_gguf(&file)?;
@@ -782,6 +817,23 @@ fn parse_size(text: &str) -> Result<usize> {
         bail!("size {text:?} is out of range");
     }
     Ok(v as usize)
+}
+
+#[cfg(test)]
+mod error_tests {
+    #[test]
+    fn an_os_error_is_said_once_in_an_error_line() {
+        let io = std::io::Error::from_raw_os_error(21);
+        let e = anyhow::Error::new(snug_engine::session::SessionError::Io {
+            path: "/tmp".into(),
+            source: io,
+        })
+        .context("cannot resume");
+        let line = super::error_line(&e);
+        let os = std::io::Error::from_raw_os_error(21).to_string();
+        assert_eq!(line.matches(&os).count(), 1, "{line}");
+        assert!(line.starts_with("cannot resume: /tmp: "), "{line}");
+    }
 }
 
 #[cfg(test)]

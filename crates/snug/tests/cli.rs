@@ -1104,3 +1104,56 @@ fn decide_reads_a_laya_checkpoint_directory() {
     assert_eq!(v["by_type"]["choice"]["questions"], 24);
     assert_eq!(v["temperatures"]["temperature"], temps["temperature"]);
 }
+
+/// Runs `cmd` to its end, failing the test if it takes over a minute (a
+/// hang).
+fn output_within_a_minute(cmd: &mut Command) -> Output {
+    use std::process::Stdio;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("still running after a minute: {cmd:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_fifo_as_a_session_or_model_file_is_refused_without_hanging() {
+    let dir = tmpdir("fifo");
+    let fifo = dir.join("session.snug");
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let out = output_within_a_minute(snug().args(["session", "info"]).arg(&fifo));
+    assert_clean_error(&out, "not a regular file");
+    let out = output_within_a_minute(snug().arg("info").arg(&fifo));
+    assert_clean_error(&out, "not a regular file");
+    if model_path("smollm2-135m").is_some() {
+        let out = output_within_a_minute(
+            snug()
+                .args(["run", "smollm2-135m", "-p", "Hi", "-n", "1", "-t", "2", "--session"])
+                .arg(&fifo),
+        );
+        assert_clean_error(&out, "not a regular file");
+    }
+    // The OS's reason is said once, not again after the path.
+    let out = output_within_a_minute(snug().args(["session", "info"]).arg(&dir));
+    assert_clean_error(&out, "not a regular file");
+    assert_eq!(text(&out.stderr).matches("not a regular file").count(), 1);
+}
+
+#[test]
+fn threads_above_what_the_machine_runs_at_once_are_refused() {
+    let out = output_within_a_minute(snug().args(["run", "smollm2-135m", "-p", "Hi", "-n", "1", "--threads", "10000"]));
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("use at most"), "{err}");
+    let out = output_within_a_minute(snug().args(["bench", "smollm2-135m", "-t", "0"]));
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("at least 1"));
+}

@@ -53,7 +53,7 @@ pub struct Specials {
 }
 
 pub(super) fn read_json(path: &Path) -> Result<Value, LayaError> {
-    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let text = snug_core::durable::read_regular_string(path).map_err(io_err(path))?;
     serde_json::from_str(&text).map_err(|e| format_err(path, format!("not valid JSON: {e}")))
 }
 

@@ -107,7 +107,8 @@ pub(super) fn load_tokenizer(dir: &Path) -> Result<(tokenizers::Tokenizer, Speci
             "missing; a Laya checkpoint ships its tokenizer in tokenizer/",
         ));
     }
-    let tok = tokenizers::Tokenizer::from_file(&path).map_err(|e| format_err(&path, e.to_string()))?;
+    let bytes = snug_core::durable::read_regular(&path).map_err(io_err(&path))?;
+    let tok = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| format_err(&path, e.to_string()))?;
     let cfg_path = dir.join("tokenizer").join("tokenizer_config.json");
     let cfg = if cfg_path.is_file() {
         read_json(&cfg_path)?

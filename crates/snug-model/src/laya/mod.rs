@@ -25,7 +25,6 @@
 //! with its decision head (`encoder.rs`).
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 

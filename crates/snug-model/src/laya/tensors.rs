@@ -28,7 +28,7 @@ pub(super) struct Tensors {
 
 impl Tensors {
     pub(super) fn open(path: &Path) -> Result<Tensors, LayaError> {
-        let file = File::open(path).map_err(io_err(path))?;
+        let file = snug_core::durable::open_regular(path).map_err(io_err(path))?;
         // SAFETY: the file is opened read-only and treated as immutable;
         // replacing a checkpoint under a running process is unsupported.
         let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;

@@ -43,7 +43,7 @@ pub struct ServeArgs {
     /// Context length per request (default: the model's, at most 4096).
     #[arg(short = 'c', long)]
     pub(super) ctx: Option<usize>,
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::parse_threads)]
     pub(super) threads: Option<usize>,
     #[command(flatten)]
     pub(super) cache: crate::KvArgs,
