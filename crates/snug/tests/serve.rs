@@ -863,3 +863,51 @@ fn a_laya_checkpoint_is_served_as_the_reference_answers_it() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+#[test]
+fn a_body_declared_over_the_limit_is_refused_before_it_is_sent() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--max-body", "64KiB"]);
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    // Headers only: the declared megabyte never comes.
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n",
+        s.addr
+    );
+    c.write_all(head.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    let _ = c.read_to_end(&mut raw);
+    let r = parse_reply(&raw);
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "request_too_large");
+    // Every 413 is counted, this one and one the body limit finds.
+    let big = "x".repeat(80 * 1024);
+    let r = s.post("/v1/completions", &json!({"prompt": big}));
+    assert_eq!(r.status, 413);
+    assert_eq!(s.metric("snug_requests_rejected_total{reason=\"too_large\"}"), 2.0);
+}
+
+#[test]
+fn sigterm_does_not_wait_for_a_half_sent_request() {
+    let Some(model) = smollm2() else { return };
+    let mut s = Server::start(&model, &[]);
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let kill = Command::new("kill")
+        .args(["-TERM", &s.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            assert!(status.success(), "{status:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "still running 30 s after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(c);
+}

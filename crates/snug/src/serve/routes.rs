@@ -15,7 +15,39 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .layer(middleware::from_fn_with_state(max_body, api::decompress))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn_with_state((state.clone(), max_body), limit_body))
         .with_state(state)
+}
+
+/// Refuses a body declared larger than the limit before reading any of it
+/// (a client cannot hold the connection by sending it slowly), and counts
+/// every 413, wherever it was decided (here, by the body limit, or by the
+/// decoding of a compressed body).
+pub(super) async fn limit_body(State((s, max)): State<(Arc<AppState>, usize)>, req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        locked(&s.metrics).rejected("too_large");
+        let mut r = ApiError {
+            status: 413,
+            message: format!("the request body is larger than the limit of {max} bytes"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+            retry_after: None,
+        }
+        .into_response();
+        r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return r;
+    }
+    let r = next.run(req).await;
+    if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        locked(&s.metrics).rejected("too_large");
+    }
+    r
 }
 
 impl IntoResponse for ApiError {
@@ -89,10 +121,10 @@ pub(super) async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
 pub(super) fn body_bytes(body: Result<Bytes, BytesRejection>, s: &AppState) -> Result<Bytes, ApiError> {
     body.map_err(|e| {
         let status = e.status().as_u16();
-        s.metrics
-            .lock()
-            .expect("metrics")
-            .rejected(if status == 413 { "too_large" } else { "bad_request" });
+        // 413s are counted where every one passes (`limit_body`).
+        if status != 413 {
+            locked(&s.metrics).rejected("bad_request");
+        }
         ApiError {
             status,
             message: e.body_text(),

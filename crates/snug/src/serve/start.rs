@@ -93,13 +93,22 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             tokens
         );
         let shutdown_state = state.clone();
-        axum::serve(listener, app.into_make_service_with_connect_info::<Conn>())
-            .with_graceful_shutdown(async move {
+        let signalled = Arc::new(tokio::sync::Notify::new());
+        let told = signalled.clone();
+        let server = axum::serve(listener, app.into_make_service_with_connect_info::<Conn>()).with_graceful_shutdown(
+            async move {
                 shutdown_signal().await;
                 shutdown_state.draining.store(true, Ordering::SeqCst);
                 eprintln!("snug serve: draining (finishing running requests)");
-            })
-            .await?;
+                told.notify_one();
+            },
+        );
+        tokio::select! {
+            r = server => r?,
+            () = stragglers(&state, &signalled) => {
+                eprintln!("snug serve: closing connections that have no request under way");
+            }
+        }
         anyhow::Ok(())
     })?;
     // Every connection is closed: let the engine finish and stop.
@@ -107,6 +116,25 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     let _ = engine_thread.join();
     eprintln!("snug serve: stopped");
     Ok(())
+}
+
+/// After a shutdown signal, once no request is running or waiting and
+/// their answers have had a moment to reach their clients: the
+/// connections still open then (idle, or a client that sent only part of
+/// a request) are not waited for.
+async fn stragglers(state: &AppState, signalled: &tokio::sync::Notify) {
+    signalled.notified().await;
+    loop {
+        let busy = {
+            let m = locked(&state.metrics);
+            m.running + m.waiting + m.queued
+        };
+        if busy == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
 }
 
 pub(crate) async fn shutdown_signal() {
