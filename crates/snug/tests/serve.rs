@@ -911,3 +911,60 @@ fn sigterm_does_not_wait_for_a_half_sent_request() {
     }
     drop(c);
 }
+
+#[test]
+fn a_client_that_sends_its_request_slowly_is_disconnected() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--read-timeout", "2"]);
+    let mut slow = Vec::new();
+    for _ in 0..4 {
+        let c = TcpStream::connect(&s.addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        slow.push(c);
+    }
+    // One header line every half second: progress, but never a whole
+    // request. Each connection is closed once its two seconds are up.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut closed = vec![false; slow.len()];
+    let mut line = 0;
+    while closed.iter().any(|c| !c) {
+        assert!(
+            Instant::now() < deadline,
+            "slow connections still open after 30 s: {closed:?}"
+        );
+        for (c, done) in slow.iter_mut().zip(&mut closed) {
+            if *done {
+                continue;
+            }
+            let head = if line == 0 {
+                "POST /v1/completions HTTP/1.1\r\n".to_string()
+            } else {
+                format!("X-Slow-{line}: 1\r\n")
+            };
+            let mut b = [0u8; 256];
+            *done = c.write_all(head.as_bytes()).is_err()
+                || match c.read(&mut b) {
+                    Ok(_) => true, // end of stream, or an error answer before it
+                    Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+                };
+        }
+        line += 1;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(s.get("/health").status, 200);
+}
+
+#[test]
+fn an_answer_that_takes_longer_than_the_read_timeout_is_not_cut() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--read-timeout", "1"]);
+    let body = completion("Count with me: one, two, three,", 400);
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 400, "{}", r.body);
+    let mut stream = body.clone();
+    stream["stream"] = json!(true);
+    let r = s.post("/v1/completions", &stream);
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("data: [DONE]"), "{}", r.body);
+}

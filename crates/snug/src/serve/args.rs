@@ -54,6 +54,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes (e.g. 4MiB).
     #[arg(long, value_name = "SIZE", default_value = "4MiB")]
     pub(super) max_body: String,
+    /// Seconds a connection has to send a whole request once the server
+    /// waits for one (headers and body, however paced); an idle
+    /// connection is closed after as long.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(super) read_timeout: u64,
     /// Append one JSON line per finished request (tokens, TTFT, per-token
     /// latency percentiles, speculation, peak KV pages) to this file.
     #[arg(long, value_name = "PATH")]

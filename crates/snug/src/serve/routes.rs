@@ -16,6 +16,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state((state.clone(), max_body), limit_body))
+        .layer(middleware::from_fn(super::conn::answering))
         .with_state(state)
 }
 
@@ -40,7 +41,8 @@ pub(super) async fn limit_body(State((s, max)): State<(Arc<AppState>, usize)>, r
             retry_after: None,
         }
         .into_response();
-        r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        r.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return r;
     }
     let r = next.run(req).await;

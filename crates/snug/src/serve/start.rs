@@ -80,7 +80,10 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         .context("starting the HTTP runtime")?;
     rt.block_on(async move {
         let state = http_state;
-        let listener = tokio::net::TcpListener::from_std(std_listener)?;
+        let listener = TimedListener {
+            inner: tokio::net::TcpListener::from_std(std_listener)?,
+            timeout: std::time::Duration::from_secs(a.read_timeout),
+        };
         let tokens = {
             let m = locked(&state.metrics);
             m.kv_pages_total * m.kv_page_tokens
@@ -88,7 +91,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         eprintln!(
             "snug serve: {} on http://{} (context {}, the KV budget holds {} tokens)",
             state.model_id,
-            listener.local_addr()?,
+            axum::serve::Listener::local_addr(&listener)?,
             state.ctx,
             tokens
         );
