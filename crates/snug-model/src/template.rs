@@ -28,7 +28,19 @@ pub enum TemplateError {
     Compile(String),
     #[error("chat template failed to render: {0}")]
     Render(String),
+    #[error("chat template ran past its budget of {RENDER_FUEL} steps (a template from a model file may not loop without end)")]
+    Budget,
+    #[error("chat template rendered more than {} MiB", MAX_RENDERED >> 20)]
+    TooLong,
 }
+
+/// Instructions one render may run: a conversation of thousands of
+/// messages renders in far fewer; a template that loops without end (or
+/// nests loops to billions of steps) stops here.
+pub const RENDER_FUEL: u64 = 20_000_000;
+
+/// Bytes one render may produce.
+pub const MAX_RENDERED: usize = 64 << 20;
 
 /// One chat message.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
@@ -77,6 +89,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
         env.set_formatter(python_formatter);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.clone())
             .map_err(|e| TemplateError::Compile(describe(&e)))?;
         Ok(ChatTemplate {
@@ -125,7 +138,14 @@ impl ChatTemplate {
             eos_token => eos_token,
             ..extra
         };
-        tmpl.render(ctx).map_err(|e| TemplateError::Render(describe(&e)))
+        let text = tmpl.render(ctx).map_err(|e| match e.kind() {
+            minijinja::ErrorKind::OutOfFuel => TemplateError::Budget,
+            _ => TemplateError::Render(describe(&e)),
+        })?;
+        if text.len() > MAX_RENDERED {
+            return Err(TemplateError::TooLong);
+        }
+        Ok(text)
     }
 }
 
@@ -287,6 +307,23 @@ fn write_json_str(s: &str, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_template_that_loops_for_billions_of_steps_is_stopped_by_its_budget() {
+        let t = ChatTemplate::new(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+        )
+        .unwrap();
+        let e = t.render(&[], false, "", "", minijinja::context! {}).unwrap_err();
+        assert!(matches!(e, TemplateError::Budget), "{e}");
+        // A long conversation stays far within it.
+        let many: Vec<Message> = (0..2000).map(|i| Message::new("user", &format!("message {i}"))).collect();
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}",
+        )
+        .unwrap();
+        assert!(t.render(&many, true, "", "", minijinja::context! {}).is_ok());
+    }
 
     #[test]
     fn fallback_is_plain_transcript() {
