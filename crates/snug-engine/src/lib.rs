@@ -200,6 +200,9 @@ pub struct Engine<'m> {
     disk: Option<prefix_disk::DiskTier>,
     /// Rows run through the forward pass so far.
     rows_computed: u64,
+    /// The context a sequence may have as asked for (and as the model
+    /// allows), before the KV budget shrank `options.ctx` to what fits.
+    context_limit: usize,
     /// Label scores of decision questions on a content-free state, by
     /// the tokens of that state and question (see [`decide`]).
     decide_priors: std::collections::HashMap<Vec<u32>, Vec<f32>>,
@@ -209,6 +212,7 @@ impl<'m> Engine<'m> {
     pub fn new(model: &'m Model<'m>, mut options: EngineOptions) -> Engine<'m> {
         let c = &model.config;
         options.ctx = options.ctx.clamp(1, c.context_length.max(1));
+        let context_limit = options.ctx;
         options.batch = options.batch.max(1);
         options.threads = options.threads.max(1);
         let shape = KvShape {
@@ -257,9 +261,17 @@ impl<'m> Engine<'m> {
             prefix: options.prefix_cache.then(PrefixCache::new),
             disk: None,
             rows_computed: 0,
+            context_limit,
             decide_priors: std::collections::HashMap::new(),
             options,
         }
+    }
+
+    /// The context asked for (within the model's), which
+    /// `options.ctx` is at most: where they differ, the KV budget is the
+    /// limit, not the context.
+    pub fn context_limit(&self) -> usize {
+        self.context_limit
     }
 
     /// A new, empty sequence.

@@ -317,7 +317,9 @@ mod tests {
         let e = t.render(&[], false, "", "", minijinja::context! {}).unwrap_err();
         assert!(matches!(e, TemplateError::Budget), "{e}");
         // A long conversation stays far within it.
-        let many: Vec<Message> = (0..2000).map(|i| Message::new("user", &format!("message {i}"))).collect();
+        let many: Vec<Message> = (0..2000)
+            .map(|i| Message::new("user", &format!("message {i}")))
+            .collect();
         let t = ChatTemplate::new(
             "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}",
         )

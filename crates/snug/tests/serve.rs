@@ -968,3 +968,23 @@ fn an_answer_that_takes_longer_than_the_read_timeout_is_not_cut() {
     assert_eq!(r.status, 200);
     assert!(r.body.contains("data: [DONE]"), "{}", r.body);
 }
+
+#[test]
+fn systemone_over_the_memory_budget_is_503_never_fits_as_chat_is() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--memory-budget", "4MiB"]);
+    let state = "The delivery was late and the box was damaged. ".repeat(40);
+    let request = json!({
+        "state": state,
+        "questions": {"upset": {"type": "noul", "instructions": "Is the customer upset?"}},
+    });
+    let r = s.post("/v1/systemone", &request);
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("KV memory budget"), "{}", r.body);
+    let chat = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": state}], "max_tokens": 4}),
+    );
+    assert_eq!(chat.status, 503, "{}", chat.body);
+    assert_eq!(s.metric("snug_requests_rejected_total{reason=\"never_fits\"}"), 2.0);
+}

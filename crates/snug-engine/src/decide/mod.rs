@@ -102,6 +102,17 @@ pub enum DecideError {
         needed: usize,
         limit: usize,
     },
+    /// The state and a question fit the context but not the KV memory
+    /// budget the engine was given (HTTP 503, as a generation that never
+    /// fits).
+    #[error(
+        "question {question:?}: the state and the question need {needed} positions; the KV memory budget holds {fits}"
+    )]
+    OverBudget {
+        question: String,
+        needed: usize,
+        fits: usize,
+    },
     /// A question's options do not fit the encoder's token budget (HTTP 422).
     #[error("{0}")]
     Capacity(String),

@@ -77,15 +77,23 @@ impl Engine<'_> {
     ) -> Result<(Vec<Scored>, DecideUsage), DecideError> {
         let state_ids = framing.state_tokens(tok, state);
         let branches: Vec<Vec<u32>> = questions.iter().map(|q| framing.question_tokens(tok, q)).collect();
-        let limit = self.options.ctx;
+        let (limit, fits) = (self.context_limit(), self.options.ctx);
         for (q, b) in questions.iter().zip(&branches) {
-            if state_ids.len() + b.len() > limit {
+            let needed = state_ids.len() + b.len();
+            if needed > limit {
                 return Err(DecideError::TooLong {
                     question: q.name.clone(),
                     state: state_ids.len(),
                     question_tokens: b.len(),
-                    needed: state_ids.len() + b.len(),
+                    needed,
                     limit,
+                });
+            }
+            if needed > fits {
+                return Err(DecideError::OverBudget {
+                    question: q.name.clone(),
+                    needed,
+                    fits,
                 });
             }
         }

@@ -353,7 +353,10 @@ fn decode(encoding: &str, raw: &[u8], max: usize) -> std::io::Result<Option<Vec<
             dec.take(limit).read_to_end(&mut out)?;
         }
         _ => {
-            flate2::read::GzDecoder::new(raw).take(limit).read_to_end(&mut out)?;
+            // Every member, as gunzip reads a file of several.
+            flate2::read::MultiGzDecoder::new(raw)
+                .take(limit)
+                .read_to_end(&mut out)?;
         }
     }
     Ok((out.len() <= max).then_some(out))
@@ -362,6 +365,21 @@ fn decode(encoding: &str, raw: &[u8], max: usize) -> std::io::Result<Option<Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gzip_body_of_two_members_decodes_whole() {
+        use std::io::Write;
+        let member = |text: &str| {
+            let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            e.write_all(text.as_bytes()).unwrap();
+            e.finish().unwrap()
+        };
+        let mut body = member("{\"prompt\": ");
+        body.extend(member("\"hi\"}"));
+        let out = decode("gzip", &body, 1 << 20).unwrap().unwrap();
+        assert_eq!(out, b"{\"prompt\": \"hi\"}");
+        assert!(decode("gzip", &body, 8).unwrap().is_none(), "over the limit");
+    }
 
     #[test]
     fn bad_fields_are_named() {

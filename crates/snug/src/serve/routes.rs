@@ -617,6 +617,13 @@ pub(super) async fn decide_one(
             Err(s.bad(unprocessable(e.to_string(), Some("context_length_exceeded"))))
         }
         Ok(Err(e @ DecideError::Invalid(_))) => Err(s.bad(unprocessable(e.to_string(), None))),
+        Ok(Err(e @ DecideError::OverBudget { .. })) => {
+            locked(&s.metrics).rejected("never_fits");
+            Err(unavailable(
+                &format!("the request cannot fit in the KV memory budget: {e}"),
+                30,
+            ))
+        }
         Ok(Err(DecideError::Engine(snug_engine::EngineError::Pages(e)))) => {
             Err(unavailable(&format!("no KV room for the questions now: {e}"), 1))
         }
