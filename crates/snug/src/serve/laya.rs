@@ -123,6 +123,11 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
         .layer(middleware::from_fn_with_state(max_body, super::api::decompress))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn_with_state(
+            max_body,
+            super::routes::limit_body_uncounted,
+        ))
+        .layer(middleware::from_fn(super::conn::answering))
         .with_state(state.clone());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -130,24 +135,35 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
         .context("starting the HTTP runtime")?;
     let http_state = state.clone();
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let listener = super::TimedListener {
+            inner: tokio::net::TcpListener::from_std(listener)?,
+            timeout: std::time::Duration::from_secs(a.read_timeout),
+        };
         eprintln!(
             "snug serve: Laya checkpoint {} on http://{} (max_len {}, head_max_len {}; {} MiB of weights mapped, at most {} MiB of activations a pass)",
             http_state.model_id,
-            listener.local_addr()?,
+            axum::serve::Listener::local_addr(&listener)?,
             http_state.max_len,
             http_state.head_max_len,
             http_state.weight_bytes >> 20,
             http_state.scratch_bytes >> 20
         );
         let s = http_state.clone();
-        axum::serve(listener, app)
+        let signalled = Arc::new(tokio::sync::Notify::new());
+        let told = signalled.clone();
+        let server = axum::serve(listener, app.into_make_service_with_connect_info::<super::Conn>())
             .with_graceful_shutdown(async move {
                 shutdown_signal().await;
                 s.draining.store(true, Ordering::SeqCst);
                 eprintln!("snug serve: draining (finishing running requests)");
-            })
-            .await?;
+                told.notify_one();
+            });
+        tokio::select! {
+            r = server => r?,
+            () = super::start::stragglers(&signalled, || http_state.waiting.load(Ordering::SeqCst) as u64) => {
+                eprintln!("snug serve: closing connections that have no request under way");
+            }
+        }
         anyhow::Ok(())
     })?;
     // Closing the channel ends the worker once the queue is empty.

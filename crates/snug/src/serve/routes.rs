@@ -20,29 +20,46 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .with_state(state)
 }
 
+/// The 413 for a request whose `Content-Length` is over `max`, if it is.
+pub(super) fn declared_over(req: &Request, max: usize) -> Option<Response> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())?;
+    if declared <= max as u64 {
+        return None;
+    }
+    let mut r = ApiError {
+        status: 413,
+        message: format!("the request body is larger than the limit of {max} bytes"),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("request_too_large"),
+        retry_after: None,
+    }
+    .into_response();
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    Some(r)
+}
+
+/// [`limit_body`] for a server without request metrics (a Laya
+/// checkpoint's).
+pub(super) async fn limit_body_uncounted(State(max): State<usize>, req: Request, next: Next) -> Response {
+    match declared_over(&req, max) {
+        Some(r) => r,
+        None => next.run(req).await,
+    }
+}
+
 /// Refuses a body declared larger than the limit before reading any of it
 /// (a client cannot hold the connection by sending it slowly), and counts
 /// every 413, wherever it was decided (here, by the body limit, or by the
 /// decoding of a compressed body).
 pub(super) async fn limit_body(State((s, max)): State<(Arc<AppState>, usize)>, req: Request, next: Next) -> Response {
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
+    if let Some(r) = declared_over(&req, max) {
         locked(&s.metrics).rejected("too_large");
-        let mut r = ApiError {
-            status: 413,
-            message: format!("the request body is larger than the limit of {max} bytes"),
-            kind: "invalid_request_error",
-            param: None,
-            code: Some("request_too_large"),
-            retry_after: None,
-        }
-        .into_response();
-        r.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return r;
     }
     let r = next.run(req).await;

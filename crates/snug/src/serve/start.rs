@@ -108,7 +108,10 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         );
         tokio::select! {
             r = server => r?,
-            () = stragglers(&state, &signalled) => {
+            () = stragglers(&signalled, || {
+                let m = locked(&state.metrics);
+                m.running + m.waiting + m.queued
+            }) => {
                 eprintln!("snug serve: closing connections that have no request under way");
             }
         }
@@ -125,14 +128,10 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
 /// their answers have had a moment to reach their clients: the
 /// connections still open then (idle, or a client that sent only part of
 /// a request) are not waited for.
-async fn stragglers(state: &AppState, signalled: &tokio::sync::Notify) {
+pub(super) async fn stragglers(signalled: &tokio::sync::Notify, busy: impl Fn() -> u64) {
     signalled.notified().await;
     loop {
-        let busy = {
-            let m = locked(&state.metrics);
-            m.running + m.waiting + m.queued
-        };
-        if busy == 0 {
+        if busy() == 0 {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
