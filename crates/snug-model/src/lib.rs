@@ -17,6 +17,7 @@ mod mapping;
 pub mod packed;
 pub mod pull;
 pub mod template;
+pub mod template_child;
 pub mod testing;
 pub mod tokenizer;
 

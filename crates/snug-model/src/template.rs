@@ -13,10 +13,22 @@
 //! A model without a template (a base model such as Gemma 3 270M) gets
 //! [`PLAIN_TEMPLATE`]: each message as `role: content` on its own paragraph,
 //! and `assistant:` when a generation prompt is asked for.
+//!
+//! A template comes from a model file, so it is treated as untrusted code.
+//! Every render runs under a budget of instructions ([`RENDER_FUEL`]) and
+//! output bytes ([`MAX_RENDERED`]). Memory is the one thing minijinja
+//! cannot bound: a string that a loop doubles through a `namespace` takes
+//! few instructions and any amount of memory. So a program can hand
+//! renders to an [`Isolation`], a place with its own memory limit (the
+//! `snug` binary uses a child process); the template then renders there,
+//! from the same values as JSON, and a render that runs out of memory
+//! costs that place, not the caller.
+
+use std::sync::Arc;
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The fallback for models whose file has no chat template.
 pub const PLAIN_TEMPLATE: &str = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}";
@@ -32,6 +44,44 @@ pub enum TemplateError {
     Budget,
     #[error("chat template rendered more than {} MiB", MAX_RENDERED >> 20)]
     TooLong,
+    #[error("chat template used more than its {0} MiB of memory")]
+    Memory(u64),
+    #[error("chat template ran longer than {0} s")]
+    Time(u64),
+    #[error("chat template could not be rendered in isolation: {0}")]
+    Isolation(String),
+}
+
+/// One render's inputs as JSON: what crosses to an [`Isolation`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RenderRequest {
+    /// The template's source.
+    pub source: String,
+    pub messages: serde_json::Value,
+    pub add_generation_prompt: bool,
+    pub bos_token: String,
+    pub eos_token: String,
+    /// Further variables (a map).
+    pub extra: serde_json::Value,
+}
+
+impl RenderRequest {
+    /// Renders the request with `template` (compiled from `source`) in
+    /// this process.
+    pub fn render_here(&self, template: &ChatTemplate) -> Result<String, TemplateError> {
+        template.render_here(
+            Value::from_serialize(&self.messages),
+            self.add_generation_prompt,
+            &self.bos_token,
+            &self.eos_token,
+            Value::from_serialize(&self.extra),
+        )
+    }
+}
+
+/// Somewhere else to render: see the module's documentation.
+pub trait Isolation: Send + Sync {
+    fn render(&self, request: &RenderRequest) -> Result<String, TemplateError>;
 }
 
 /// Instructions one render may run: a conversation of thousands of
@@ -65,6 +115,7 @@ pub struct ChatTemplate {
     pub source: String,
     /// Whether this is the plain fallback rather than the model's own.
     pub is_fallback: bool,
+    isolation: Option<Arc<dyn Isolation>>,
 }
 
 impl ChatTemplate {
@@ -96,7 +147,17 @@ impl ChatTemplate {
             env,
             source,
             is_fallback,
+            isolation: None,
         })
+    }
+
+    /// Renders through `isolation` from now on (the plain fallback, which
+    /// is snug's own, stays here).
+    pub fn isolated(mut self, isolation: Arc<dyn Isolation>) -> ChatTemplate {
+        if !self.is_fallback {
+            self.isolation = Some(isolation);
+        }
+        self
     }
 
     /// Renders `messages`. `extra` adds variables (for example `tools`).
@@ -120,6 +181,28 @@ impl ChatTemplate {
     /// Renders messages given as any serializable value (so messages may
     /// carry fields beyond role and content, such as `tool_calls`).
     pub fn render_value(
+        &self,
+        messages: Value,
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+        extra: Value,
+    ) -> Result<String, TemplateError> {
+        let Some(isolation) = &self.isolation else {
+            return self.render_here(messages, add_generation_prompt, bos_token, eos_token, extra);
+        };
+        let json = |v: &Value| serde_json::to_value(v).map_err(|e| TemplateError::Render(e.to_string()));
+        isolation.render(&RenderRequest {
+            source: self.source.clone(),
+            messages: json(&messages)?,
+            add_generation_prompt,
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+            extra: json(&extra)?,
+        })
+    }
+
+    fn render_here(
         &self,
         messages: Value,
         add_generation_prompt: bool,

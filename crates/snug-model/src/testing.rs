@@ -142,3 +142,30 @@ macro_rules! test_backends {
         }
     };
 }
+
+/// A copy of the GGUF file `bytes` whose chat template is `template`
+/// (followed by spaces, so that the data section keeps its alignment).
+/// Panics if the file has no chat template.
+pub fn with_chat_template(bytes: &[u8], template: &str) -> Vec<u8> {
+    let header = crate::GgufHeader::parse(bytes).expect("a GGUF file");
+    let key = b"tokenizer.chat_template";
+    let mut needle = (key.len() as u64).to_le_bytes().to_vec();
+    needle.extend_from_slice(key);
+    needle.extend_from_slice(&8u32.to_le_bytes());
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("the file has a chat template")
+        + needle.len();
+    let old_len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+    let align = header.alignment as usize;
+    let mut new = template.to_string();
+    while new.len() < old_len || (new.len() - old_len) % align != 0 {
+        new.push(' ');
+    }
+    let mut out = bytes[..at].to_vec();
+    out.extend_from_slice(&(new.len() as u64).to_le_bytes());
+    out.extend_from_slice(new.as_bytes());
+    out.extend_from_slice(&bytes[at + 8 + old_len..]);
+    out
+}

@@ -11,7 +11,7 @@ use snug_engine::generate::GenerateRequest;
 use snug_engine::sampling::SamplingParams;
 use snug_engine::session::SessionFile;
 use snug_engine::Engine;
-use snug_model::template::{ChatTemplate, Message};
+use snug_model::template::Message;
 use snug_model::{EncodeOptions, Tokenizer};
 
 use crate::run::{engine_options, sampling};
@@ -23,7 +23,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     let (path, file) = open_model_at(&a.model)?;
     let model = crate::load_model(&file, &a.gen.cache)?;
     let tok = Tokenizer::from_gguf(&file)?;
-    let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
+    let template = crate::template_worker::for_model(file.get_str("tokenizer.chat_template"))?;
     if template.is_fallback {
         eprintln!("note: the model has no chat template; using the plain `role: content` format");
     }

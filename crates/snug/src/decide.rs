@@ -12,7 +12,6 @@ use snug_engine::decide::{self, Example, Framing, Kind, MinConfidence, Question,
 use snug_engine::laya::LayaAgent;
 use snug_engine::{Engine, EngineOptions};
 use snug_model::arch::Model;
-use snug_model::template::ChatTemplate;
 use snug_model::{ModelFiles, Tokenizer};
 
 #[derive(Args)]
@@ -255,7 +254,7 @@ pub fn cmd_decide(a: DecideArgs) -> Result<()> {
     let model = crate::load_model(&l.file, &a.cache)?;
     let tok = Tokenizer::from_gguf(&l.file)?;
     let temps = load_temperatures(&l.path, a.calibration.as_deref())?;
-    let template = ChatTemplate::for_model(l.file.get_str("tokenizer.chat_template"))?;
+    let template = crate::template_worker::for_model(l.file.get_str("tokenizer.chat_template"))?;
     let framing = Framing::new(Some(&template), &tok)?;
     let opts = engine_options(&model, &tok, a.threads, a.ctx, &a.cache, questions.len())?;
     let mut engine = Engine::new(&model, opts);
@@ -454,7 +453,7 @@ fn score_file(input: &LabeledArgs, temps: Option<&Temperatures>) -> Result<(Path
     let (path, file) = crate::open_model_at(&input.model)?;
     let model = crate::load_model(&file, &crate::KvArgs::default())?;
     let tok = Tokenizer::from_gguf(&file)?;
-    let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
+    let template = crate::template_worker::for_model(file.get_str("tokenizer.chat_template"))?;
     let framing = Framing::new(Some(&template), &tok)?;
     let most = items.iter().map(|i| i.1.len()).max().unwrap_or(1);
     let opts = engine_options(&model, &tok, input.threads, None, &crate::KvArgs::default(), most)?;

@@ -12,6 +12,7 @@ mod progress;
 mod run;
 mod serve;
 mod session;
+mod template_worker;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -61,6 +62,10 @@ enum Command {
     /// Answer closed questions about a text with probabilities (choice,
     /// score, yes/no); `decide calibrate` fits their temperatures.
     Decide(decide::DecideArgs),
+    /// Render chat templates sent on stdin, under a memory limit (started
+    /// by snug itself).
+    #[command(hide = true)]
+    TemplateWorker(template_worker::WorkerArgs),
 }
 
 #[derive(Subcommand)]
@@ -373,9 +378,18 @@ static HEAP: snug_core::CountingAlloc = snug_core::CountingAlloc::new();
 static RUNTIME_RSS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::TemplateWorker(a) = cli.command {
+        return match template_worker::cmd_worker(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "error: {}", error_line(&e));
+                ExitCode::FAILURE
+            }
+        };
+    }
     RUNTIME_RSS.get_or_init(|| run::rss_bytes("VmRSS:"));
     env::get();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Pull(a) => cmd_pull(a),
         Command::Info(a) => cmd_info(a),
@@ -389,6 +403,7 @@ fn main() -> ExitCode {
         Command::Session(SessionCommand::List(a)) => session::cmd_list(a),
         Command::Serve(a) => serve::cmd_serve(a),
         Command::Decide(a) => decide::cmd_decide(a),
+        Command::TemplateWorker(_) => Ok(()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

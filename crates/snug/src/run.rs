@@ -11,7 +11,7 @@ use snug_engine::session::{ModelIdentity, SessionFile};
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::kv::KvFormat;
 use snug_model::arch::Model;
-use snug_model::template::{ChatTemplate, Message};
+use snug_model::template::Message;
 use snug_model::{EncodeOptions, Tokenizer};
 
 use crate::{open_model_at, read_stdin, GenArgs, RunArgs};
@@ -257,7 +257,7 @@ pub fn prompt_tokens(tok: &Tokenizer, file: &snug_model::GgufFile, prompt: &str,
 /// A conversation's tokens through the chat template, ready for the
 /// assistant's turn.
 pub fn chat_tokens(tok: &Tokenizer, file: &snug_model::GgufFile, messages: &[Message]) -> Result<Vec<u32>> {
-    let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
+    let template = crate::template_worker::for_model(file.get_str("tokenizer.chat_template"))?;
     let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("");
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("");
     let text = template.render(messages, true, bos, eos, minijinja_empty())?;

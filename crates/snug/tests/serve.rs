@@ -988,3 +988,47 @@ fn systemone_over_the_memory_budget_is_503_never_fits_as_chat_is() {
     assert_eq!(chat.status, 503, "{}", chat.body);
     assert_eq!(s.metric("snug_requests_rejected_total{reason=\"never_fits\"}"), 2.0);
 }
+
+#[test]
+fn a_template_that_exhausts_memory_fails_its_request_and_the_server_goes_on() {
+    let Some(model) = smollm2() else { return };
+    let dir = std::env::temp_dir().join(format!("snug-serve-bomb-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bomb = dir.join("bomb.gguf");
+    // ChatML, except that a conversation opening with "boom" doubles a
+    // string 40 times.
+    let doubling = concat!(
+        "{% if messages[0]['content'] == 'boom' %}",
+        "{% set ns = namespace(s='abcdefgh') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        "{% else %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}",
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{% endif %}"
+    );
+    std::fs::write(
+        &bomb,
+        snug_model::testing::with_chat_template(&std::fs::read(&model).unwrap(), doubling),
+    )
+    .unwrap();
+    let server = Server::start(&bomb, &[]);
+    let chat = |text: &str| json!({"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0});
+    let fine = server.post("/v1/chat/completions", &chat("hi"));
+    assert_eq!(fine.status, 200, "{}", fine.body);
+    let before = server.peak_rss();
+    for _ in 0..2 {
+        let r = server.post("/v1/chat/completions", &chat("boom"));
+        assert_eq!(r.status, 400, "{}", r.body);
+        let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(msg.contains("MiB of memory"), "{msg}");
+    }
+    // The server never held the string, and still answers.
+    let after = server.peak_rss();
+    assert!(
+        after < before + (64 << 20),
+        "peak RSS {} MiB, then {} MiB",
+        before >> 20,
+        after >> 20
+    );
+    let again = server.post("/v1/chat/completions", &chat("hi"));
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.json()["choices"], fine.json()["choices"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -30,6 +30,18 @@ impl ApiError {
         }
     }
 
+    /// A 500: the server failed, not the request.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: 500,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
     pub fn body(&self) -> Value {
         json!({"error": {
             "message": self.message,

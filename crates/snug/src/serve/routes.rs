@@ -315,21 +315,27 @@ pub(super) async fn chat_inner(
         };
         messages.push(Message::new(role, &m.text().map_err(|e| s.bad(e))?));
     }
-    let text = s
-        .template
-        .render(
+    // A render is a round trip to the template worker (which may take up
+    // to its time limit); the blocking pool keeps the HTTP thread free.
+    let state = s.clone();
+    let text = tokio::task::spawn_blocking(move || {
+        state.template.render(
             &messages,
             true,
-            &s.bos,
-            &s.eos,
+            &state.bos,
+            &state.eos,
             std::collections::BTreeMap::<String, String>::new(),
         )
-        .map_err(|e| {
-            s.bad(ApiError::bad(
-                format!("the chat template failed: {e}"),
-                Some("messages"),
-            ))
-        })?;
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the chat template's render stopped: {e}")))?
+    .map_err(|e| match e {
+        snug_model::template::TemplateError::Isolation(_) => ApiError::internal(e.to_string()),
+        _ => s.bad(ApiError::bad(
+            format!("the chat template failed: {e}"),
+            Some("messages"),
+        )),
+    })?;
     let prompt = s.tok.encode(
         &text,
         EncodeOptions {

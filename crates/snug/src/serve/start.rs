@@ -38,7 +38,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     };
 
     let tok = Tokenizer::from_gguf(&file)?;
-    let template = ChatTemplate::for_model(file.get_str("tokenizer.chat_template"))?;
+    let template = crate::template_worker::for_model(file.get_str("tokenizer.chat_template"))?;
     let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("").to_string();
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("").to_string();
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.clone());
@@ -284,7 +284,7 @@ pub(super) fn engine_main(
     let pt = engine.options.page_tokens;
     let metrics = Arc::new(Mutex::new(Metrics::new(pt, page)));
     locked(&metrics).kv_pages_total = total as u64;
-    let template = match ChatTemplate::for_model(file.get_str("tokenizer.chat_template")) {
+    let template = match crate::template_worker::for_model(file.get_str("tokenizer.chat_template")) {
         Ok(t) => t,
         Err(e) => {
             let _ = ready.send(Err(e.into()));
