@@ -157,10 +157,10 @@ pub fn with_chat_template(bytes: &[u8], template: &str) -> Vec<u8> {
         .position(|w| w == needle)
         .expect("the file has a chat template")
         + needle.len();
-    let old_len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+    let old_len = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes")) as usize;
     let align = header.alignment as usize;
     let mut new = template.to_string();
-    while new.len() < old_len || (new.len() - old_len) % align != 0 {
+    while new.len() < old_len || !(new.len() - old_len).is_multiple_of(align) {
         new.push(' ');
     }
     let mut out = bytes[..at].to_vec();
