@@ -287,7 +287,7 @@ pub(super) fn engine_main(
     let template = match crate::template_worker::for_model(file.get_str("tokenizer.chat_template")) {
         Ok(t) => t,
         Err(e) => {
-            let _ = ready.send(Err(e.into()));
+            let _ = ready.send(Err(e));
             return;
         }
     };
