@@ -1032,3 +1032,77 @@ fn a_template_that_exhausts_memory_fails_its_request_and_the_server_goes_on() {
     assert_eq!(again.json()["choices"], fine.json()["choices"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sigterm_cuts_requests_that_outlive_the_shutdown_timeout() {
+    let Some(model) = smollm2() else { return };
+    let mut s = Server::start(&model, &["--shutdown-timeout", "1", "--ctx", "4096"]);
+    let addr = s.addr.clone();
+    let client = std::thread::spawn(move || {
+        let body = completion("Count with me: one, two, three,", 4000).to_string();
+        let mut c = TcpStream::connect(&addr).unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        c.write_all(head.as_bytes()).unwrap();
+        c.write_all(body.as_bytes()).unwrap();
+        let mut answer = Vec::new();
+        let _ = c.read_to_end(&mut answer);
+        answer
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("snug_requests_running") < 1.0 {
+        assert!(Instant::now() < deadline, "the request never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let signalled = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-TERM", &s.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(20),
+            "still running 20 s after SIGTERM with --shutdown-timeout 1"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    let log: Vec<String> = s.stderr.try_iter().collect();
+    assert!(log.iter().any(|l| l.contains("--shutdown-timeout")), "{log:?}");
+    // The client's request was cut: no answer came.
+    let answer = client.join().unwrap();
+    assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
+}
+
+#[test]
+fn connections_past_the_limit_wait_for_one_to_close() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--max-connections", "2", "--read-timeout", "120"]);
+    let held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(&s.addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // A third connection is not served while two are held.
+    let mut third = TcpStream::connect(&s.addr).unwrap();
+    third.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    third
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut b = [0u8; 512];
+    let waited = third.read(&mut b);
+    assert!(
+        matches!(&waited, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "answered past the limit: {waited:?}"
+    );
+    // Once one closes, it is.
+    drop(held);
+    third.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut answer = Vec::new();
+    third.read_to_end(&mut answer).unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}

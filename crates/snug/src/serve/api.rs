@@ -354,7 +354,7 @@ pub async fn decompress(
 }
 
 /// `raw` decoded, or `None` when it holds more than `max` bytes.
-fn decode(encoding: &str, raw: &[u8], max: usize) -> std::io::Result<Option<Vec<u8>>> {
+pub fn decode(encoding: &str, raw: &[u8], max: usize) -> std::io::Result<Option<Vec<u8>>> {
     use std::io::Read;
     let mut out = Vec::new();
     let limit = max as u64 + 1;

@@ -59,6 +59,15 @@ pub struct ServeArgs {
     /// connection is closed after as long.
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(super) read_timeout: u64,
+    /// Connections open at once; past it, new ones wait in the kernel's
+    /// backlog until one closes (so clients that hold connections cannot
+    /// exhaust the process's file descriptors).
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub(super) max_connections: u64,
+    /// Seconds after SIGTERM or SIGINT that running requests may take to
+    /// finish; then they are cut and the server exits.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub(super) shutdown_timeout: u64,
     /// Append one JSON line per finished request (tokens, TTFT, per-token
     /// latency percentiles, speculation, peak KV pages) to this file.
     #[arg(long, value_name = "PATH")]

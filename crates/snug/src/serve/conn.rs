@@ -30,6 +30,24 @@ impl Connected<IncomingStream<'_, TimedListener>> for Conn {
 pub(super) struct TimedListener {
     pub(super) inner: tokio::net::TcpListener,
     pub(super) timeout: std::time::Duration,
+    /// One permit per open connection (`--max-connections`).
+    pub(super) slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl TimedListener {
+    pub(super) fn new(
+        inner: tokio::net::TcpListener,
+        timeout: std::time::Duration,
+        max_connections: u64,
+    ) -> TimedListener {
+        TimedListener {
+            inner,
+            timeout,
+            slots: Arc::new(tokio::sync::Semaphore::new(
+                (max_connections as usize).min(tokio::sync::Semaphore::MAX_PERMITS),
+            )),
+        }
+    }
 }
 
 impl axum::serve::Listener for TimedListener {
@@ -37,8 +55,13 @@ impl axum::serve::Listener for TimedListener {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (TimedIo, SocketAddr) {
+        // At the limit, accept nothing until a connection closes: the
+        // semaphore is never closed, so the permit always comes.
+        let slot = self.slots.clone().acquire_owned().await.ok();
         let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
-        (TimedIo::new(io, self.timeout), addr)
+        let mut io = TimedIo::new(io, self.timeout);
+        io.slot = slot;
+        (io, addr)
     }
 
     fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -59,6 +82,9 @@ pub(super) struct TimedIo {
     deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
     armed: bool,
     busy: Arc<AtomicBool>,
+    /// This connection's place under `--max-connections`, given back when
+    /// it closes.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl TimedIo {
@@ -69,6 +95,7 @@ impl TimedIo {
             deadline: Box::pin(tokio::time::sleep(timeout)),
             armed: false,
             busy: Arc::new(AtomicBool::new(false)),
+            slot: None,
         }
     }
 }

@@ -135,10 +135,11 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
         .context("starting the HTTP runtime")?;
     let http_state = state.clone();
     rt.block_on(async move {
-        let listener = super::TimedListener {
-            inner: tokio::net::TcpListener::from_std(listener)?,
-            timeout: std::time::Duration::from_secs(a.read_timeout),
-        };
+        let listener = super::TimedListener::new(
+            tokio::net::TcpListener::from_std(listener)?,
+            std::time::Duration::from_secs(a.read_timeout),
+            a.max_connections,
+        );
         eprintln!(
             "snug serve: Laya checkpoint {} on http://{} (max_len {}, head_max_len {}; {} MiB of weights mapped, at most {} MiB of activations a pass)",
             http_state.model_id,
@@ -160,7 +161,11 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
             });
         tokio::select! {
             r = server => r?,
-            () = super::start::stragglers(&signalled, || http_state.waiting.load(Ordering::SeqCst) as u64) => {
+            _ = super::start::stragglers(
+                &signalled,
+                || http_state.waiting.load(Ordering::SeqCst) as u64,
+                std::time::Duration::from_secs(a.shutdown_timeout),
+            ) => {
                 eprintln!("snug serve: closing connections that have no request under way");
             }
         }

@@ -78,12 +78,13 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the HTTP runtime")?;
-    rt.block_on(async move {
+    let cut = rt.block_on(async move {
         let state = http_state;
-        let listener = TimedListener {
-            inner: tokio::net::TcpListener::from_std(std_listener)?,
-            timeout: std::time::Duration::from_secs(a.read_timeout),
-        };
+        let listener = TimedListener::new(
+            tokio::net::TcpListener::from_std(std_listener)?,
+            std::time::Duration::from_secs(a.read_timeout),
+            a.max_connections,
+        );
         let tokens = {
             let m = locked(&state.metrics);
             m.kv_pages_total * m.kv_page_tokens
@@ -106,19 +107,29 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 told.notify_one();
             },
         );
-        tokio::select! {
-            r = server => r?,
-            () = stragglers(&signalled, || {
+        let limit = std::time::Duration::from_secs(a.shutdown_timeout);
+        let cut = tokio::select! {
+            r = server => {
+                r?;
+                false
+            }
+            cut = stragglers(&signalled, || {
                 let m = locked(&state.metrics);
                 m.running + m.waiting + m.queued
-            }) => {
-                eprintln!("snug serve: closing connections that have no request under way");
+            }, limit) => {
+                if cut {
+                    eprintln!("snug serve: --shutdown-timeout ({} s) passed: cutting the requests still running", a.shutdown_timeout);
+                } else {
+                    eprintln!("snug serve: closing connections that have no request under way");
+                }
+                cut
             }
-        }
-        anyhow::Ok(())
+        };
+        anyhow::Ok(cut)
     })?;
-    // Every connection is closed: let the engine finish and stop.
-    let _ = locked(&state.jobs).send(Msg::Drain);
+    // Every connection is closed: let the engine finish (or, past the
+    // shutdown timeout, drop what it runs) and stop.
+    let _ = locked(&state.jobs).send(if cut { Msg::Stop } else { Msg::Drain });
     let _ = engine_thread.join();
     eprintln!("snug serve: stopped");
     Ok(())
@@ -127,16 +138,23 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
 /// After a shutdown signal, once no request is running or waiting and
 /// their answers have had a moment to reach their clients: the
 /// connections still open then (idle, or a client that sent only part of
-/// a request) are not waited for.
-pub(super) async fn stragglers(signalled: &tokio::sync::Notify, busy: impl Fn() -> u64) {
+/// a request) are not waited for. Requests still running `limit` after
+/// the signal are not waited for either; returns whether any were.
+pub(super) async fn stragglers(
+    signalled: &tokio::sync::Notify,
+    busy: impl Fn() -> u64,
+    limit: std::time::Duration,
+) -> bool {
     signalled.notified().await;
-    loop {
-        if busy() == 0 {
-            break;
+    let deadline = tokio::time::Instant::now() + limit;
+    while busy() > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            return true;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + std::time::Duration::from_secs(2))).await;
+    false
 }
 
 pub(crate) async fn shutdown_signal() {

@@ -81,6 +81,8 @@ pub enum Msg {
     Decide(DecideJob),
     /// Finish what runs and waits, then return.
     Drain,
+    /// Return now, dropping what runs and waits (their clients are gone).
+    Stop,
 }
 
 /// Settings of the loop beyond the engine's.
@@ -151,7 +153,7 @@ pub fn run(
                     l.decide(engine, tok, d);
                     continue;
                 }
-                Ok(Msg::Drain) | Err(_) => return,
+                Ok(Msg::Drain | Msg::Stop) | Err(_) => return,
             }
         }
         loop {
@@ -159,6 +161,7 @@ pub fn run(
                 Ok(Msg::Job(job)) => l.submit(engine, job),
                 Ok(Msg::Decide(d)) => l.decide(engine, tok, d),
                 Ok(Msg::Drain) => draining = true,
+                Ok(Msg::Stop) => return,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     draining = true;
