@@ -8,9 +8,9 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use snug_model::template::{ChatTemplate, Isolation};
+use snug_model::template::{ChatTemplate, Isolation, Message, TemplateError};
 use snug_model::template_child::{serve_renders, ChildRenderer};
 
 /// Address space a template worker may use.
@@ -28,10 +28,28 @@ pub struct WorkerArgs {
 }
 
 /// The model's chat template (or the plain fallback), rendering in a
-/// template worker.
+/// template worker. It is tried once on a short conversation: a template
+/// that runs past its budget of instructions, output, memory or time
+/// there would on every request, so the model is refused with that
+/// reason. (A template that raises an error there, say on a system
+/// message it does not support, is kept: the error is the request's.)
 pub fn for_model(source: Option<&str>) -> Result<ChatTemplate> {
-    let template = ChatTemplate::for_model(source)?;
-    Ok(template.isolated(renderer()?))
+    let template = ChatTemplate::for_model(source)?.isolated(renderer()?);
+    let conversation = [
+        Message::new("system", "You are a helpful assistant."),
+        Message::new("user", "Hello, who are you?"),
+        Message::new("assistant", "I am an assistant."),
+        Message::new("user", "Tell me a short story."),
+    ];
+    match template.render(&conversation, true, "", "", serde_json::json!({})) {
+        Err(
+            e @ (TemplateError::Budget | TemplateError::TooLong | TemplateError::Memory(_) | TemplateError::Time(_)),
+        ) => {
+            bail!("the model's chat template cannot be used: {e}")
+        }
+        Err(TemplateError::Isolation(m)) => bail!("chat templates cannot be rendered: {m}"),
+        _ => Ok(template),
+    }
 }
 
 fn renderer() -> Result<Arc<dyn Isolation>> {
@@ -39,7 +57,14 @@ fn renderer() -> Result<Arc<dyn Isolation>> {
     if let Some(r) = RENDERER.get() {
         return Ok(r.clone());
     }
-    let exe = std::env::current_exe().context("cannot find the snug binary to render chat templates")?;
+    // The running binary itself, even if its file has since been replaced
+    // (an upgrade while a server runs): /proc/self/exe names its inode.
+    let proc_exe = std::path::Path::new("/proc/self/exe");
+    let exe = if proc_exe.exists() {
+        proc_exe.to_path_buf()
+    } else {
+        std::env::current_exe().context("cannot find the snug binary to render chat templates")?
+    };
     let r = RENDERER.get_or_init(|| {
         Arc::new(ChildRenderer::new(
             exe,

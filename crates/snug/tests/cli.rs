@@ -1157,3 +1157,32 @@ fn threads_above_what_the_machine_runs_at_once_are_refused() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("at least 1"));
 }
+
+#[test]
+fn a_model_whose_template_exhausts_memory_is_refused_with_one_line() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let dir = tmpdir("bomb");
+    let bomb = dir.join("bomb.gguf");
+    let doubling = "{% set ns = namespace(s='abcdefgh') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}";
+    std::fs::write(
+        &bomb,
+        snug_model::testing::with_chat_template(&std::fs::read(&p).unwrap(), doubling),
+    )
+    .unwrap();
+    let out = snug()
+        .arg("run")
+        .arg(&bomb)
+        .args(["--chat", "-p", "hi", "-n", "2", "-t", "2"])
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "1024 MiB of memory");
+    // Without --chat the template is not used, and the model runs.
+    let plain = snug()
+        .arg("run")
+        .arg(&bomb)
+        .args(["-p", "hi", "-n", "2", "-t", "2"])
+        .output()
+        .unwrap();
+    assert!(plain.status.success(), "{}", text(&plain.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,85 @@
+//! Any request body, for every route that reads one, is parsed and
+//! checked, or refused with an OpenAI error object: never a panic, and a
+//! compressed body never decodes past its limit.
+//!
+//! The first byte picks the route (chat, completions, systemone,
+//! systemone batch, the Laya checkpoint's route) and the encoding (none,
+//! gzip, zstd); the rest is the body. The server's request module is
+//! compiled in as it is.
+
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use serde_json::Value;
+
+#[allow(dead_code)]
+#[path = "../../crates/snug/src/serve/api.rs"]
+mod api;
+
+/// The server's own answer is built elsewhere; the status is all the
+/// request module needs here.
+impl axum::response::IntoResponse for api::ApiError {
+    fn into_response(self) -> axum::response::Response {
+        let status = axum::http::StatusCode::from_u16(self.status).unwrap_or(axum::http::StatusCode::BAD_REQUEST);
+        (status, self.body().to_string()).into_response()
+    }
+}
+
+const MAX_BODY: usize = 1 << 16;
+
+fn questions(v: &Value, batch: bool) {
+    let Some(obj) = v.as_object() else { return };
+    let _ = snug_engine::decide::parse_questions(obj.get("questions").unwrap_or(&Value::Null));
+    if let Some(m) = obj.get("min_confidence") {
+        let _ = snug_engine::decide::MinConfidence::parse(m);
+    }
+    let mut checked = v.clone();
+    if batch {
+        if let Some(first) = obj.get("states").and_then(Value::as_array).and_then(|a| a.first()) {
+            checked["state"] = first.clone();
+        }
+    }
+    let _ = snug_engine::laya::parse_request(&checked);
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&flag, body)) = data.split_first() else {
+        return;
+    };
+    let decoded;
+    let body = match flag >> 4 {
+        1 | 2 => {
+            let encoding = if flag >> 4 == 1 { "gzip" } else { "zstd" };
+            match api::decode(encoding, body, MAX_BODY) {
+                Ok(Some(d)) => {
+                    assert!(d.len() <= MAX_BODY);
+                    decoded = d;
+                    &decoded[..]
+                }
+                _ => return,
+            }
+        }
+        _ => body,
+    };
+    match flag % 5 {
+        0 => {
+            let Ok(req) = api::parse::<api::ChatRequest>(body) else {
+                return;
+            };
+            let _ = req.common.settings(1);
+            for m in &req.messages {
+                let _ = m.text();
+            }
+        }
+        1 => {
+            let Ok(req) = api::parse::<api::CompletionRequest>(body) else {
+                return;
+            };
+            let _ = req.common.settings(1);
+        }
+        r => {
+            let Ok(v) = api::parse::<Value>(body) else { return };
+            questions(&v, r == 3);
+        }
+    }
+});
