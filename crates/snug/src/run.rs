@@ -28,6 +28,7 @@ pub fn sampling(g: &GenArgs, base: &SamplingParams) -> SamplingParams {
         presence_penalty: g.presence_penalty.unwrap_or(base.presence_penalty),
         penalty_last_n: base.penalty_last_n,
         seed: g.seed.unwrap_or(base.seed),
+        logit_bias: base.logit_bias.clone(),
     }
 }
 

@@ -347,6 +347,47 @@ fn bad_requests_get_openai_error_objects() {
     let huge = json!({"prompt": "x".repeat(4096)});
     bad(&s.post("/v1/completions", &huge), 413, "");
     bad(&s.get("/v1/nothing"), 404, "no route");
+    // What snug does not do is refused, never ignored.
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools}),
+    );
+    bad(&r, 400, "tool calling");
+    assert_eq!(r.json()["error"]["param"], "tools");
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}});
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "response_format": schema}),
+    );
+    bad(&r, 400, "response_format");
+    bad(
+        &s.post("/v1/completions", &json!({"prompt": "hi", "mirostat": 2})),
+        400,
+        "\"mirostat\"",
+    );
+    bad(
+        &s.post("/v1/completions", &json!({"prompt": "hi", "logit_bias": {"x": 1}})),
+        400,
+        "token ids",
+    );
+    bad(
+        &s.post("/v1/completions", &json!({"prompt": "hi", "logit_bias": {"5": 200}})),
+        400,
+        "[-100, 100]",
+    );
+    bad(
+        &s.post(
+            "/v1/completions",
+            &json!({"prompt": "hi", "logit_bias": {"99999999": 1}}),
+        ),
+        400,
+        "outside the vocabulary",
+    );
+    // Fields that ask for nothing snug lacks are accepted.
+    let fine = json!({"prompt": "Hello", "max_tokens": 3, "model": "any", "user": "u", "tools": [],
+                      "tool_choice": "none", "response_format": {"type": "text"}});
+    assert_eq!(s.post("/v1/completions", &fine).status, 200);
     // The server is still fine.
     assert_eq!(s.post("/v1/completions", &completion("Hello", 3)).status, 200);
     assert!(s.metric("snug_requests_rejected_total{reason=\"bad_request\"}") >= 5.0);
@@ -1105,4 +1146,85 @@ fn connections_past_the_limit_wait_for_one_to_close() {
     third.read_to_end(&mut answer).unwrap();
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+#[test]
+fn logit_bias_and_ignore_eos_steer_the_sampler() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &[]);
+    let greedy = |extra: Value| {
+        let mut body = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r = s.post("/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let plain = greedy(json!({}));
+    let text = plain["choices"][0]["text"].as_str().unwrap().to_string();
+    // Ban the first token greedy picked: the answer changes.
+    let tok = s.post("/tokenize", &json!({"content": text}));
+    assert_eq!(tok.status, 200, "{}", tok.body);
+    let first = tok.json()["tokens"][0].as_u64().unwrap();
+    let banned = greedy(json!({"logit_bias": {first.to_string(): -100}}));
+    assert_ne!(banned["choices"][0]["text"], plain["choices"][0]["text"], "{banned}");
+    // A zero bias changes nothing.
+    let zero = greedy(json!({"logit_bias": {first.to_string(): 0}}));
+    assert_eq!(zero["choices"], plain["choices"]);
+    // A chat answer that ends by itself goes on to max_tokens with ignore_eos.
+    let chat = |ignore: bool| {
+        let r = s.post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Say only the word yes."}],
+                    "max_tokens": 48, "temperature": 0, "ignore_eos": ignore}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let ends = chat(false);
+    assert_eq!(ends["choices"][0]["finish_reason"], "stop", "{ends}");
+    let goes_on = chat(true);
+    assert_eq!(goes_on["choices"][0]["finish_reason"], "length", "{goes_on}");
+    assert_eq!(goes_on["usage"]["completion_tokens"], 48);
+}
+
+#[test]
+fn tokenize_detokenize_and_one_model_answer_as_llama_server_does() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--alias", "smol"]);
+    let text = "Hello, world! <|im_start|>";
+    let r = s.post("/tokenize", &json!({"content": text}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ids: Vec<u64> = r.json()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    // The same ids as `snug tokenize --no-bos` (special text parsed).
+    let out = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(["tokenize", model.to_str().unwrap(), text, "--json", "--no-bos"])
+        .output()
+        .unwrap();
+    let cli: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json!(ids), cli["ids"]);
+    let pieces = s
+        .post("/tokenize", &json!({"content": text, "with_pieces": true}))
+        .json();
+    let joined: String = pieces["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["piece"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, text);
+    let back = s.post("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(back.json()["content"], text);
+    assert_eq!(s.post("/detokenize", &json!({"tokens": [-1]})).status, 400);
+    assert_eq!(s.post("/tokenize", &json!({"content": "x", "nope": 1})).status, 400);
+    let one = s.get("/v1/models/smol");
+    assert_eq!(one.status, 200, "{}", one.body);
+    assert_eq!(one.json()["id"], "smol");
+    let other = s.get("/v1/models/gpt-4");
+    assert_eq!(other.status, 404);
+    assert_eq!(other.json()["error"]["code"], "model_not_found");
 }

@@ -88,6 +88,52 @@ pub struct Common {
     pub echo: Option<bool>,
     pub best_of: Option<i64>,
     pub suffix: Option<String>,
+    /// Token id (as a string) to a bias in [-100, 100] added to its logit.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Never end at an end-of-generation token (llama.cpp's field): they
+    /// are banned through the logit bias.
+    pub ignore_eos: Option<bool>,
+    /// Every other field, checked by [`Common::settings`].
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
+}
+
+/// Fields accepted and ignored: they change nothing snug does.
+const IGNORED: &[&str] = &["model", "user", "metadata", "store", "cache_prompt", "service_tier"];
+
+/// Fields accepted only with a value that asks for nothing.
+fn asks_nothing(name: &str, v: &Value) -> bool {
+    match name {
+        "tools" | "functions" => v.is_null() || v.as_array().is_some_and(Vec::is_empty),
+        "tool_choice" | "function_call" => v.is_null() || v == "none",
+        "parallel_tool_calls" => v.is_null() || v.is_boolean(),
+        "response_format" => v.is_null() || v.get("type").is_some_and(|t| t == "text"),
+        "top_logprobs" => v.is_null() || v == 0,
+        _ => false,
+    }
+}
+
+/// A field's refusal: 400 naming it.
+fn unsupported(name: &str) -> ApiError {
+    let what = match name {
+        "tools" | "functions" | "tool_choice" | "function_call" => {
+            "tool calling is not supported yet; send the request without tools".to_string()
+        }
+        "response_format" => "only response_format {\"type\": \"text\"} is supported".to_string(),
+        "top_logprobs" => "logprobs are not supported".to_string(),
+        _ => format!("unknown or unsupported field {name:?}"),
+    };
+    // `param` is a static string: the known names keep theirs, others are
+    // named in the message.
+    const NAMES: &[&str] = &[
+        "tools",
+        "functions",
+        "tool_choice",
+        "function_call",
+        "response_format",
+        "top_logprobs",
+    ];
+    ApiError::bad(what, NAMES.iter().copied().find(|n| *n == name))
 }
 
 /// A chat message's content: text, or a list of parts of which only text
@@ -170,6 +216,8 @@ pub struct Settings {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Ban end-of-generation tokens (the route knows which they are).
+    pub ignore_eos: bool,
 }
 
 fn range(v: Option<f32>, lo: f32, hi: f32, name: &'static str) -> Result<Option<f32>, ApiError> {
@@ -186,6 +234,11 @@ impl Common {
     /// The settings, or a 400 naming the field. `seed` is used when the
     /// request has none.
     pub fn settings(&self, seed: u64) -> Result<Settings, ApiError> {
+        for (name, v) in &self.rest {
+            if !IGNORED.contains(&name.as_str()) && !asks_nothing(name, v) {
+                return Err(unsupported(name));
+            }
+        }
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad("only n = 1 is supported", Some("n")));
         }
@@ -232,6 +285,24 @@ impl Common {
         if let Some(r) = range(self.presence_penalty, -2.0, 2.0, "presence_penalty")? {
             p.presence_penalty = r;
         }
+        if let Some(bias) = &self.logit_bias {
+            if bias.len() > 1024 {
+                return Err(ApiError::bad("logit_bias takes up to 1024 tokens", Some("logit_bias")));
+            }
+            for (k, v) in bias {
+                let t: u32 = k.parse().map_err(|_| {
+                    ApiError::bad(format!("logit_bias keys are token ids; got {k:?}"), Some("logit_bias"))
+                })?;
+                let b = v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+                    ApiError::bad(
+                        format!("logit_bias values are numbers in [-100, 100]; got {v}"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                p.logit_bias.push((t, b as f32));
+            }
+            p.logit_bias.sort_by_key(|&(t, _)| t);
+        }
         p.seed = match self.seed {
             Some(s) => s as u64,
             None => seed,
@@ -268,6 +339,7 @@ impl Common {
             stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
             stream: self.stream,
             include_usage,
+            ignore_eos: self.ignore_eos == Some(true),
         })
     }
 }

@@ -7,6 +7,9 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_one))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/systemone", post(systemone))
         .route("/v1/systemone/batch", post(systemone_batch))
         .route("/health", get(health))
@@ -124,16 +127,107 @@ pub(super) async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
 
 pub(super) async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     locked(&s.metrics).request("models");
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.model_id,
-            "object": "model",
-            "created": s.started,
-            "owned_by": "snug",
-            "meta": {"n_ctx": s.ctx, "n_vocab": s.vocab},
-        }],
-    }))
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+fn model_object(s: &AppState) -> Value {
+    json!({
+        "id": s.model_id,
+        "object": "model",
+        "created": s.started,
+        "owned_by": "snug",
+        "meta": {"n_ctx": s.ctx, "n_vocab": s.vocab},
+    })
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404 for any other id.
+pub(super) async fn model_one(
+    State(s): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    locked(&s.metrics).request("models");
+    if id != s.model_id {
+        return Err(ApiError {
+            status: 404,
+            code: Some("model_not_found"),
+            ..ApiError::bad(
+                format!("the model {id:?} does not exist (this server has {:?})", s.model_id),
+                None,
+            )
+        });
+    }
+    Ok(Json(model_object(&s)))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TokenizeRequest {
+    content: String,
+    #[serde(default)]
+    add_special: bool,
+    #[serde(default = "yes")]
+    parse_special: bool,
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `POST /tokenize` (llama.cpp's): `{"content"}` to `{"tokens": [...]}`,
+/// or with `with_pieces`, `[{"id", "piece"}]`.
+pub(super) async fn tokenize(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    locked(&s.metrics).request("tokenize");
+    let body = body_bytes(body, &s)?;
+    let req: TokenizeRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let ids = s.tok.encode(
+        &req.content,
+        EncodeOptions {
+            add_special: req.add_special,
+            parse_special: req.parse_special,
+        },
+    );
+    if !req.with_pieces {
+        return Ok(Json(json!({"tokens": ids})));
+    }
+    let tokens: Vec<Value> = ids
+        .iter()
+        .map(|&id| json!({"id": id, "piece": s.tok.piece(id, true)}))
+        .collect();
+    Ok(Json(json!({"tokens": tokens})))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DetokenizeRequest {
+    tokens: Vec<i64>,
+}
+
+/// `POST /detokenize` (llama.cpp's): `{"tokens"}` to `{"content"}`.
+pub(super) async fn detokenize(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    locked(&s.metrics).request("detokenize");
+    let body = body_bytes(body, &s)?;
+    let req: DetokenizeRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let mut ids = Vec::with_capacity(req.tokens.len());
+    for t in req.tokens {
+        match u32::try_from(t).ok().filter(|&t| (t as usize) < s.vocab) {
+            Some(t) => ids.push(t),
+            None => {
+                return Err(s.bad(ApiError::bad(
+                    format!("token id {t} is outside the vocabulary of {}", s.vocab),
+                    Some("tokens"),
+                )))
+            }
+        }
+    }
+    Ok(Json(json!({"content": s.tok.decode(&ids, true)})))
 }
 
 /// The body, or the limit's 413 as an OpenAI error.
@@ -177,7 +271,40 @@ impl AppState {
 
     /// Checks the prompt against the context and settles `max_tokens`
     /// (default: up to the context's end, or `default_max`).
-    fn prepare(&self, prompt: Vec<u32>, settings: Settings, default_max: Option<usize>) -> Result<Prepared, ApiError> {
+    /// `ignore_eos`'s bias: far below any logit, and finite, so that it
+    /// survives JSON and penalties.
+    const BANNED: f32 = -1.0e30;
+
+    fn prepare(
+        &self,
+        prompt: Vec<u32>,
+        mut settings: Settings,
+        default_max: Option<usize>,
+    ) -> Result<Prepared, ApiError> {
+        if let Some(&(t, _)) = settings
+            .params
+            .logit_bias
+            .iter()
+            .find(|&&(t, _)| t as usize >= self.vocab)
+        {
+            return Err(ApiError::bad(
+                format!(
+                    "logit_bias names token id {t}, outside the vocabulary of {}",
+                    self.vocab
+                ),
+                Some("logit_bias"),
+            ));
+        }
+        if settings.ignore_eos {
+            let bias = &mut settings.params.logit_bias;
+            for &t in self.tok.eog_tokens() {
+                match bias.iter_mut().find(|(b, _)| *b == t) {
+                    Some(b) => b.1 = Self::BANNED,
+                    None => bias.push((t, Self::BANNED)),
+                }
+            }
+            bias.sort_by_key(|&(t, _)| t);
+        }
         if prompt.is_empty() {
             return Err(ApiError::bad("the prompt is empty", Some("prompt")));
         }
