@@ -1228,3 +1228,34 @@ fn tokenize_detokenize_and_one_model_answer_as_llama_server_does() {
     assert_eq!(other.status, 404);
     assert_eq!(other.json()["error"]["code"], "model_not_found");
 }
+
+#[test]
+fn every_request_gets_an_access_log_line() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--log-format", "json"]);
+    assert_eq!(s.post("/v1/completions", &completion("Hello", 3)).status, 200);
+    let mut streamed = completion("Hello there", 5);
+    streamed["stream"] = json!(true);
+    assert_eq!(s.post("/v1/completions", &streamed).status, 200);
+    assert_eq!(s.get("/v1/nothing").status, 404);
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lines.len() < 3 && Instant::now() < deadline {
+        if let Ok(l) = s.stderr.recv_timeout(Duration::from_millis(200)) {
+            if let Ok(v) = serde_json::from_str::<Value>(&l) {
+                lines.push(v);
+            }
+        }
+    }
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert_eq!(lines[0]["method"], "POST");
+    assert_eq!(lines[0]["path"], "/v1/completions");
+    assert_eq!(lines[0]["status"], 200);
+    assert_eq!(lines[0]["completion_tokens"], 3);
+    assert!(lines[0]["duration_ms"].as_f64().unwrap() > 0.0);
+    assert!(lines[0]["remote"].as_str().unwrap().starts_with("127.0.0.1:"));
+    // A stream's line is written when its last event has gone out.
+    assert_eq!(lines[1]["completion_tokens"], 5);
+    assert_eq!(lines[2]["status"], 404);
+    assert!(lines[2].get("completion_tokens").is_none());
+}

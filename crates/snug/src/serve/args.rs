@@ -68,6 +68,12 @@ pub struct ServeArgs {
     /// finish; then they are cut and the server exits.
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub(super) shutdown_timeout: u64,
+    /// Access-log lines on stderr, one per request: `text` or `json`.
+    #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub(super) log_format: String,
+    /// No access-log lines.
+    #[arg(long)]
+    pub(super) no_access_log: bool,
     /// Append one JSON line per finished request (tokens, TTFT, per-token
     /// latency percentiles, speculation, peak KV pages) to this file.
     #[arg(long, value_name = "PATH")]

@@ -13,6 +13,19 @@ pub(super) struct Conn {
     /// Set while a request of this connection is being answered (see
     /// [`TimedIo`]).
     busy: Arc<AtomicBool>,
+    /// The client's address.
+    pub(super) peer: SocketAddr,
+    /// Tokens of the request being answered, for its access-log line (one
+    /// request at a time per HTTP/1 connection).
+    usage: Arc<Mutex<Option<Usage>>>,
+}
+
+/// A generation's token counts.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Usage {
+    pub(super) prompt: usize,
+    pub(super) completion: usize,
+    pub(super) cached: usize,
 }
 
 impl Connected<IncomingStream<'_, TimedListener>> for Conn {
@@ -21,6 +34,8 @@ impl Connected<IncomingStream<'_, TimedListener>> for Conn {
         Conn {
             fd: stream.io().io.as_raw_fd(),
             busy: stream.io().busy.clone(),
+            peer: *stream.remote_addr(),
+            usage: Arc::new(Mutex::new(None)),
         }
     }
 }
@@ -171,6 +186,11 @@ impl tokio::io::AsyncWrite for TimedIo {
 }
 
 impl Conn {
+    /// Notes the answered request's tokens for its access-log line.
+    pub(super) fn record(&self, usage: Usage) {
+        *self.usage.lock().unwrap_or_else(|p| p.into_inner()) = Some(usage);
+    }
+
     /// Whether the peer has closed or reset the connection. (The socket
     /// stays open while its request is handled, so the descriptor is this
     /// connection's.)
@@ -210,4 +230,95 @@ impl Drop for Busy {
     fn drop(&mut self) {
         self.0.store(false, Ordering::SeqCst);
     }
+}
+
+/// How requests are logged (`--log-format`, `--no-access-log`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum AccessLog {
+    Off,
+    Text,
+    Json,
+}
+
+/// One line on stderr per request once its answer's body is done (or the
+/// client gone): method, path, status, tokens, time.
+pub(super) async fn access_log(State(format): State<AccessLog>, req: Request, next: Next) -> Response {
+    if format == AccessLog::Off {
+        return next.run(req).await;
+    }
+    let conn = req.extensions().get::<ConnectInfo<Conn>>().map(|c| c.0.clone());
+    if let Some(c) = &conn {
+        *c.usage.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+    let line = LogLine {
+        format,
+        started: std::time::Instant::now(),
+        method: req.method().to_string(),
+        path: req.uri().path().chars().take(256).collect(),
+        status: 0,
+        conn,
+    };
+    let (parts, body) = next.run(req).await.into_parts();
+    let mut line = line;
+    line.status = parts.status.as_u16();
+    let body = axum::body::Body::from_stream(tokio_stream::StreamExt::map(body.into_data_stream(), move |chunk| {
+        let _ = &line;
+        chunk
+    }));
+    Response::from_parts(parts, body)
+}
+
+/// Written when dropped, that is when the answer's body is done.
+struct LogLine {
+    format: AccessLog,
+    started: std::time::Instant,
+    method: String,
+    path: String,
+    status: u16,
+    conn: Option<Conn>,
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        let ms = self.started.elapsed().as_secs_f64() * 1e3;
+        let peer = self.conn.as_ref().map(|c| c.peer.to_string()).unwrap_or_default();
+        let usage = self
+            .conn
+            .as_ref()
+            .and_then(|c| *c.usage.lock().unwrap_or_else(|p| p.into_inner()));
+        let line = match self.format {
+            AccessLog::Json => {
+                let mut v = json!({
+                    "time": unix_now_f64(),
+                    "remote": peer,
+                    "method": self.method,
+                    "path": self.path,
+                    "status": self.status,
+                    "duration_ms": (ms * 10.0).round() / 10.0,
+                });
+                if let Some(u) = usage {
+                    v["prompt_tokens"] = json!(u.prompt);
+                    v["completion_tokens"] = json!(u.completion);
+                    v["cached_tokens"] = json!(u.cached);
+                }
+                v.to_string()
+            }
+            _ => {
+                let tokens = usage
+                    .map(|u| format!(" tokens {}+{} (cached {})", u.prompt, u.completion, u.cached))
+                    .unwrap_or_default();
+                format!(
+                    "{peer} \"{} {}\" {}{tokens} {ms:.1} ms",
+                    self.method, self.path, self.status
+                )
+            }
+        };
+        eprintln!("{line}");
+    }
+}
+
+fn unix_now_f64() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| (d.as_secs_f64() * 1e3).round() / 1e3)
 }

@@ -51,7 +51,7 @@ use worker::{DecideJob, Event, Job, Msg};
 pub use args::ServeArgs;
 use auth::authorize;
 pub(crate) use auth::{key_ok, unauthorized};
-use conn::{Conn, TimedListener};
+use conn::{AccessLog, Conn, TimedListener, Usage};
 use routes::router;
 pub use start::cmd_serve;
 pub(crate) use start::shutdown_signal;

@@ -2,7 +2,7 @@
 
 use super::*;
 
-pub(super) fn router(state: Arc<AppState>, max_body: usize) -> Router {
+pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -20,6 +20,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state((state.clone(), max_body), limit_body))
         .layer(middleware::from_fn(super::conn::answering))
+        .layer(middleware::from_fn_with_state(log, super::conn::access_log))
         .with_state(state)
 }
 
@@ -551,6 +552,11 @@ pub(super) async fn respond(
             match ev {
                 Some(Event::Text(t)) => text.push_str(&t),
                 Some(Event::Done(d)) => {
+                    conn.record(Usage {
+                        prompt: d.prompt_tokens,
+                        completion: d.completion_tokens,
+                        cached: d.reused_tokens,
+                    });
                     let u = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
                     let body = match kind {
                         Kind::Chat => json!({
@@ -609,6 +615,11 @@ pub(super) async fn respond(
                     Kind::Completion => json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
                 })),
                 Event::Done(d) => {
+                    conn.record(Usage {
+                        prompt: d.prompt_tokens,
+                        completion: d.completion_tokens,
+                        cached: d.reused_tokens,
+                    });
                     let reason = d.finish_reason.as_str();
                     let last = match kind {
                         Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),

@@ -72,7 +72,12 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         started: unix_now(),
         draining: AtomicBool::new(false),
     });
-    let app = router(state.clone(), max_body);
+    let log = match (a.no_access_log, a.log_format.as_str()) {
+        (true, _) => AccessLog::Off,
+        (false, "json") => AccessLog::Json,
+        _ => AccessLog::Text,
+    };
+    let app = router(state.clone(), max_body, log);
     let http_state = state.clone();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
