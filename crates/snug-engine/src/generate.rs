@@ -538,13 +538,36 @@ impl Engine<'_> {
         seq: SeqId,
         tok: &Tokenizer,
         req: &GenerateRequest,
+        on_text: impl FnMut(&str),
+    ) -> Result<Generation, EngineError> {
+        self.generate_until(seq, tok, req, on_text, &|| false)
+    }
+
+    /// [`Engine::generate`], asking `stop` before each decode step: when it
+    /// says yes the generation ends there (finish reason `length`), with
+    /// what it has emitted so far and the sequence's KV holding every
+    /// token fed until then (an interrupted answer that the conversation
+    /// keeps).
+    pub fn generate_until(
+        &mut self,
+        seq: SeqId,
+        tok: &Tokenizer,
+        req: &GenerateRequest,
         mut on_text: impl FnMut(&str),
+        stop: &dyn Fn() -> bool,
     ) -> Result<Generation, EngineError> {
         let mut d = Decoding::start(self, seq, req.clone())?;
         let prompt = d.prompt_left().to_vec();
         let logits = self.feed(seq, &prompt)?;
         d.prefilled(prompt.len(), Some(logits));
-        while let Some(tokens) = d.next_rows(self, tok, usize::MAX, &mut on_text)? {
+        loop {
+            if stop() {
+                d.stop();
+                break;
+            }
+            let Some(tokens) = d.next_rows(self, tok, usize::MAX, &mut on_text)? else {
+                break;
+            };
             let rows: Vec<StepRow> = tokens.iter().map(|&t| StepRow::new(seq, t, true)).collect();
             let logits = self.step(&rows)?.to_vec();
             d.absorb(self, &logits, true)?;

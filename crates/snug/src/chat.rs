@@ -4,20 +4,32 @@
 //! prefilled; the count is printed. With `--session NAME` the conversation
 //! and its KV are saved after every turn and resumed at the next start.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 
 use anyhow::{Context, Result};
 use snug_engine::generate::GenerateRequest;
 use snug_engine::sampling::SamplingParams;
-use snug_engine::session::SessionFile;
+use snug_engine::session::{ModelIdentity, SessionFile};
 use snug_engine::Engine;
 use snug_model::template::Message;
 use snug_model::{EncodeOptions, Tokenizer};
 
+use crate::line_input::{Input, Line};
 use crate::run::{engine_options, sampling};
 use crate::{open_model_at, ChatArgs};
 
-const HELP: &str = "commands: /reset (forget the conversation), /stats (cache and speed), /quit";
+const HELP: &str = "/help for commands; Ctrl-C stops an answer, Ctrl-D or /quit leaves";
+
+const COMMANDS: &str = "\
+/set                 show the sampling settings
+/set NAME VALUE      change one: temperature, top_k, top_p, min_p, repeat_penalty,
+                     presence_penalty, seed, max_tokens, or system (the system message)
+/save NAME|PATH      save the conversation and its KV (a name goes in the cache's sessions folder)
+/load NAME|PATH      go on from a saved conversation
+/reset               forget the conversation (the system message stays)
+/stats               cache, speed and memory
+/quit                leave (also Ctrl-D, or Ctrl-C twice at the prompt)
+A line ending in \\ goes on to the next; \"\"\" opens a block the next \"\"\" closes.";
 
 pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     let (path, file) = open_model_at(&a.model)?;
@@ -77,12 +89,20 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             messages.push(Message::new("system", sys));
         }
     }
-    let params = sampling(&a.gen, &params_base);
+    let mut params = sampling(&a.gen, &params_base);
+    let mut max_tokens = a.gen.max_tokens;
+    let mut identity = identity;
     // Saves the conversation after a turn (or a reset), if it has a file.
-    let save = |engine: &Engine, seq, tokens: &[u32], messages: &[Message]| -> Result<()> {
-        if let (Some(p), Some(id)) = (&session, &identity) {
+    let save = |engine: &Engine,
+                seq,
+                tokens: &[u32],
+                messages: &[Message],
+                params: &SamplingParams,
+                identity: &Option<ModelIdentity>|
+     -> Result<()> {
+        if let (Some(p), Some(id)) = (&session, identity) {
             engine
-                .save_session(seq, p, id, tokens, &params, Some(messages))
+                .save_session(seq, p, id, tokens, params, Some(messages))
                 .with_context(|| format!("saving the session to {}", p.display()))?;
         }
         Ok(())
@@ -90,25 +110,44 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     let mut last_stats = None;
     // The drafter's index at its largest over the turns so far.
     let mut spec_bytes = 0;
-    let stdin = std::io::stdin();
-    let mut stdout = std::io::stdout();
+    // Every token of the conversation so far (what a save writes).
+    let mut tokens: Vec<u32> = resume.as_ref().map(|f| f.tokens.clone()).unwrap_or_default();
+    crate::line_input::catch_interrupts();
+    let mut input = Input::new(Some(crate::env::get().cache.join("chat_history")));
+    let mut ctrl_c_at_prompt = false;
     eprintln!("{HELP}");
     loop {
-        write!(stdout, "> ")?;
-        stdout.flush()?;
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line).context("reading standard input")? == 0 {
-            break;
-        }
-        let line = line.trim_end_matches(['\n', '\r']);
-        match line.trim() {
+        let line = match input.read("> ")? {
+            Line::End => break,
+            Line::Interrupted => {
+                if ctrl_c_at_prompt {
+                    break;
+                }
+                ctrl_c_at_prompt = true;
+                eprintln!("[Ctrl-C again, Ctrl-D or /quit to leave]");
+                continue;
+            }
+            Line::Text(t) => {
+                ctrl_c_at_prompt = false;
+                t
+            }
+        };
+        let mut words = line.trim().splitn(2, char::is_whitespace);
+        let command = words.next().unwrap_or("");
+        let arg = words.next().unwrap_or("").trim();
+        match command {
             "" => continue,
-            "/quit" | "/exit" => break,
-            "/reset" => {
+            "/quit" | "/exit" | "/bye" => break,
+            "/help" | "/?" => {
+                eprintln!("{COMMANDS}");
+                continue;
+            }
+            "/reset" | "/clear" => {
                 engine.free_sequence(seq);
                 seq = engine.create_sequence();
                 messages.retain(|m| m.role == "system");
-                save(&engine, seq, &[], &messages)?;
+                tokens.clear();
+                save(&engine, seq, &[], &messages, &params, &identity)?;
                 eprintln!("[conversation reset]");
                 continue;
             }
@@ -130,13 +169,57 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
                 eprint!("{}", crate::run::ledger_text(&ledger, crate::run::peak_rss_bytes()));
                 continue;
             }
+            "/set" => {
+                match set(arg, &mut params, &mut max_tokens, &mut messages) {
+                    Ok(done) => eprintln!("[{done}]"),
+                    Err(e) => eprintln!("error: {e:#}"),
+                }
+                continue;
+            }
+            "/save" | "/load" => {
+                let done = (|| -> Result<String> {
+                    if arg.is_empty() {
+                        anyhow::bail!("{command} needs a session name or a path");
+                    }
+                    let p = crate::session::chat_session_path(arg)?;
+                    if identity.is_none() {
+                        identity = Some(crate::session::model_identity(&path, &file, &a.model)?);
+                    }
+                    let id = identity.as_ref().expect("set above");
+                    if command == "/save" {
+                        engine.save_session(seq, &p, id, &tokens, &params, Some(&messages))?;
+                        return Ok(format!("saved {} messages to {}", messages.len(), p.display()));
+                    }
+                    let f = SessionFile::open(&p)?;
+                    let Some(saved) = f.meta.messages.clone() else {
+                        anyhow::bail!("{} holds a `snug run` session, not a chat", p.display());
+                    };
+                    let restored = engine.restore_session(&f, id).with_context(|| {
+                        format!(
+                            "{} (a session saved with another KV layout loads with `snug chat --session`)",
+                            p.display()
+                        )
+                    })?;
+                    engine.free_sequence(seq);
+                    seq = restored;
+                    messages = saved;
+                    params = f.meta.sampling.clone();
+                    tokens = f.tokens.clone();
+                    Ok(format!("loaded {} messages from {}", messages.len(), p.display()))
+                })();
+                match done {
+                    Ok(m) => eprintln!("[{m}]"),
+                    Err(e) => eprintln!("error: {e:#}"),
+                }
+                continue;
+            }
             cmd if cmd.starts_with('/') => {
                 eprintln!("unknown command {cmd:?}; {HELP}");
                 continue;
             }
             _ => {}
         }
-        messages.push(Message::new("user", line));
+        messages.push(Message::new("user", &line));
         let text = template.render(
             &messages,
             true,
@@ -153,7 +236,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         );
         let req = GenerateRequest {
             prompt,
-            max_tokens: a.gen.max_tokens,
+            max_tokens,
             params: params.clone(),
             stop: a.gen.stop.clone(),
             speculate,
@@ -161,10 +244,24 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         if a.no_cache_reuse {
             engine.truncate(seq, 0)?;
         }
-        let g = match engine.generate(seq, &tok, &req, |t| {
-            print!("{t}");
-            let _ = std::io::stdout().flush();
-        }) {
+        crate::line_input::clear_interrupt();
+        let cut = std::cell::Cell::new(false);
+        let stop = || {
+            if crate::line_input::take_interrupt() {
+                cut.set(true);
+            }
+            cut.get()
+        };
+        let g = match engine.generate_until(
+            seq,
+            &tok,
+            &req,
+            |t| {
+                print!("{t}");
+                let _ = std::io::stdout().flush();
+            },
+            &stop,
+        ) {
             Ok(g) => g,
             Err(e) => {
                 // The turn is dropped; the conversation so far stays.
@@ -174,6 +271,9 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             }
         };
         println!();
+        if cut.get() {
+            eprintln!("[interrupted: the answer so far stays in the conversation]");
+        }
         if let Some(c) = &mut calibration {
             crate::calibration::save(c, &engine);
         }
@@ -196,8 +296,65 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
         ));
         crate::run::append_metrics(&a.gen, &a.model, &g)?;
         messages.push(Message::new("assistant", &g.text));
-        let tokens: Vec<u32> = req.prompt.iter().chain(&g.tokens).copied().collect();
-        save(&engine, seq, &tokens, &messages)?;
+        tokens = req.prompt.iter().chain(&g.tokens).copied().collect();
+        save(&engine, seq, &tokens, &messages, &params, &identity)?;
     }
     Ok(())
+}
+
+/// `/set NAME VALUE` (or `/set` alone: the settings).
+fn set(arg: &str, p: &mut SamplingParams, max_tokens: &mut usize, messages: &mut Vec<Message>) -> Result<String> {
+    let mut words = arg.splitn(2, char::is_whitespace);
+    let name = words.next().unwrap_or("");
+    let value = words.next().unwrap_or("").trim();
+    if name.is_empty() {
+        return Ok(format!(
+            "temperature {} top_k {} top_p {} min_p {} repeat_penalty {} presence_penalty {} seed {} max_tokens {}",
+            p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty, p.seed, max_tokens
+        ));
+    }
+    let num = |lo: f32, hi: f32| -> Result<f32> {
+        let v: f32 = value
+            .parse()
+            .with_context(|| format!("{name} takes a number, not {value:?}"))?;
+        anyhow::ensure!((lo..=hi).contains(&v), "{name} must be in [{lo}, {hi}]");
+        Ok(v)
+    };
+    match name {
+        "temperature" | "temp" => p.temperature = num(0.0, 5.0)?,
+        "top_k" => {
+            p.top_k = value
+                .parse()
+                .with_context(|| format!("top_k takes a count, not {value:?}"))?
+        }
+        "top_p" => p.top_p = num(0.0, 1.0)?,
+        "min_p" => p.min_p = num(0.0, 1.0)?,
+        "repeat_penalty" => p.repeat_penalty = num(0.0, 10.0)?,
+        "presence_penalty" => p.presence_penalty = num(-2.0, 2.0)?,
+        "seed" => {
+            p.seed = value
+                .parse()
+                .with_context(|| format!("seed takes a number, not {value:?}"))?
+        }
+        "max_tokens" => {
+            let n: usize = value
+                .parse()
+                .with_context(|| format!("max_tokens takes a count, not {value:?}"))?;
+            anyhow::ensure!(n > 0, "max_tokens must be at least 1");
+            *max_tokens = n;
+        }
+        "system" => {
+            messages.retain(|m| m.role != "system");
+            if !value.is_empty() {
+                messages.insert(0, Message::new("system", value));
+            }
+            return Ok(if value.is_empty() {
+                "system message removed".into()
+            } else {
+                "system message set".into()
+            });
+        }
+        other => anyhow::bail!("unknown setting {other:?}; /help lists them"),
+    }
+    Ok(format!("{name} = {value}"))
 }

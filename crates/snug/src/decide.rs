@@ -42,6 +42,7 @@ pub struct DecideArgs {
     /// Print the response object.
     #[arg(long)]
     json: bool,
+    /// Threads (default: the number of physical cores).
     #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Context length (default: the model's, at most 4096).
@@ -73,6 +74,7 @@ struct LabeledArgs {
     /// set written as label pairs splits into two balanced halves).
     #[arg(long, value_parser = ["even", "odd"])]
     half: Option<String>,
+    /// Threads (default: the number of physical cores).
     #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
 }

@@ -8,6 +8,7 @@ mod chat;
 mod decide;
 mod env;
 mod eval;
+mod line_input;
 mod progress;
 mod run;
 mod serve;
@@ -37,19 +38,38 @@ struct Cli {
 enum Command {
     /// Download a known model into the cache (or check a local GGUF file);
     /// prints the file's path as the last line.
+    #[command(
+        after_help = "Examples:\n  snug pull                      the default model (smollm2-135m)\n  snug pull qwen2.5-coder-0.5b\n  snug pull --all"
+    )]
     Pull(PullArgs),
     /// Show a model's architecture, size, tensor types, geometry, tokenizer
     /// and memory estimate.
+    #[command(after_help = "Examples:\n  snug info smollm2-135m\n  snug info ./model.gguf --json --metadata")]
     Info(InfoArgs),
     /// Turn text into token ids, as the model's tokenizer does.
+    #[command(after_help = r#"Examples:
+  snug tokenize smollm2-135m "Hello, world"
+  echo "Hello" | snug tokenize smollm2-135m - --json"#)]
     Tokenize(TokenizeArgs),
     /// List the known model aliases and whether each is cached.
     List,
     /// Generate text from a prompt, streaming it to stdout.
+    #[command(after_help = r#"Examples:
+  snug run smollm2-135m -p "The capital of France is" -n 16
+  snug run -m ./model.gguf --chat -p "Write a haiku" --temp 0.7
+  snug run qwen2.5-coder-0.5b --system "Answer in one line." -p "What is Rust?"
+  snug run smollm2-135m                  no prompt: a chat"#)]
     Run(RunArgs),
     /// Measure prefill and decode throughput (like llama-bench).
+    #[command(
+        after_help = "Examples:\n  snug bench smollm2-135m -p 128,512 -n 128 -r 3\n  snug bench -m ./model.gguf -d 0,1024,4096 --kv f16,q8,tq4 -o json"
+    )]
     Bench(BenchArgs),
     /// Chat interactively; the KV cache is kept between turns.
+    #[command(after_help = r#"Examples:
+  snug chat
+  snug chat qwen2.5-coder-1.5b --system "You are terse." --session work
+  (in the chat: /help, /set temperature 0.7, /save NAME, /load NAME; Ctrl-C stops an answer)"#)]
     Chat(ChatArgs),
     /// Evaluate a model on text.
     #[command(subcommand)]
@@ -58,9 +78,15 @@ enum Command {
     #[command(subcommand)]
     Session(SessionCommand),
     /// Serve the model over an OpenAI-compatible HTTP API.
+    #[command(after_help = r#"Examples:
+  snug serve smollm2-135m --port 8080
+  snug serve -m ./model.gguf --parallel 4 --memory-budget 512MiB --log-format json
+  curl localhost:8080/v1/chat/completions -d '{"messages":[{"role":"user","content":"hi"}]}'"#)]
     Serve(serve::ServeArgs),
     /// Answer closed questions about a text with probabilities (choice,
     /// score, yes/no); `decide calibrate` fits their temperatures.
+    #[command(after_help = r#"Examples:
+  snug decide smollm2-135m --state "The printer is on fire" --question "urgent:noul:Is this urgent?""#)]
     Decide(decide::DecideArgs),
     /// Render chat templates sent on stdin, under a memory limit (started
     /// by snug itself).
@@ -170,6 +196,7 @@ struct EvalPplArgs {
     /// Stop after this many windows.
     #[arg(long)]
     max_windows: Option<usize>,
+    /// Threads (default: the number of physical cores).
     #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Print one JSON object: ppl, kl_vs_f16, top1_vs_f16, tokens, ...
@@ -182,6 +209,9 @@ struct ChatArgs {
     /// A model alias (pulled if needed) or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
+    /// The model, given as llama.cpp's tools take it (instead of MODEL).
+    #[arg(short = 'm', long = "model", value_name = "MODEL", conflicts_with = "model")]
+    model_flag: Option<String>,
     /// A system message to start the conversation with.
     #[arg(long)]
     system: Option<String>,
@@ -203,6 +233,9 @@ struct BenchArgs {
     /// A model alias (pulled if needed) or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
+    /// The model, given as llama.cpp's tools take it (instead of MODEL).
+    #[arg(short = 'm', long = "model", value_name = "MODEL", conflicts_with = "model")]
+    model_flag: Option<String>,
     /// Prefill tests: comma-separated prompt lengths.
     #[arg(short = 'p', long = "n-prompt", default_value = "128,512")]
     prompt: String,
@@ -215,6 +248,7 @@ struct BenchArgs {
     /// Repetitions (after one warm-up); medians are reported.
     #[arg(short = 'r', long, default_value_t = 3)]
     reps: usize,
+    /// Threads (default: the number of physical cores).
     #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Rows per forward pass when prefilling.
@@ -236,7 +270,7 @@ struct GenArgs {
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy. [default: 0, or a resumed
     /// session's; so for every sampling flag]
-    #[arg(long)]
+    #[arg(long, visible_alias = "temp")]
     temperature: Option<f32>,
     /// [default: 40]
     #[arg(long)]
@@ -260,7 +294,7 @@ struct GenArgs {
     #[arg(short = 't', long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Context length (default: the model's, at most 4096).
-    #[arg(short = 'c', long)]
+    #[arg(short = 'c', long, visible_alias = "ctx-size")]
     ctx: Option<usize>,
     /// Stop before this string (repeatable).
     #[arg(long)]
@@ -298,11 +332,19 @@ struct GenArgs {
 #[derive(Args)]
 struct RunArgs {
     /// A model alias (pulled if needed) or a path to a GGUF file.
+    #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
+    /// The model, given as llama.cpp's tools take it (instead of MODEL).
+    #[arg(short = 'm', long = "model", value_name = "MODEL", conflicts_with = "model")]
+    model_flag: Option<String>,
     /// The prompt; `-` reads standard input. With `--session`, text to
-    /// append (a new user turn if the session is a chat).
-    #[arg(short = 'p', long, required_unless_present = "session")]
+    /// append (a new user turn if the session is a chat). Without a
+    /// prompt or a session, `run` starts a chat (as `snug chat`).
+    #[arg(short = 'p', long)]
     prompt: Option<String>,
+    /// A system message before the prompt (implies --chat).
+    #[arg(long)]
+    system: Option<String>,
     /// Resume from this session file if it exists (decode only: no
     /// prefill of what it holds), and save the state back to it after
     /// generating.
@@ -395,9 +437,35 @@ fn main() -> ExitCode {
         Command::Info(a) => cmd_info(a),
         Command::Tokenize(a) => cmd_tokenize(a),
         Command::List => cmd_list(),
-        Command::Run(a) => run::cmd_run(a),
-        Command::Bench(a) => bench::cmd_bench(a),
-        Command::Chat(a) => chat::cmd_chat(a),
+        Command::Run(mut a) => {
+            if let Some(m) = a.model_flag.take() {
+                a.model = m;
+            }
+            if a.prompt.is_none() && a.session.is_none() {
+                chat::cmd_chat(ChatArgs {
+                    model: a.model,
+                    model_flag: None,
+                    system: a.system,
+                    session: None,
+                    no_cache_reuse: false,
+                    gen: a.gen,
+                })
+            } else {
+                run::cmd_run(a)
+            }
+        }
+        Command::Bench(mut a) => {
+            if let Some(m) = a.model_flag.take() {
+                a.model = m;
+            }
+            bench::cmd_bench(a)
+        }
+        Command::Chat(mut a) => {
+            if let Some(m) = a.model_flag.take() {
+                a.model = m;
+            }
+            chat::cmd_chat(a)
+        }
         Command::Eval(EvalCommand::Ppl(a)) => eval::cmd_eval_ppl(a),
         Command::Session(SessionCommand::Info(a)) => session::cmd_info(a),
         Command::Session(SessionCommand::List(a)) => session::cmd_list(a),

@@ -348,12 +348,14 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
             "no session file {} yet: give a prompt (-p) to start one",
             a.session.as_ref().map_or(String::new(), |p| p.display().to_string())
         ),
-        (None, Some(p)) => {
-            if a.chat {
-                state.messages = Some(vec![Message::new("user", &p)]);
-            }
-            prompt_tokens(&tok, &file, &p, a.chat)?
+        (None, Some(p)) if a.chat || a.system.is_some() => {
+            let mut msgs: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();
+            msgs.push(Message::new("user", &p));
+            let ids = chat_tokens(&tok, &file, &msgs)?;
+            state.messages = Some(msgs);
+            ids
         }
+        (None, Some(p)) => prompt_tokens(&tok, &file, &p, false)?,
         (Some(_), None) => state.tokens.clone(),
         (Some(_), Some(p)) => match &mut state.messages {
             Some(msgs) => {

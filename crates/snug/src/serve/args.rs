@@ -7,10 +7,14 @@ pub struct ServeArgs {
     /// A model alias (pulled if needed) or a path to a GGUF file.
     #[arg(default_value = snug_model::catalog::DEFAULT_ALIAS)]
     pub(super) model: String,
+    /// The model, given as llama-server takes it (instead of MODEL).
+    #[arg(short = 'm', long = "model", value_name = "MODEL", conflicts_with = "model")]
+    pub(super) model_flag: Option<String>,
     /// Address to listen on. Anything but a loopback address needs
     /// --api-key.
     #[arg(long, default_value = "127.0.0.1")]
     pub(super) host: String,
+    /// Port to listen on; 0 takes a free one (printed at start).
     #[arg(long, default_value_t = 8080)]
     pub(super) port: u16,
     /// Clients must send `Authorization: Bearer KEY` (every route but
@@ -43,6 +47,7 @@ pub struct ServeArgs {
     /// Context length per request (default: the model's, at most 4096).
     #[arg(short = 'c', long)]
     pub(super) ctx: Option<usize>,
+    /// Threads (default: the number of physical cores).
     #[arg(short = 't', long, value_parser = crate::parse_threads)]
     pub(super) threads: Option<usize>,
     #[command(flatten)]

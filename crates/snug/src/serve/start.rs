@@ -3,7 +3,10 @@
 
 use super::*;
 
-pub fn cmd_serve(a: ServeArgs) -> Result<()> {
+pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
+    if let Some(m) = a.model_flag.take() {
+        a.model = m;
+    }
     if !is_loopback(&a.host) && a.api_key.as_deref().is_none_or(str::is_empty) {
         bail!(
             "--host {} is not a loopback address: set --api-key (or SNUG_API_KEY) so that only clients with the key are served",
