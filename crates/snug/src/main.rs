@@ -9,6 +9,7 @@ mod decide;
 mod env;
 mod eval;
 mod line_input;
+mod model_cmd;
 mod progress;
 mod run;
 mod serve;
@@ -16,16 +17,15 @@ mod session;
 mod template_worker;
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use snug_model::arch::Model;
 use snug_model::catalog::{self, DEFAULT_ALIAS};
-use snug_model::info::ModelInfo;
-use snug_model::pull::{self, PullOutcome};
-use snug_model::{EncodeOptions, GgufFile, LoadOptions, ModelFiles, Tokenizer};
+use snug_model::pull;
+use snug_model::{LoadOptions, ModelFiles};
 
 #[derive(Parser)]
 #[command(name = "snug", version, about = "Run language models where memory is the limit.")]
@@ -433,10 +433,10 @@ fn main() -> ExitCode {
     RUNTIME_RSS.get_or_init(|| run::rss_bytes("VmRSS:"));
     env::get();
     let result = match cli.command {
-        Command::Pull(a) => cmd_pull(a),
-        Command::Info(a) => cmd_info(a),
-        Command::Tokenize(a) => cmd_tokenize(a),
-        Command::List => cmd_list(),
+        Command::Pull(a) => model_cmd::cmd_pull(a),
+        Command::Info(a) => model_cmd::cmd_info(a),
+        Command::Tokenize(a) => model_cmd::cmd_tokenize(a),
+        Command::List => model_cmd::cmd_list(),
         Command::Run(mut a) => {
             if let Some(m) = a.model_flag.take() {
                 a.model = m;
@@ -549,57 +549,6 @@ fn open_model_at(name: &str) -> Result<(PathBuf, ModelFiles)> {
     Ok((path, file))
 }
 
-fn cmd_pull(a: PullArgs) -> Result<()> {
-    if a.all {
-        for e in catalog::catalog() {
-            pull_alias(e.alias)?;
-        }
-        return Ok(());
-    }
-    let path = PathBuf::from(&a.model);
-    if path.exists() {
-        GgufFile::open(&path).with_context(|| format!("{}", path.display()))?;
-        println!("{}", path.display());
-        return Ok(());
-    }
-    pull_alias(&a.model)
-}
-
-fn pull_alias(alias: &str) -> Result<()> {
-    let Some(entry) = catalog::lookup(alias) else {
-        bail!(
-            "unknown model {alias:?}: not a file, and not one of the aliases {}",
-            catalog::alias_list()
-        );
-    };
-    let bar = progress::PullBar::new();
-    let outcome = pull::pull(&entry, &env::get().cache.clone(), &env::get().pip, &bar)?;
-    match &outcome {
-        PullOutcome::AlreadyCached(_) => eprintln!("{} is already cached", entry.alias),
-        PullOutcome::Downloaded(_) => eprintln!("{} pulled and verified (sha256 {})", entry.alias, entry.sha256),
-    }
-    println!("{}", outcome.path().display());
-    Ok(())
-}
-
-fn cmd_list() -> Result<()> {
-    let cache = env::get().cache.clone();
-    for e in catalog::catalog() {
-        let state = match e.cached(&cache) {
-            Some(p) => format!("cached at {}", p.display()),
-            None => "not pulled".to_string(),
-        };
-        println!(
-            "{:<20} {:>9}  {:<44} {}",
-            e.alias,
-            human_bytes(e.size),
-            e.description,
-            state
-        );
-    }
-    Ok(())
-}
-
 fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
@@ -615,265 +564,12 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
-fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
-    v.map_or_else(|| "-".to_string(), |v| v.to_string())
-}
-
-/// `snug info DIR` for a Laya checkpoint directory.
-fn laya_info(a: &InfoArgs) -> Result<()> {
-    let dir = Path::new(&a.model);
-    let agent = decide::laya_agent(dir, Some(1), None)?;
-    let m = &agent.model;
-    let (c, e) = (&m.config, &m.encoder);
-    let global = e.global.iter().filter(|&&g| g).count();
-    let v = serde_json::json!({
-        "kind": "laya",
-        "encoder": c.encoder,
-        "parameters": m.parameters(),
-        "file_bytes": m.weight_bytes(),
-        "layers": e.layers,
-        "hidden": e.hidden,
-        "heads": e.heads,
-        "intermediate": e.intermediate,
-        "vocab": e.vocab,
-        "global_layers": global,
-        "local_window": e.window,
-        "rope_theta": {"global": e.global_theta, "local": e.local_theta},
-        "head_layers": c.head_layers,
-        "actions": c.n_act,
-        "max_len": c.max_len,
-        "head_max_len": c.head_max_len,
-        "temperatures": agent.temperatures,
-        "tokenizer_vocab": m.tokenizer.get_vocab_size(true),
-    });
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    let t = &agent.temperatures;
-    println!(
-        "kind:            Laya decision checkpoint (encoder {})",
-        opt(Some(c.encoder.as_str()).filter(|s| !s.is_empty()))
-    );
-    println!(
-        "file:            {} (safetensors)",
-        human_bytes(m.weight_bytes() as u64)
-    );
-    println!("parameters:      {:.1} M", m.parameters() as f64 / 1e6);
-    println!(
-        "encoder:         {} layers, {} wide, {} heads, MLP {}, vocabulary {}",
-        e.layers, e.hidden, e.heads, e.intermediate, e.vocab
-    );
-    println!(
-        "attention:       {global} global (RoPE theta {}), {} local within +-{} (theta {})",
-        e.global_theta,
-        e.layers - global,
-        e.window,
-        e.local_theta
-    );
-    println!("decision head:   {} layers, {} actions", c.head_layers, c.n_act);
-    println!(
-        "budgets:         max_len {}, head_max_len {}",
-        c.max_len, c.head_max_len
-    );
-    println!(
-        "temperatures:    choice {}, score {}, noul {}{}",
-        t.temperature[0],
-        t.temperature[1],
-        t.temperature[2],
-        if t.temperature_by_options.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; {}",
-                t.temperature_by_options
-                    .iter()
-                    .map(|(k, v)| format!("{k} {v}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        }
-    );
-    Ok(())
-}
-
-fn cmd_info(a: InfoArgs) -> Result<()> {
-    if snug_model::laya::is_checkpoint(Path::new(&a.model)) {
-        return laya_info(&a);
-    }
-    let file = open_model(&a.model)?;
-    let info = ModelInfo::from_header(&file, file.file_size());
-    if a.json {
-        let mut v = serde_json::to_value(&info)?;
-        if a.metadata {
-            let md: serde_json::Map<String, serde_json::Value> = file
-                .metadata
-                .iter()
-                .map(|(k, v)| (k.clone(), serde_json::Value::String(summarise(v))))
-                .collect();
-            v["metadata"] = serde_json::Value::Object(md);
-        }
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    let g = &info.geometry;
-    let mut out = String::new();
-    use std::fmt::Write as _;
-    writeln!(out, "name:            {}", opt(info.name.as_deref()))?;
-    writeln!(out, "architecture:    {}", opt(info.architecture.as_deref()))?;
-    writeln!(
-        out,
-        "file:            {} (GGUF v{})",
-        human_bytes(info.file_bytes),
-        info.gguf_version
-    )?;
-    writeln!(
-        out,
-        "parameters:      {:.1} M in {} tensors",
-        info.parameters as f64 / 1e6,
-        info.tensor_count
-    )?;
-    writeln!(out, "tensor types:")?;
-    for (ty, u) in &info.tensor_types {
-        writeln!(
-            out,
-            "  {:<6} {:>4} tensors {:>10}  ({} bytes)",
-            ty,
-            u.tensors,
-            human_bytes(u.bytes),
-            u.bytes
-        )?;
-    }
-    writeln!(out, "context length:  {}", opt(g.context_length))?;
-    writeln!(
-        out,
-        "geometry:        {} layers, embedding {}, feed-forward {}",
-        opt(g.layers),
-        opt(g.embedding),
-        opt(g.feed_forward)
-    )?;
-    writeln!(
-        out,
-        "attention:       {} heads, {} KV heads, key length {}, value length {}",
-        opt(g.heads),
-        opt(g.kv_heads),
-        opt(g.key_length),
-        opt(g.value_length)
-    )?;
-    if let Some(w) = g.sliding_window {
-        match g.sliding_window_layers {
-            Some(n) => writeln!(out, "sliding window:  {w} tokens on {n} of {} layers", opt(g.layers))?,
-            None => writeln!(out, "sliding window:  {w}")?,
-        }
-    }
-    // Stored as f32: print the f32's shortest form, not its f64 widening.
-    writeln!(out, "rope base:       {}", opt(g.rope_base.map(|v| v as f32)))?;
-    writeln!(
-        out,
-        "rms eps:         {}",
-        opt(g.rms_eps.map(|v| format!("{:e}", v as f32)))
-    )?;
-    let t = &info.tokenizer;
-    match &t.error {
-        None => writeln!(
-            out,
-            "tokenizer:       {} (pre {}), {} tokens, bos {}, eos {}, adds BOS: {}",
-            t.kind,
-            opt(t.pre.as_deref()),
-            t.vocab_size,
-            opt(t.bos),
-            opt(t.eos),
-            if t.add_bos { "yes" } else { "no" }
-        )?,
-        Some(e) => writeln!(out, "tokenizer:       {} ({e})", t.kind)?,
-    }
-    writeln!(
-        out,
-        "chat template:   {}",
-        if info.chat_template {
-            "yes"
-        } else {
-            "no (plain fallback)"
-        }
-    )?;
-    writeln!(out, "memory:          weights {}", human_bytes(info.weights_bytes))?;
-    if let Some(kv) = info.kv_f16_bytes_per_1k_tokens {
-        writeln!(out, "                 KV cache (f16) {} per 1K tokens", human_bytes(kv))?;
-        if let Some(at) = info.kv_f16_bytes_at_1k_context.filter(|&a| a != kv) {
-            writeln!(
-                out,
-                "                 ({} for a 1K context: windowed layers keep only their window)",
-                human_bytes(at)
-            )?;
-        }
-    }
-    if a.metadata {
-        writeln!(out, "metadata:")?;
-        for (k, v) in &file.metadata {
-            writeln!(out, "  {k} = {}", summarise(v))?;
-        }
-    }
-    print!("{out}");
-    Ok(())
-}
-
-/// A metadata value for display: strings shortened, arrays summarised.
-fn summarise(v: &snug_model::gguf::Value) -> String {
-    match v {
-        snug_model::gguf::Value::String(s) if s.chars().count() > 80 => {
-            let head: String = s.chars().take(77).collect();
-            format!("{head:?}... ({} bytes)", s.len())
-        }
-        other => other.to_string(),
-    }
-}
-
 fn read_stdin() -> Result<String> {
     let mut s = String::new();
     std::io::stdin()
         .read_to_string(&mut s)
         .context("reading standard input")?;
     Ok(s)
-}
-
-fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
-    let opts = EncodeOptions {
-        add_special: !a.no_bos,
-        parse_special: !a.no_parse_special,
-    };
-    if a.jsonl {
-        let input = if a.text == "-" {
-            read_stdin()?
-        } else {
-            snug_core::durable::read_regular_string(std::path::Path::new(&a.text))
-                .with_context(|| format!("reading {}", a.text))?
-        };
-        let file = open_model(&a.model)?;
-        let tok = Tokenizer::from_gguf(&file)?;
-        let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
-        for (n, line) in input.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let text: String =
-                serde_json::from_str(line).with_context(|| format!("line {}: not a JSON string", n + 1))?;
-            let ids = tok.encode(&text, opts);
-            writeln!(stdout, "{}", serde_json::json!({ "ids": ids }))?;
-        }
-        return Ok(());
-    }
-    let text = if a.text == "-" { read_stdin()? } else { a.text };
-    let file = open_model(&a.model)?;
-    let tok = Tokenizer::from_gguf(&file)?;
-    let ids = tok.encode(&text, opts);
-    let pieces: Vec<String> = ids.iter().map(|&id| tok.piece(id, true)).collect();
-    let mut stdout = std::io::stdout().lock();
-    if a.json {
-        let v = serde_json::json!({ "ids": ids, "pieces": pieces });
-        writeln!(stdout, "{v}")?;
-    } else {
-        for (id, p) in ids.iter().zip(&pieces) {
-            writeln!(stdout, "{id:>7} {p:?}")?;
-        }
-    }
-    Ok(())
 }
 
 /// A byte count: a number with an optional unit (k, M, G for powers of

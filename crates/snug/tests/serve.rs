@@ -560,6 +560,36 @@ fn the_openai_python_client_drives_the_server() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
 }
 
+#[test]
+fn the_ollama_python_client_drives_the_server() {
+    let Some(model) = smollm2() else { return };
+    let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
+        assert!(
+            std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
+            "SNUG_OPENAI_PYTHON must name a python with the ollama package (scripts/test installs one)"
+        );
+        eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
+        return;
+    };
+    let s = Server::start(&model, &["--alias", "smollm2"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ollama-client-check.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(format!("http://{}", s.addr))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["model"], "smollm2");
+    assert_eq!(v["details"]["family"], "llama");
+    assert_eq!(v["details"]["quantization_level"], "Q4_1");
+    assert!(v["chat_chunks"].as_u64().unwrap() > 2, "{v}");
+    // Raw generation is the plain greedy continuation `snug run` gives
+    // (ollama's default repeat penalty of 1.1 aside, it starts the same).
+    assert!(v["generate"].as_str().unwrap().starts_with(" Paris."), "{v}");
+}
+
 /// 16 clients at once with mixed prompt lengths under a KV budget that
 /// holds only a few of them: the rest queue (or, past the queue, get a
 /// planned 503 and retry); none fails otherwise, peak RSS stays within

@@ -13,6 +13,7 @@ mod auth;
 mod conn;
 pub mod laya;
 pub mod metrics;
+mod ollama;
 mod routes;
 mod start;
 pub mod worker;
@@ -71,6 +72,8 @@ struct AppState {
     next_id: AtomicU64,
     started: u64,
     draining: AtomicBool,
+    /// What ollama's `/api/tags` and `/api/show` report.
+    facts: ollama::Facts,
 }
 
 /// The value behind a lock, even if a thread panicked while holding it:

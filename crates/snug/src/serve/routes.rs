@@ -10,6 +10,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> R
         .route("/v1/models/{id}", get(model_one))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .merge(super::ollama::routes())
         .route("/v1/systemone", post(systemone))
         .route("/v1/systemone/batch", post(systemone_batch))
         .route("/health", get(health))
@@ -252,13 +253,13 @@ pub(super) fn body_bytes(body: Result<Bytes, BytesRejection>, s: &AppState) -> R
 
 /// A request ready for the engine.
 pub(super) struct Prepared {
-    prompt: Vec<u32>,
-    settings: Settings,
-    max_tokens: usize,
+    pub(super) prompt: Vec<u32>,
+    pub(super) settings: Settings,
+    pub(super) max_tokens: usize,
 }
 
 impl AppState {
-    fn bad(&self, e: ApiError) -> ApiError {
+    pub(super) fn bad(&self, e: ApiError) -> ApiError {
         self.metrics
             .lock()
             .expect("metrics")
@@ -276,7 +277,7 @@ impl AppState {
     /// survives JSON and penalties.
     const BANNED: f32 = -1.0e30;
 
-    fn prepare(
+    pub(super) fn prepare(
         &self,
         prompt: Vec<u32>,
         mut settings: Settings,
@@ -337,7 +338,7 @@ impl AppState {
         })
     }
 
-    fn seed(&self, id: u64) -> u64 {
+    pub(super) fn seed(&self, id: u64) -> u64 {
         let t = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
@@ -346,7 +347,7 @@ impl AppState {
 
     /// Hands the job to the engine loop; returns its events once admitted
     /// or queued, or the refusal as a 503.
-    async fn submit(&self, id: u64, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
+    pub(super) async fn submit(&self, id: u64, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
         if self.draining.load(Ordering::SeqCst) {
             return Err(unavailable("the server is shutting down", 5));
         }
@@ -443,34 +444,7 @@ pub(super) async fn chat_inner(
         };
         messages.push(Message::new(role, &m.text().map_err(|e| s.bad(e))?));
     }
-    // A render is a round trip to the template worker (which may take up
-    // to its time limit); the blocking pool keeps the HTTP thread free.
-    let state = s.clone();
-    let text = tokio::task::spawn_blocking(move || {
-        state.template.render(
-            &messages,
-            true,
-            &state.bos,
-            &state.eos,
-            std::collections::BTreeMap::<String, String>::new(),
-        )
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("the chat template's render stopped: {e}")))?
-    .map_err(|e| match e {
-        snug_model::template::TemplateError::Isolation(_) => ApiError::internal(e.to_string()),
-        _ => s.bad(ApiError::bad(
-            format!("the chat template failed: {e}"),
-            Some("messages"),
-        )),
-    })?;
-    let prompt = s.tok.encode(
-        &text,
-        EncodeOptions {
-            add_special: s.bos.is_empty() || !text.starts_with(&s.bos),
-            parse_special: true,
-        },
-    );
+    let prompt = chat_prompt(s, messages).await?;
     let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
     respond(s, conn, id, Kind::Chat, p).await
 }
@@ -519,6 +493,40 @@ pub(super) async fn completion_inner(
     // OpenAI's default for completions.
     let p = s.prepare(prompt, settings, Some(16)).map_err(|e| s.bad(e))?;
     respond(s, conn, id, Kind::Completion, p).await
+}
+
+/// A conversation's prompt tokens: the chat template rendered (in the
+/// template worker, on the blocking pool, so the HTTP thread never waits
+/// on it) and tokenized.
+pub(super) async fn chat_prompt(s: &Arc<AppState>, messages: Vec<Message>) -> Result<Vec<u32>, ApiError> {
+    // A render is a round trip to the template worker (which may take up
+    // to its time limit); the blocking pool keeps the HTTP thread free.
+    let state = s.clone();
+    let text = tokio::task::spawn_blocking(move || {
+        state.template.render(
+            &messages,
+            true,
+            &state.bos,
+            &state.eos,
+            std::collections::BTreeMap::<String, String>::new(),
+        )
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the chat template's render stopped: {e}")))?
+    .map_err(|e| match e {
+        snug_model::template::TemplateError::Isolation(_) => ApiError::internal(e.to_string()),
+        _ => s.bad(ApiError::bad(
+            format!("the chat template failed: {e}"),
+            Some("messages"),
+        )),
+    })?;
+    Ok(s.tok.encode(
+        &text,
+        EncodeOptions {
+            add_special: s.bos.is_empty() || !text.starts_with(&s.bos),
+            parse_special: true,
+        },
+    ))
 }
 
 /// Runs a prepared request and answers it, streaming or not.

@@ -41,6 +41,7 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
     };
 
     let tok = Tokenizer::from_gguf(&file)?;
+    let facts = ollama::Facts::of(&file, &path);
     let template = crate::template_worker::for_model(file.get_str("tokenizer.chat_template"))?;
     let bos = tok.bos.and_then(|b| tok.token_text(b)).unwrap_or("").to_string();
     let eos = tok.eos.and_then(|e| tok.token_text(e)).unwrap_or("").to_string();
@@ -74,6 +75,7 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
         next_id: AtomicU64::new(1),
         started: unix_now(),
         draining: AtomicBool::new(false),
+        facts,
     });
     let log = match (a.no_access_log, a.log_format.as_str()) {
         (true, _) => AccessLog::Off,

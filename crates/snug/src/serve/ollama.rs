@@ -1,0 +1,607 @@
+//! ollama's API over the same engine: `POST /api/chat` and `/api/generate`
+//! (a stream of JSON lines, or one object with `"stream": false`),
+//! `GET /api/tags`, `POST /api/show`, `GET /api/ps` and `GET /api/version`,
+//! so that ollama's client libraries, and the chat front-ends built on
+//! them, connect to snug unchanged. Requests run through the same
+//! scheduler, template worker and engine as the OpenAI routes; only the
+//! shapes differ. Errors are ollama's `{"error": "..."}`.
+
+use super::*;
+use crate::serve::routes::{body_bytes, chat_prompt, Prepared};
+use snug_engine::sampling::SamplingParams;
+
+/// What `/api/tags` and `/api/show` say of the model, read at start.
+pub(super) struct Facts {
+    pub(super) family: String,
+    pub(super) parameters: u64,
+    pub(super) quantization: String,
+    pub(super) size: u64,
+    pub(super) modified: SystemTime,
+}
+
+impl Facts {
+    pub(super) fn of(file: &snug_model::GgufFile, path: &std::path::Path) -> Facts {
+        let meta = std::fs::metadata(path).ok();
+        let size = meta.as_ref().map_or(0, std::fs::Metadata::len);
+        let info = snug_model::info::ModelInfo::from_header(&file.header, size);
+        // The tensor type holding the most bytes, as ollama names a
+        // model's quantization.
+        let quantization = info
+            .tensor_types
+            .iter()
+            .max_by_key(|(_, u)| u.bytes)
+            .map(|(t, _)| t.to_uppercase())
+            .unwrap_or_default();
+        Facts {
+            family: info.architecture.clone().unwrap_or_default(),
+            parameters: info.parameters,
+            quantization,
+            size,
+            modified: meta.and_then(|m| m.modified().ok()).unwrap_or(UNIX_EPOCH),
+        }
+    }
+
+    fn parameter_size(&self) -> String {
+        let p = self.parameters as f64;
+        if p >= 1e9 {
+            format!("{:.1}B", p / 1e9)
+        } else {
+            format!("{:.0}M", p / 1e6)
+        }
+    }
+
+    fn details(&self) -> Value {
+        json!({
+            "parent_model": "",
+            "format": "gguf",
+            "family": self.family,
+            "families": [self.family],
+            "parameter_size": self.parameter_size(),
+            "quantization_level": self.quantization,
+        })
+    }
+}
+
+pub(super) fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/api/chat", post(chat))
+        .route("/api/generate", post(generate))
+        .route("/api/tags", get(tags))
+        .route("/api/show", post(show))
+        .route("/api/ps", get(ps))
+        .route("/api/version", get(version))
+}
+
+/// ollama's error shape.
+fn error(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
+    (status, Json(json!({"error": e.message}))).into_response()
+}
+
+/// `t` as RFC 3339 in UTC with nanoseconds, as ollama writes times.
+pub(super) fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        d.subsec_nanos()
+    )
+}
+
+fn bad(message: String) -> ApiError {
+    ApiError::bad(message, None)
+}
+
+/// `options` into sampling settings, from ollama's defaults.
+fn settings(options: Option<&serde_json::Map<String, Value>>, seed: u64, stream: bool) -> Result<Settings, ApiError> {
+    let mut p = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.9,
+        min_p: 0.0,
+        repeat_penalty: 1.1,
+        presence_penalty: 0.0,
+        penalty_last_n: 64,
+        seed,
+        logit_bias: Vec::new(),
+    };
+    let mut max_tokens = None;
+    let mut stop = Vec::new();
+    for (k, v) in options.into_iter().flatten() {
+        let num = |lo: f64, hi: f64| -> Result<f64, ApiError> {
+            v.as_f64()
+                .filter(|x| (lo..=hi).contains(x))
+                .ok_or_else(|| bad(format!("options.{k} must be a number in [{lo}, {hi}]; got {v}")))
+        };
+        let int = || -> Result<i64, ApiError> {
+            v.as_i64()
+                .ok_or_else(|| bad(format!("options.{k} must be an integer; got {v}")))
+        };
+        match k.as_str() {
+            "temperature" => p.temperature = num(0.0, 5.0)? as f32,
+            "top_k" => p.top_k = usize::try_from(int()?).map_err(|_| bad("options.top_k must be 0 or more".into()))?,
+            "top_p" => p.top_p = num(0.0, 1.0)? as f32,
+            "min_p" => p.min_p = num(0.0, 1.0)? as f32,
+            "repeat_penalty" => p.repeat_penalty = num(0.0, 10.0)? as f32,
+            "presence_penalty" => p.presence_penalty = num(-2.0, 2.0)? as f32,
+            "repeat_last_n" => {
+                p.penalty_last_n = match int()? {
+                    -1 => usize::MAX,
+                    n => usize::try_from(n).map_err(|_| bad("options.repeat_last_n must be -1 or more".into()))?,
+                }
+            }
+            "seed" => {
+                let s = int()?;
+                if s >= 0 {
+                    p.seed = s as u64;
+                }
+            }
+            "num_predict" => {
+                max_tokens = match int()? {
+                    -1 | -2 => None,
+                    n if n >= 1 => Some(n as usize),
+                    n => {
+                        return Err(bad(format!(
+                            "options.num_predict must be -1, -2 or at least 1; got {n}"
+                        )))
+                    }
+                }
+            }
+            "stop" => {
+                let list = v
+                    .as_array()
+                    .ok_or_else(|| bad("options.stop must be a list of strings".into()))?;
+                for s in list {
+                    match s.as_str() {
+                        Some(s) if !s.is_empty() => stop.push(s.to_string()),
+                        _ => return Err(bad("options.stop must be a list of non-empty strings".into())),
+                    }
+                }
+                if stop.len() > 16 {
+                    return Err(bad("options.stop takes up to 16 strings".into()));
+                }
+            }
+            // Sampling snug does not do: refused unless off.
+            "frequency_penalty" if v.as_f64() == Some(0.0) => {}
+            "mirostat" if v.as_f64() == Some(0.0) => {}
+            "typical_p" | "tfs_z" if v.as_f64() == Some(1.0) => {}
+            "mirostat_tau" | "mirostat_eta" => {}
+            "frequency_penalty" | "mirostat" | "typical_p" | "tfs_z" => {
+                return Err(bad(format!("options.{k} is not supported")));
+            }
+            // How a runner loads and runs the model: snug's flags decide.
+            "num_ctx" | "num_batch" | "num_gpu" | "main_gpu" | "use_mmap" | "use_mlock" | "num_thread" | "numa"
+            | "low_vram" | "f16_kv" | "vocab_only" | "num_keep" | "penalize_newline" | "logits_all"
+            | "embedding_only" => {}
+            other => return Err(bad(format!("unknown option {other:?}"))),
+        }
+    }
+    Ok(Settings {
+        params: p,
+        max_tokens,
+        stop,
+        stream,
+        include_usage: false,
+        ignore_eos: false,
+    })
+}
+
+/// Fields of a request that ask for what snug does not do yet.
+fn refuse_unsupported(
+    format: &Option<Value>,
+    tools: &Option<Vec<Value>>,
+    think: &Option<Value>,
+) -> Result<(), ApiError> {
+    if format.as_ref().is_some_and(|f| !f.is_null() && f != "") {
+        return Err(bad("format (structured output) is not supported yet".into()));
+    }
+    if tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(bad("tools are not supported yet".into()));
+    }
+    if think.as_ref().is_some_and(|t| t == true || t.is_string()) {
+        return Err(bad("think is not supported".into()));
+    }
+    Ok(())
+}
+
+#[derive(serde::Deserialize)]
+struct OllamaMessage {
+    role: String,
+    #[serde(default)]
+    content: String,
+    #[serde(default)]
+    images: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<Value>>,
+    #[serde(default)]
+    thinking: Option<String>,
+    #[serde(default)]
+    tool_name: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChatRequest {
+    #[serde(default)]
+    model: String,
+    #[serde(default)]
+    messages: Vec<OllamaMessage>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    options: Option<serde_json::Map<String, Value>>,
+    #[serde(default)]
+    format: Option<Value>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    think: Option<Value>,
+    #[serde(default)]
+    keep_alive: Option<Value>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenerateRequest {
+    #[serde(default)]
+    model: String,
+    #[serde(default)]
+    prompt: String,
+    #[serde(default)]
+    system: Option<String>,
+    #[serde(default)]
+    suffix: Option<String>,
+    #[serde(default)]
+    template: Option<String>,
+    #[serde(default)]
+    raw: Option<bool>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    options: Option<serde_json::Map<String, Value>>,
+    #[serde(default)]
+    format: Option<Value>,
+    #[serde(default)]
+    images: Option<Vec<Value>>,
+    #[serde(default)]
+    context: Option<Vec<Value>>,
+    #[serde(default)]
+    think: Option<Value>,
+    #[serde(default)]
+    keep_alive: Option<Value>,
+}
+
+async fn chat(
+    State(s): State<Arc<AppState>>,
+    ConnectInfo(conn): ConnectInfo<Conn>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    locked(&s.metrics).request("ollama_chat");
+    chat_inner(&s, conn, body).await.unwrap_or_else(error)
+}
+
+async fn chat_inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let body = body_bytes(body, s)?;
+    let req: ChatRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let _ = (&req.model, &req.keep_alive);
+    refuse_unsupported(&req.format, &req.tools, &req.think).map_err(|e| s.bad(e))?;
+    if req.messages.is_empty() {
+        // ollama's way to load a model: nothing to generate.
+        return Ok(Json(json!({
+            "model": s.model_id, "created_at": rfc3339(SystemTime::now()),
+            "message": {"role": "assistant", "content": ""}, "done_reason": "load", "done": true,
+        }))
+        .into_response());
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for m in &req.messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
+            return Err(s.bad(bad(format!("unknown message role {:?}", m.role))));
+        }
+        if m.images.as_ref().is_some_and(|i| !i.is_empty()) {
+            return Err(s.bad(bad("images are not supported (text only)".into())));
+        }
+        if m.tool_calls.as_ref().is_some_and(|t| !t.is_empty()) || m.tool_name.is_some() {
+            return Err(s.bad(bad("tool calls are not supported yet".into())));
+        }
+        let _ = &m.thinking;
+        messages.push(Message::new(&m.role, &m.content));
+    }
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let settings = settings(req.options.as_ref(), s.seed(id), req.stream.unwrap_or(true)).map_err(|e| s.bad(e))?;
+    let prompt = chat_prompt(s, messages).await?;
+    let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    answer(s, conn, id, p, true, started).await
+}
+
+async fn generate(
+    State(s): State<Arc<AppState>>,
+    ConnectInfo(conn): ConnectInfo<Conn>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    locked(&s.metrics).request("ollama_generate");
+    generate_inner(&s, conn, body).await.unwrap_or_else(error)
+}
+
+async fn generate_inner(
+    s: &Arc<AppState>,
+    conn: Conn,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let body = body_bytes(body, s)?;
+    let req: GenerateRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let _ = (&req.model, &req.keep_alive);
+    refuse_unsupported(&req.format, &None, &req.think).map_err(|e| s.bad(e))?;
+    let refuse = |what: &str| Err(s.bad(bad(format!("{what} is not supported"))));
+    if req.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
+        return refuse("suffix (fill in the middle)");
+    }
+    if req.template.as_deref().is_some_and(|x| !x.is_empty()) {
+        return refuse("template (the model's own is used)");
+    }
+    if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
+        return refuse("images");
+    }
+    if req.context.as_ref().is_some_and(|c| !c.is_empty()) {
+        return refuse("context (send the conversation to /api/chat)");
+    }
+    if req.prompt.is_empty() {
+        return Ok(Json(json!({
+            "model": s.model_id, "created_at": rfc3339(SystemTime::now()),
+            "response": "", "done_reason": "load", "done": true,
+        }))
+        .into_response());
+    }
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let settings = settings(req.options.as_ref(), s.seed(id), req.stream.unwrap_or(true)).map_err(|e| s.bad(e))?;
+    let prompt = if req.raw == Some(true) {
+        if req.system.is_some() {
+            return refuse("system with raw");
+        }
+        s.tok.encode(
+            &req.prompt,
+            EncodeOptions {
+                add_special: true,
+                parse_special: true,
+            },
+        )
+    } else {
+        let mut messages: Vec<Message> = req.system.iter().map(|t| Message::new("system", t)).collect();
+        messages.push(Message::new("user", &req.prompt));
+        chat_prompt(s, messages).await?
+    };
+    let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    answer(s, conn, id, p, false, started).await
+}
+
+/// One line of an answer: a piece of text, or the last with the counts.
+fn line(model: &str, chat: bool, text: &str, done: Option<(&worker::Summary, Instant, Option<Instant>)>) -> Value {
+    let mut v = json!({"model": model, "created_at": rfc3339(SystemTime::now())});
+    if chat {
+        v["message"] = json!({"role": "assistant", "content": text});
+    } else {
+        v["response"] = json!(text);
+    }
+    match done {
+        None => v["done"] = json!(false),
+        Some((d, started, first)) => {
+            let now = Instant::now();
+            let first = first.unwrap_or(now);
+            let ns = |from: Instant, to: Instant| to.saturating_duration_since(from).as_nanos() as u64;
+            v["done"] = json!(true);
+            v["done_reason"] = json!(d.finish_reason.as_str());
+            v["total_duration"] = json!(ns(started, now));
+            v["load_duration"] = json!(0);
+            v["prompt_eval_count"] = json!(d.prompt_tokens);
+            v["prompt_eval_duration"] = json!(ns(started, first));
+            v["eval_count"] = json!(d.completion_tokens);
+            v["eval_duration"] = json!(ns(first, now));
+        }
+    }
+    v
+}
+
+/// Runs a prepared request and answers it in ollama's shapes.
+async fn answer(
+    s: &Arc<AppState>,
+    conn: Conn,
+    id: u64,
+    p: Prepared,
+    chat: bool,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    let stream = p.settings.stream;
+    let mut rx = s.submit(id, &p).await?;
+    let model = s.model_id.clone();
+    let record = |conn: &Conn, d: &worker::Summary| {
+        conn.record(Usage {
+            prompt: d.prompt_tokens,
+            completion: d.completion_tokens,
+            cached: d.reused_tokens,
+        })
+    };
+    if !stream {
+        let mut text = String::new();
+        let mut first = None;
+        let mut check = tokio::time::interval(std::time::Duration::from_millis(100));
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = check.tick() => {
+                    if conn.hung_up() {
+                        return Err(ApiError::bad("the client closed the connection", None));
+                    }
+                    continue;
+                }
+            };
+            match ev {
+                Some(Event::Text(t)) => {
+                    first.get_or_insert_with(Instant::now);
+                    text.push_str(&t);
+                }
+                Some(Event::Done(d)) => {
+                    record(&conn, &d);
+                    return Ok(Json(line(&model, chat, &text, Some((&d, started, first)))).into_response());
+                }
+                Some(Event::Failed(e)) => return Err(ApiError::internal(e)),
+                Some(_) => {}
+                None => return Err(ApiError::internal("the engine has stopped")),
+            }
+        }
+    }
+    let (out, out_rx) = unbounded_channel::<Result<Bytes, Infallible>>();
+    tokio::spawn(async move {
+        let send = |v: Value| {
+            let mut b = v.to_string().into_bytes();
+            b.push(b'\n');
+            out.send(Ok(Bytes::from(b))).is_ok()
+        };
+        let mut first = None;
+        while let Some(ev) = rx.recv().await {
+            let ok = match ev {
+                Event::Text(t) => {
+                    first.get_or_insert_with(Instant::now);
+                    send(line(&model, chat, &t, None))
+                }
+                Event::Done(d) => {
+                    record(&conn, &d);
+                    send(line(&model, chat, "", Some((&d, started, first))));
+                    return;
+                }
+                Event::Failed(e) => {
+                    send(json!({"error": e}));
+                    return;
+                }
+                Event::Accepted | Event::Refused(_) => true,
+            };
+            if !ok {
+                return;
+            }
+        }
+    });
+    let body = axum::body::Body::from_stream(tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
+}
+
+fn model_entry(s: &AppState) -> Value {
+    let f = &s.facts;
+    json!({
+        "name": s.model_id,
+        "model": s.model_id,
+        "modified_at": rfc3339(f.modified),
+        "size": f.size,
+        "digest": "",
+        "details": f.details(),
+    })
+}
+
+async fn tags(State(s): State<Arc<AppState>>) -> Json<Value> {
+    locked(&s.metrics).request("ollama_tags");
+    Json(json!({"models": [model_entry(&s)]}))
+}
+
+async fn ps(State(s): State<Arc<AppState>>) -> Json<Value> {
+    locked(&s.metrics).request("ollama_ps");
+    let mut m = model_entry(&s);
+    m["size_vram"] = json!(0);
+    m["expires_at"] = json!("2318-01-01T00:00:00Z");
+    Json(json!({"models": [m]}))
+}
+
+async fn version(State(s): State<Arc<AppState>>) -> Json<Value> {
+    locked(&s.metrics).request("ollama_version");
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+#[derive(serde::Deserialize)]
+struct ShowRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+async fn show(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    locked(&s.metrics).request("ollama_show");
+    let inner = || -> Result<Value, ApiError> {
+        let body = body_bytes(body, &s)?;
+        let req: ShowRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+        let name = req.model.or(req.name).unwrap_or_default();
+        if name != s.model_id && name.trim_end_matches(":latest") != s.model_id {
+            return Err(ApiError {
+                status: 404,
+                ..bad(format!("model '{name}' not found (this server has '{}')", s.model_id))
+            });
+        }
+        let f = &s.facts;
+        Ok(json!({
+            "modelfile": "",
+            "parameters": "",
+            "template": s.template.source,
+            "details": f.details(),
+            "model_info": {
+                "general.architecture": f.family,
+                "general.parameter_count": f.parameters,
+                format!("{}.context_length", f.family): s.ctx,
+            },
+            "capabilities": ["completion"],
+            "modified_at": rfc3339(f.modified),
+        }))
+    };
+    match inner() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_written_as_ollama_writes_them() {
+        let t = UNIX_EPOCH + std::time::Duration::new(1_691_176_965, 499_127_000);
+        assert_eq!(rfc3339(t), "2023-08-04T19:22:45.499127000Z");
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000000000Z");
+        let leap = UNIX_EPOCH + std::time::Duration::from_secs(951_782_400); // 2000-02-29
+        assert_eq!(&rfc3339(leap)[..10], "2000-02-29");
+    }
+
+    #[test]
+    fn options_follow_ollama_defaults_and_refuse_what_snug_lacks() {
+        let s = settings(None, 7, true).unwrap();
+        assert_eq!(
+            (s.params.temperature, s.params.top_p, s.params.repeat_penalty),
+            (0.8, 0.9, 1.1)
+        );
+        assert_eq!(s.params.seed, 7);
+        let o = |v: Value| settings(v.as_object(), 7, false);
+        let s = o(json!({"temperature": 0, "num_predict": 5, "stop": ["\n"], "seed": 3, "num_ctx": 8192})).unwrap();
+        assert_eq!((s.params.temperature, s.max_tokens, s.params.seed), (0.0, Some(5), 3));
+        assert_eq!(s.stop, vec!["\n".to_string()]);
+        assert!(o(json!({"num_predict": -1})).unwrap().max_tokens.is_none());
+        assert!(o(json!({"mirostat": 2})).unwrap_err().message.contains("mirostat"));
+        assert!(o(json!({"mirostat": 0})).is_ok());
+        assert!(o(json!({"temperature": "hot"}))
+            .unwrap_err()
+            .message
+            .contains("temperature"));
+        assert!(o(json!({"bogus": 1})).unwrap_err().message.contains("bogus"));
+    }
+}

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Drives `snug serve`'s ollama routes with ollama's official Python client.
+
+    scripts/ollama-client-check.py http://127.0.0.1:PORT
+
+Lists and shows the model, chats (whole and streamed, which must agree
+under greedy sampling), generates, and checks that a field snug does not
+support comes back as the client's ResponseError. Prints one JSON object
+of what it saw; exits non-zero on any mismatch.
+"""
+
+import json
+import sys
+
+import ollama
+
+host = sys.argv[1]
+c = ollama.Client(host=host)
+out = {}
+
+tags = c.list()
+assert len(tags.models) == 1, tags
+name = tags.models[0].model
+out["model"] = name
+out["details"] = tags.models[0].details.model_dump()
+
+shown = c.show(name)
+assert shown.template, "no template"
+out["capabilities"] = shown.capabilities
+
+opts = {"temperature": 0, "num_predict": 12, "seed": 1}
+msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+whole = c.chat(model=name, messages=msgs, options=opts)
+assert whole.done and whole.message.role == "assistant", whole
+assert whole.eval_count and whole.eval_count <= 12, whole
+assert whole.prompt_eval_count and whole.prompt_eval_count > 5, whole
+parts = list(c.chat(model=name, messages=msgs, options=opts, stream=True))
+streamed = "".join(p.message.content for p in parts)
+assert parts[-1].done and parts[-1].done_reason in ("stop", "length"), parts[-1]
+assert streamed == whole.message.content, (streamed, whole.message.content)
+out["chat"] = whole.message.content
+out["chat_chunks"] = len(parts)
+
+gen = c.generate(model=name, prompt="The capital of France is", options=opts, raw=True)
+assert gen.done and gen.response, gen
+gen_streamed = "".join(p.response for p in c.generate(model=name, prompt="The capital of France is", options=opts, raw=True, stream=True))
+assert gen_streamed == gen.response, (gen_streamed, gen.response)
+out["generate"] = gen.response
+
+try:
+    c.chat(model=name, messages=msgs, options={"mirostat": 2})
+    raise SystemExit("mirostat was accepted")
+except ollama.ResponseError as e:
+    assert e.status_code == 400 and "mirostat" in e.error, e
+    out["refused"] = e.error
+try:
+    c.show("no-such-model")
+    raise SystemExit("an unknown model was shown")
+except ollama.ResponseError as e:
+    assert e.status_code == 404, e
+print(json.dumps(out))
