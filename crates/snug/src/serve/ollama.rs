@@ -7,7 +7,7 @@
 //! shapes differ. Errors are ollama's `{"error": "..."}`.
 
 use super::*;
-use crate::serve::routes::{body_bytes, chat_prompt, Prepared};
+use crate::serve::routes::{body_bytes, chat_prompt, whole_answer, Prepared};
 use snug_engine::sampling::SamplingParams;
 
 /// What `/api/tags` and `/api/show` say of the model, read at start.
@@ -437,33 +437,8 @@ async fn answer(
         })
     };
     if !stream {
-        let mut text = String::new();
-        let mut first = None;
-        let mut check = tokio::time::interval(std::time::Duration::from_millis(100));
-        loop {
-            let ev = tokio::select! {
-                ev = rx.recv() => ev,
-                _ = check.tick() => {
-                    if conn.hung_up() {
-                        return Err(ApiError::bad("the client closed the connection", None));
-                    }
-                    continue;
-                }
-            };
-            match ev {
-                Some(Event::Text(t)) => {
-                    first.get_or_insert_with(Instant::now);
-                    text.push_str(&t);
-                }
-                Some(Event::Done(d)) => {
-                    record(&conn, &d);
-                    return Ok(Json(line(&model, chat, &text, Some((&d, started, first)))).into_response());
-                }
-                Some(Event::Failed(e)) => return Err(ApiError::internal(e)),
-                Some(_) => {}
-                None => return Err(ApiError::internal("the engine has stopped")),
-            }
-        }
+        let (text, d, first) = whole_answer(&conn, &mut rx).await?;
+        return Ok(Json(line(&model, chat, &text, Some((&d, started, first)))).into_response());
     }
     let (out, out_rx) = unbounded_channel::<Result<Bytes, Infallible>>();
     tokio::spawn(async move {

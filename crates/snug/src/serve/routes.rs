@@ -529,6 +529,47 @@ pub(super) async fn chat_prompt(s: &Arc<AppState>, messages: Vec<Message>) -> Re
     ))
 }
 
+/// A request's whole answer, for a client that did not ask for a stream:
+/// its text, how it ended and when its first text came (the tokens noted
+/// for the access log). A client that hangs up meanwhile cancels it
+/// (dropping the receiver does).
+pub(super) async fn whole_answer(
+    conn: &Conn,
+    rx: &mut UnboundedReceiver<Event>,
+) -> Result<(String, worker::Summary, Option<Instant>), ApiError> {
+    let mut text = String::new();
+    let mut first = None;
+    let mut check = tokio::time::interval(std::time::Duration::from_millis(100));
+    loop {
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            _ = check.tick() => {
+                if conn.hung_up() {
+                    return Err(ApiError::bad("the client closed the connection", None));
+                }
+                continue;
+            }
+        };
+        match ev {
+            Some(Event::Text(t)) => {
+                first.get_or_insert_with(Instant::now);
+                text.push_str(&t);
+            }
+            Some(Event::Done(d)) => {
+                conn.record(Usage {
+                    prompt: d.prompt_tokens,
+                    completion: d.completion_tokens,
+                    cached: d.reused_tokens,
+                });
+                return Ok((text, d, first));
+            }
+            Some(Event::Failed(e)) => return Err(ApiError::internal(e)),
+            Some(_) => {}
+            None => return Err(unavailable("the engine has stopped", 5)),
+        }
+    }
+}
+
 /// Runs a prepared request and answers it, streaming or not.
 pub(super) async fn respond(
     s: &Arc<AppState>,
@@ -544,55 +585,23 @@ pub(super) async fn respond(
         Kind::Completion => format!("cmpl-{id}"),
     };
     if !p.settings.stream {
-        let mut text = String::new();
-        let mut check = tokio::time::interval(std::time::Duration::from_millis(100));
-        loop {
-            let ev = tokio::select! {
-                ev = rx.recv() => ev,
-                _ = check.tick() => {
-                    if conn.hung_up() {
-                        // Dropping the receiver cancels the request.
-                        return Err(ApiError::bad("the client closed the connection", None));
-                    }
-                    continue;
-                }
-            };
-            match ev {
-                Some(Event::Text(t)) => text.push_str(&t),
-                Some(Event::Done(d)) => {
-                    conn.record(Usage {
-                        prompt: d.prompt_tokens,
-                        completion: d.completion_tokens,
-                        cached: d.reused_tokens,
-                    });
-                    let u = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
-                    let body = match kind {
-                        Kind::Chat => json!({
-                            "id": rid, "object": "chat.completion", "created": created, "model": s.model_id,
-                            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                         "logprobs": null, "finish_reason": d.finish_reason.as_str()}],
-                            "usage": u,
-                        }),
-                        Kind::Completion => json!({
-                            "id": rid, "object": "text_completion", "created": created, "model": s.model_id,
-                            "choices": [{"index": 0, "text": text, "logprobs": null,
-                                         "finish_reason": d.finish_reason.as_str()}],
-                            "usage": u,
-                        }),
-                    };
-                    return Ok(Json(body).into_response());
-                }
-                Some(Event::Failed(e)) => {
-                    return Err(ApiError {
-                        status: 500,
-                        kind: "server_error",
-                        ..ApiError::bad(e, None)
-                    })
-                }
-                Some(_) => {}
-                None => return Err(unavailable("the engine has stopped", 5)),
-            }
-        }
+        let (text, d, _) = whole_answer(&conn, &mut rx).await?;
+        let u = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
+        let body = match kind {
+            Kind::Chat => json!({
+                "id": rid, "object": "chat.completion", "created": created, "model": s.model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": null, "finish_reason": d.finish_reason.as_str()}],
+                "usage": u,
+            }),
+            Kind::Completion => json!({
+                "id": rid, "object": "text_completion", "created": created, "model": s.model_id,
+                "choices": [{"index": 0, "text": text, "logprobs": null,
+                             "finish_reason": d.finish_reason.as_str()}],
+                "usage": u,
+            }),
+        };
+        return Ok(Json(body).into_response());
     }
     // Streaming: a task turns engine events into SSE chunks; when the
     // client goes away the chunk channel closes, the task ends and drops
