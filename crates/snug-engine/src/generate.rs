@@ -100,6 +100,9 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
+    /// Whether a stop string (rather than an end-of-generation token)
+    /// ended it.
+    pub stopped_by_string: bool,
     /// Why the limit was hit, when `finish_reason` is `Length` because of
     /// the context.
     pub context_full: bool,
@@ -522,6 +525,7 @@ impl Decoding {
             tokens: self.out_tokens,
             text: self.text,
             finish_reason: finish,
+            stopped_by_string: self.stopped_by_string,
             context_full: self.context_full,
             prompt_tokens: self.req.prompt.len(),
             reused_tokens: self.reuse.saturating_sub(self.recomputed),

@@ -590,6 +590,45 @@ fn the_ollama_python_client_drives_the_server() {
     assert!(v["generate"].as_str().unwrap().starts_with(" Paris."), "{v}");
 }
 
+#[test]
+fn the_anthropic_python_client_drives_the_server() {
+    let Some(model) = smollm2() else { return };
+    let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
+        assert!(
+            std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
+            "SNUG_OPENAI_PYTHON must name a python with the anthropic package (scripts/test installs one)"
+        );
+        eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
+        return;
+    };
+    let s = Server::start(&model, &["--api-key", "k"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/anthropic-client-check.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(format!("http://{}", s.addr))
+        .arg("k")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["streamed_equal"], true, "{v}");
+    assert_eq!(v["stop_sequence"], "e", "{v}");
+    // The same greedy answer as the OpenAI route gives the same messages.
+    let r = http(
+        &s.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Authorization", "Bearer k")],
+        json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
+               "max_tokens": 12, "temperature": 0})
+        .to_string()
+        .as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"][0]["message"]["content"], v["text"]);
+}
+
 /// 16 clients at once with mixed prompt lengths under a KV budget that
 /// holds only a few of them: the rest queue (or, past the queue, get a
 /// planned 503 and retry); none fails otherwise, peak RSS stays within

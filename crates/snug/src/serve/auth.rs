@@ -3,17 +3,23 @@
 use super::*;
 
 /// Whether `req` may pass: no key is set, the route is /health, or it
-/// sends `Authorization: Bearer KEY` (compared in constant time).
+/// sends `Authorization: Bearer KEY` or (as Anthropic's clients do)
+/// `x-api-key: KEY`, compared in constant time.
 pub(crate) fn key_ok(req: &Request, key: Option<&str>) -> bool {
     let Some(key) = key else { return true };
     if req.uri().path() == "/health" {
         return true;
     }
-    req.headers()
+    let bearer = req
+        .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()))
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
+    [bearer, x_api_key]
+        .into_iter()
+        .flatten()
+        .any(|g| constant_time_eq(g.as_bytes(), key.as_bytes()))
 }
 
 /// The 401 for a missing or wrong key.

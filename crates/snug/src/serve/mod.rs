@@ -7,6 +7,7 @@
 //! not. The engine loop owns the model and all KV state; the scheduler
 //! inside it admits, queues or refuses (503) each job under the KV budget.
 
+pub mod anthropic;
 pub mod api;
 mod args;
 mod auth;

@@ -11,6 +11,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> R
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .merge(super::ollama::routes())
+        .merge(super::anthropic::routes())
         .route("/v1/systemone", post(systemone))
         .route("/v1/systemone/batch", post(systemone_batch))
         .route("/health", get(health))

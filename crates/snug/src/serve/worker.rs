@@ -63,6 +63,8 @@ pub enum Event {
 #[derive(Clone, Debug)]
 pub struct Summary {
     pub finish_reason: FinishReason,
+    /// A stop string ended it (not an end-of-generation token).
+    pub stopped_by_string: bool,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub reused_tokens: usize,
@@ -511,6 +513,7 @@ impl Loop<'_> {
         // its client has the answer.
         let _ = events.send(Event::Done(Summary {
             finish_reason: g.finish_reason,
+            stopped_by_string: g.stopped_by_string,
             prompt_tokens: g.prompt_tokens,
             completion_tokens: g.tokens.len(),
             reused_tokens: g.reused_tokens,

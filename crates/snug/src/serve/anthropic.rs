@@ -1,0 +1,385 @@
+//! Anthropic's Messages API over the same engine: `POST /v1/messages`
+//! (whole, or as its stream of named events) and
+//! `POST /v1/messages/count_tokens`, so that Anthropic's client libraries
+//! connect to snug unchanged. The key may come as `x-api-key` (what those
+//! clients send) as well as `Authorization: Bearer`. Errors are Anthropic's
+//! `{"type": "error", "error": {"type", "message"}}`.
+
+use super::*;
+use crate::serve::routes::{body_bytes, chat_prompt, whole_answer};
+use snug_engine::sampling::SamplingParams;
+
+pub(super) fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+}
+
+/// Anthropic's error shape, with its error type for the status.
+fn error(e: ApiError) -> Response {
+    let kind = match e.status {
+        401 => "authentication_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        s if s >= 500 => "api_error",
+        _ => "invalid_request_error",
+    };
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
+    let mut r = (
+        status,
+        Json(json!({"type": "error", "error": {"type": kind, "message": e.message}})),
+    )
+        .into_response();
+    if let Some(after) = e.retry_after {
+        if let Ok(v) = HeaderValue::from_str(&after.to_string()) {
+            r.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+    }
+    r
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad(message, None)
+}
+
+/// `content`: a string, or blocks of which only text is understood.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Blocks(Vec<Block>),
+}
+
+#[derive(serde::Deserialize)]
+struct Block {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+impl Content {
+    fn text(&self, field: &str) -> Result<String, ApiError> {
+        match self {
+            Content::Text(t) => Ok(t.clone()),
+            Content::Blocks(blocks) => {
+                let mut out = String::new();
+                for b in blocks {
+                    match (b.kind.as_str(), &b.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        (kind, _) => {
+                            return Err(bad(format!(
+                                "{field}: content blocks of type {kind:?} are not supported (text only)"
+                            )))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct InMessage {
+    role: String,
+    content: Content,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MessagesRequest {
+    #[serde(default)]
+    model: String,
+    #[serde(default)]
+    max_tokens: Option<i64>,
+    messages: Vec<InMessage>,
+    #[serde(default)]
+    system: Option<Content>,
+    #[serde(default)]
+    stop_sequences: Option<Vec<String>>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_k: Option<i64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    metadata: Option<Value>,
+    #[serde(default)]
+    service_tier: Option<Value>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    thinking: Option<Value>,
+    // Newer clients' fields about routing, billing and caching hints:
+    // nothing snug does depends on them (its prefix cache is always on).
+    #[serde(default)]
+    cache_control: Option<Value>,
+    #[serde(default)]
+    inference_geo: Option<Value>,
+    #[serde(default)]
+    speed: Option<Value>,
+    #[serde(default)]
+    diagnostics: Option<Value>,
+    #[serde(default)]
+    user_profile_id: Option<Value>,
+    #[serde(default)]
+    workspace_id: Option<Value>,
+    // Asks for what snug does not do: refused unless null.
+    #[serde(default)]
+    output_config: Option<Value>,
+    #[serde(default)]
+    container: Option<Value>,
+}
+
+/// The conversation as chat messages (system first), checked.
+fn conversation(req: &MessagesRequest) -> Result<Vec<Message>, ApiError> {
+    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) || req.tool_choice.is_some() {
+        return Err(bad("tools are not supported yet"));
+    }
+    if req
+        .thinking
+        .as_ref()
+        .is_some_and(|t| t.get("type").and_then(Value::as_str) != Some("disabled"))
+    {
+        return Err(bad("extended thinking is not supported"));
+    }
+    if req.output_config.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(bad("output_config is not supported yet"));
+    }
+    if req.container.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(bad("container is not supported"));
+    }
+    if req.messages.is_empty() {
+        return Err(bad("messages: at least one message is required"));
+    }
+    let mut out = Vec::with_capacity(req.messages.len() + 1);
+    if let Some(system) = &req.system {
+        out.push(Message::new("system", &system.text("system")?));
+    }
+    for (i, m) in req.messages.iter().enumerate() {
+        if !matches!(m.role.as_str(), "user" | "assistant") {
+            return Err(bad(format!("messages.{i}.role: {:?} is not user or assistant", m.role)));
+        }
+        out.push(Message::new(
+            &m.role,
+            &m.content.text(&format!("messages.{i}.content"))?,
+        ));
+    }
+    Ok(out)
+}
+
+fn settings(req: &MessagesRequest, seed: u64) -> Result<Settings, ApiError> {
+    // Anthropic's defaults: temperature 1, no top-k or top-p cut.
+    let mut p = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repeat_penalty: 1.0,
+        presence_penalty: 0.0,
+        penalty_last_n: 64,
+        seed,
+        logit_bias: Vec::new(),
+    };
+    if let Some(t) = req.temperature {
+        if !(0.0..=1.0).contains(&t) {
+            return Err(bad(format!("temperature: must be in [0, 1]; got {t}")));
+        }
+        p.temperature = t as f32;
+    }
+    if let Some(k) = req.top_k {
+        p.top_k = usize::try_from(k).map_err(|_| bad("top_k: must be 0 or more"))?;
+    }
+    if let Some(t) = req.top_p {
+        if !(t > 0.0 && t <= 1.0) {
+            return Err(bad(format!("top_p: must be in (0, 1]; got {t}")));
+        }
+        p.top_p = t as f32;
+    }
+    let max = req.max_tokens.ok_or_else(|| bad("max_tokens: Field required"))?;
+    if max < 1 {
+        return Err(bad(format!("max_tokens: must be at least 1; got {max}")));
+    }
+    let stop = req.stop_sequences.clone().unwrap_or_default();
+    if stop.len() > 16 || stop.iter().any(String::is_empty) {
+        return Err(bad("stop_sequences: up to 16 non-empty strings"));
+    }
+    let _ = (
+        &req.model,
+        &req.metadata,
+        &req.service_tier,
+        &req.cache_control,
+        &req.inference_geo,
+    );
+    let _ = (&req.speed, &req.diagnostics, &req.user_profile_id, &req.workspace_id);
+    Ok(Settings {
+        params: p,
+        max_tokens: Some(max as usize),
+        stop,
+        stream: req.stream,
+        include_usage: false,
+        ignore_eos: false,
+    })
+}
+
+/// Anthropic's stop reason, and the stop sequence when it can say which.
+fn stop_reason(d: &worker::Summary, stops: &[String]) -> (&'static str, Value) {
+    match (d.finish_reason, d.stopped_by_string) {
+        (snug_engine::generate::FinishReason::Length, _) => ("max_tokens", Value::Null),
+        (_, true) => (
+            "stop_sequence",
+            // The engine says that a stop string matched, not which.
+            if stops.len() == 1 { json!(stops[0]) } else { Value::Null },
+        ),
+        _ => ("end_turn", Value::Null),
+    }
+}
+
+async fn messages(
+    State(s): State<Arc<AppState>>,
+    ConnectInfo(conn): ConnectInfo<Conn>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    locked(&s.metrics).request("messages");
+    messages_inner(&s, conn, body).await.unwrap_or_else(error)
+}
+
+async fn messages_inner(
+    s: &Arc<AppState>,
+    conn: Conn,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body_bytes(body, s)?;
+    let req: MessagesRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let messages = conversation(&req).map_err(|e| s.bad(e))?;
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let settings = settings(&req, s.seed(id)).map_err(|e| s.bad(e))?;
+    let stops = settings.stop.clone();
+    let prompt = chat_prompt(s, messages).await?;
+    let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    let prompt_tokens = p.prompt.len();
+    let mut rx = s.submit(id, &p).await?;
+    let msg_id = format!("msg_snug{id:016x}");
+    let model = s.model_id.clone();
+    if !p.settings.stream {
+        let (text, d, _) = whole_answer(&conn, &mut rx).await?;
+        let (reason, sequence) = stop_reason(&d, &stops);
+        return Ok(Json(json!({
+            "id": msg_id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": d.prompt_tokens, "output_tokens": d.completion_tokens,
+                      "cache_read_input_tokens": d.reused_tokens, "cache_creation_input_tokens": 0},
+        }))
+        .into_response());
+    }
+    let (out, out_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
+    tokio::spawn(async move {
+        let send = |name: &str, v: Value| {
+            out.send(Ok(SseEvent::default().event(name).data(v.to_string())))
+                .is_ok()
+        };
+        let start = json!({"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}});
+        if !send("message_start", start)
+            || !send(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            )
+            || !send("ping", json!({"type": "ping"}))
+        {
+            return;
+        }
+        while let Some(ev) = rx.recv().await {
+            let ok = match ev {
+                Event::Text(t) => send(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
+                ),
+                Event::Done(d) => {
+                    conn.record(Usage {
+                        prompt: d.prompt_tokens,
+                        completion: d.completion_tokens,
+                        cached: d.reused_tokens,
+                    });
+                    let (reason, sequence) = stop_reason(&d, &stops);
+                    send("content_block_stop", json!({"type": "content_block_stop", "index": 0}));
+                    send(
+                        "message_delta",
+                        json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                               "usage": {"output_tokens": d.completion_tokens}}),
+                    );
+                    send("message_stop", json!({"type": "message_stop"}));
+                    return;
+                }
+                Event::Failed(e) => {
+                    send(
+                        "error",
+                        json!({"type": "error", "error": {"type": "api_error", "message": e}}),
+                    );
+                    return;
+                }
+                Event::Accepted | Event::Refused(_) => true,
+            };
+            if !ok {
+                return;
+            }
+        }
+    });
+    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
+    Ok(Sse::new(stream).into_response())
+}
+
+async fn count_tokens(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    locked(&s.metrics).request("count_tokens");
+    let inner = async {
+        let body = body_bytes(body, &s)?;
+        let req: MessagesRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+        let messages = conversation(&req).map_err(|e| s.bad(e))?;
+        let prompt = chat_prompt(&s, messages).await?;
+        Ok::<_, ApiError>(Json(json!({"input_tokens": prompt.len()})).into_response())
+    };
+    inner.await.unwrap_or_else(error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(v: Value) -> MessagesRequest {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn requests_are_checked_as_anthropic_checks_them() {
+        let ok = req(
+            json!({"model": "x", "max_tokens": 5, "system": [{"type": "text", "text": "Be brief."}],
+                            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
+        );
+        let msgs = conversation(&ok).unwrap();
+        assert_eq!(msgs[0], Message::new("system", "Be brief."));
+        assert_eq!(msgs[1], Message::new("user", "Hi"));
+        let s = settings(&ok, 3).unwrap();
+        assert_eq!((s.params.temperature, s.params.top_k, s.max_tokens), (1.0, 0, Some(5)));
+        let no_max = req(json!({"messages": [{"role": "user", "content": "Hi"}]}));
+        assert!(settings(&no_max, 0).unwrap_err().message.contains("max_tokens"));
+        let hot = req(json!({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "Hi"}]}));
+        assert!(settings(&hot, 0).unwrap_err().message.contains("temperature"));
+        let image = req(json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}));
+        assert!(conversation(&image).unwrap_err().message.contains("image"));
+        let tools =
+            req(json!({"max_tokens": 5, "tools": [{"name": "f"}], "messages": [{"role": "user", "content": "x"}]}));
+        assert!(conversation(&tools).unwrap_err().message.contains("tools"));
+        assert!(serde_json::from_value::<MessagesRequest>(json!({"messages": [], "bogus": 1})).is_err());
+    }
+}
