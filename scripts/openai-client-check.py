@@ -99,7 +99,35 @@ def main():
         check(False, "temperature 5 accepted")
     except openai.BadRequestError as e:
         check(e.status_code == 400 and "temperature" in str(e), f"error: {e}")
-    print("openai client: chat, stream, completion, stop, seed, errors ok")
+    # The Responses API: whole, streamed (the same text under greedy
+    # sampling), a cut at max_output_tokens, and what it cannot do refused.
+    r = client.responses.create(model=model, input="Name three colors.", instructions="Be brief.",
+                                max_output_tokens=16, temperature=0)
+    check(r.status in ("completed", "incomplete") and r.output_text, f"response: {r}")
+    check(r.usage.output_tokens <= 16 and r.usage.input_tokens > 0, f"usage: {r.usage}")
+    events = list(client.responses.create(model=model, input="Name three colors.", instructions="Be brief.",
+                                          max_output_tokens=16, temperature=0, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    check(deltas == r.output_text, f"streamed response {deltas!r} != {r.output_text!r}")
+    check(events[0].type == "response.created" and events[-1].response.output_text == r.output_text,
+          f"events: {[e.type for e in events]}")
+    # The client's stream helper wants a completed response: room to end.
+    whole = client.responses.create(model=model, input="Name three colors.", instructions="Be brief.",
+                                    max_output_tokens=200, temperature=0)
+    check(whole.status == "completed", f"not completed in 200 tokens: {whole.status}")
+    with client.responses.stream(model=model, input="Name three colors.", instructions="Be brief.",
+                                 max_output_tokens=200, temperature=0) as stream:
+        final = stream.get_final_response()
+    check(final.output_text == whole.output_text, f"stream helper {final.output_text!r}")
+    short = client.responses.create(model=model, input=[{"role": "user", "content": "Count to twenty."}],
+                                    max_output_tokens=3, temperature=0)
+    check(short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens", f"{short}")
+    try:
+        client.responses.create(model=model, input="x", previous_response_id="resp_1")
+        check(False, "previous_response_id accepted")
+    except openai.BadRequestError as e:
+        check("previous_response_id" in str(e), f"error: {e}")
+    print("openai client: chat, stream, completion, stop, seed, errors, responses ok")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ mod conn;
 pub mod laya;
 pub mod metrics;
 mod ollama;
+mod responses;
 mod routes;
 mod start;
 pub mod worker;

@@ -12,6 +12,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> R
         .route("/detokenize", post(detokenize))
         .merge(super::ollama::routes())
         .merge(super::anthropic::routes())
+        .merge(super::responses::routes())
         .route("/v1/systemone", post(systemone))
         .route("/v1/systemone/batch", post(systemone_batch))
         .route("/health", get(health))
