@@ -11,9 +11,9 @@
 //! A render that exhausts the worker's memory aborts the worker; the
 //! caller gets [`TemplateError::Memory`] and the next render starts a new
 //! worker. A render that outlives the time limit has its worker killed
-//! and gets [`TemplateError::Time`]. Idle workers are kept for the next
-//! render (a few, so that renders on several threads do not wait for one
-//! another) and exit when their stdin closes, that is when the program
+//! and gets [`TemplateError::Time`]. Workers are kept for the next render,
+//! at most [`MAX_WORKERS`] alive at once (a render waits for one when all
+//! are busy), and exit when their stdin closes, that is when the program
 //! that started them ends, however it ends.
 //!
 //! Why a process and not a limit inside minijinja: minijinja's fuel counts
@@ -43,8 +43,10 @@ const MAX_FRAME: usize = 256 << 20;
 /// is handed more forgets them all and starts again).
 const MAX_CACHED: usize = 8;
 
-/// Idle workers kept for the next render.
-const MAX_IDLE: usize = 4;
+/// Workers alive at once. A render waits for one when all are busy
+/// (renders are short: the instruction budget stops one within about a
+/// second), so that a burst of requests cannot start a process each.
+const MAX_WORKERS: usize = 4;
 
 #[derive(Serialize, Deserialize)]
 enum Reply {
@@ -230,7 +232,15 @@ pub struct ChildRenderer {
     args: Vec<String>,
     memory_mib: u64,
     timeout: Duration,
-    idle: Mutex<Vec<Worker>>,
+    pool: Mutex<Pool>,
+    /// Signalled when a worker becomes idle or ends.
+    freed: std::sync::Condvar,
+}
+
+/// The workers: those waiting for a render, and how many are alive.
+struct Pool {
+    idle: Vec<Worker>,
+    live: usize,
 }
 
 impl ChildRenderer {
@@ -248,7 +258,11 @@ impl ChildRenderer {
             args,
             memory_mib,
             timeout,
-            idle: Mutex::new(Vec::new()),
+            pool: Mutex::new(Pool {
+                idle: Vec::new(),
+                live: 0,
+            }),
+            freed: std::sync::Condvar::new(),
         }
     }
 
@@ -269,20 +283,54 @@ impl ChildRenderer {
         Ok(Worker { child, stdin, stdout })
     }
 
-    fn take_idle(&self) -> Option<Worker> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An idle worker, else a new one while fewer than [`MAX_WORKERS`]
+    /// live, else the next to become idle; with whether it is new.
+    fn acquire(&self) -> Result<(Worker, bool), TemplateError> {
+        let mut pool = self.pool();
+        loop {
+            if let Some(w) = pool.idle.pop() {
+                return Ok((w, false));
+            }
+            if pool.live < MAX_WORKERS {
+                pool.live += 1;
+                drop(pool);
+                return match self.spawn() {
+                    Ok(w) => Ok((w, true)),
+                    Err(e) => {
+                        self.ended();
+                        Err(e)
+                    }
+                };
+            }
+            pool = self.freed.wait(pool).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     fn put_idle(&self, w: Worker) {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        if idle.len() < MAX_IDLE {
-            idle.push(w);
-        }
+        self.pool().idle.push(w);
+        self.freed.notify_one();
+    }
+
+    /// A worker has ended (and been dropped).
+    fn ended(&self) {
+        let mut pool = self.pool();
+        pool.live = pool.live.saturating_sub(1);
+        drop(pool);
+        self.freed.notify_one();
     }
 
     /// Number of workers waiting for a render (for tests).
     pub fn idle_workers(&self) -> usize {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.pool().idle.len()
+    }
+
+    /// Number of workers alive (for tests).
+    pub fn live_workers(&self) -> usize {
+        self.pool().live
     }
 }
 
@@ -292,14 +340,7 @@ impl Isolation for ChildRenderer {
         // An idle worker may have gone since it last answered (killed from
         // outside); such a worker is replaced once, before the render is
         // blamed for anything.
-        let mut fresh = false;
-        let mut worker = match self.take_idle() {
-            Some(w) => w,
-            None => {
-                fresh = true;
-                self.spawn()?
-            }
-        };
+        let (mut worker, mut fresh) = self.acquire()?;
         loop {
             let deadline = Instant::now() + self.timeout;
             match worker.call(&body, deadline) {
@@ -313,32 +354,39 @@ impl Isolation for ChildRenderer {
                 Err(Failure::Gone) => {
                     let status = exit_status(&mut worker);
                     drop(worker);
-                    match status {
-                        Some(s) if s.signal() == Some(libc::SIGABRT) => {
-                            return Err(TemplateError::Memory(self.memory_mib))
-                        }
-                        // The kernel's OOM killer, on a worker that was rendering.
-                        Some(s) if fresh && s.signal() == Some(libc::SIGKILL) => {
-                            return Err(TemplateError::Memory(self.memory_mib))
-                        }
-                        _ if !fresh => {
-                            fresh = true;
-                            worker = self.spawn()?;
-                        }
-                        s => {
-                            return Err(TemplateError::Isolation(match s {
-                                Some(s) => format!("the template worker ended ({s})"),
-                                None => "the template worker stopped answering".into(),
-                            }))
-                        }
+                    let aborted = status.is_some_and(|s| s.signal() == Some(libc::SIGABRT));
+                    // The kernel's OOM killer, on a worker that was rendering.
+                    let oom_killed = fresh && status.is_some_and(|s| s.signal() == Some(libc::SIGKILL));
+                    if !aborted && !oom_killed && !fresh {
+                        // In the place of the one that went.
+                        fresh = true;
+                        worker = match self.spawn() {
+                            Ok(w) => w,
+                            Err(e) => {
+                                self.ended();
+                                return Err(e);
+                            }
+                        };
+                        continue;
                     }
+                    self.ended();
+                    return Err(if aborted || oom_killed {
+                        TemplateError::Memory(self.memory_mib)
+                    } else {
+                        TemplateError::Isolation(match status {
+                            Some(s) => format!("the template worker ended ({s})"),
+                            None => "the template worker stopped answering".into(),
+                        })
+                    });
                 }
                 Err(Failure::Late) => {
                     drop(worker);
+                    self.ended();
                     return Err(TemplateError::Time(self.timeout.as_secs().max(1)));
                 }
                 Err(Failure::Other(m)) => {
                     drop(worker);
+                    self.ended();
                     return Err(TemplateError::Isolation(m));
                 }
             }

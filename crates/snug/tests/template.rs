@@ -139,3 +139,29 @@ fn the_real_models_templates_render_the_same_in_the_worker() {
     }
     assert!(seen > 0 || !snug_model::testing::required());
 }
+
+#[test]
+fn a_burst_of_renders_shares_a_few_workers() {
+    let w = worker(256);
+    let t = Arc::new(
+        ChatTemplate::new("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
+            .unwrap()
+            .isolated(w.clone()),
+    );
+    let threads: Vec<_> = (0..16)
+        .map(|i| {
+            let t = t.clone();
+            std::thread::spawn(move || {
+                let m = vec![Message::new("user", &format!("n{i}"))];
+                (0..20)
+                    .map(|_| t.render(&m, false, "", "", serde_json::json!({})).unwrap())
+                    .all(|out| out == format!("user:n{i};"))
+            })
+        })
+        .collect();
+    for th in threads {
+        assert!(th.join().unwrap(), "a render came back wrong");
+    }
+    assert!(w.live_workers() <= 4, "{} workers alive", w.live_workers());
+    assert_eq!(w.idle_workers(), w.live_workers());
+}
