@@ -6,7 +6,7 @@
 //! `{"type": "error", "error": {"type", "message"}}`.
 
 use super::*;
-use crate::serve::routes::{body_bytes, chat_prompt, whole_answer};
+use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, whole_answer, Piece};
 use snug_engine::sampling::SamplingParams;
 
 pub(super) fn routes() -> Router<Arc<AppState>> {
@@ -281,63 +281,44 @@ async fn messages_inner(
         }))
         .into_response());
     }
-    let (out, out_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
-    tokio::spawn(async move {
-        let send = |name: &str, v: Value| {
-            out.send(Ok(SseEvent::default().event(name).data(v.to_string())))
-                .is_ok()
-        };
-        let start = json!({"type": "message_start", "message": {
-            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}});
-        if !send("message_start", start)
-            || !send(
-                "content_block_start",
-                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-            )
-            || !send("ping", json!({"type": "ping"}))
-        {
-            return;
-        }
-        while let Some(ev) = rx.recv().await {
-            let ok = match ev {
-                Event::Text(t) => send(
-                    "content_block_delta",
-                    json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
+    let event = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
+    let prelude = vec![
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {
+                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
+        ),
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ),
+        event("ping", json!({"type": "ping"})),
+    ];
+    let stream = stream_answer(rx, conn, prelude, move |piece| match piece {
+        Piece::Text(t) => vec![event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
+        )],
+        Piece::Done(d) => {
+            let (reason, sequence) = stop_reason(d, &stops);
+            vec![
+                event("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
+                event(
+                    "message_delta",
+                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                           "usage": {"output_tokens": d.completion_tokens}}),
                 ),
-                Event::Done(d) => {
-                    conn.record(Usage {
-                        prompt: d.prompt_tokens,
-                        completion: d.completion_tokens,
-                        cached: d.reused_tokens,
-                    });
-                    let (reason, sequence) = stop_reason(&d, &stops);
-                    send("content_block_stop", json!({"type": "content_block_stop", "index": 0}));
-                    send(
-                        "message_delta",
-                        json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                               "usage": {"output_tokens": d.completion_tokens}}),
-                    );
-                    send("message_stop", json!({"type": "message_stop"}));
-                    return;
-                }
-                Event::Failed(e) => {
-                    send(
-                        "error",
-                        json!({"type": "error", "error": {"type": "api_error", "message": e}}),
-                    );
-                    return;
-                }
-                Event::Accepted | Event::Refused(_) => true,
-            };
-            if !ok {
-                return;
-            }
+                event("message_stop", json!({"type": "message_stop"})),
+            ]
         }
+        Piece::Failed(e) => vec![event(
+            "error",
+            json!({"type": "error", "error": {"type": "api_error", "message": e}}),
+        )],
     });
-    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
-    Ok(Sse::new(stream).into_response())
+    Ok(Sse::new(tokio_stream::StreamExt::map(stream, Ok::<_, Infallible>)).into_response())
 }
 
 async fn count_tokens(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {

@@ -7,7 +7,7 @@
 //! shapes differ. Errors are ollama's `{"error": "..."}`.
 
 use super::*;
-use crate::serve::routes::{body_bytes, chat_prompt, whole_answer, Prepared};
+use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, whole_answer, Piece, Prepared};
 use snug_engine::sampling::SamplingParams;
 
 /// What `/api/tags` and `/api/show` say of the model, read at start.
@@ -429,48 +429,27 @@ async fn answer(
     let stream = p.settings.stream;
     let mut rx = s.submit(id, &p).await?;
     let model = s.model_id.clone();
-    let record = |conn: &Conn, d: &worker::Summary| {
-        conn.record(Usage {
-            prompt: d.prompt_tokens,
-            completion: d.completion_tokens,
-            cached: d.reused_tokens,
-        })
-    };
     if !stream {
         let (text, d, first) = whole_answer(&conn, &mut rx).await?;
         return Ok(Json(line(&model, chat, &text, Some((&d, started, first)))).into_response());
     }
-    let (out, out_rx) = unbounded_channel::<Result<Bytes, Infallible>>();
-    tokio::spawn(async move {
-        let send = |v: Value| {
-            let mut b = v.to_string().into_bytes();
-            b.push(b'\n');
-            out.send(Ok(Bytes::from(b))).is_ok()
-        };
-        let mut first = None;
-        while let Some(ev) = rx.recv().await {
-            let ok = match ev {
-                Event::Text(t) => {
-                    first.get_or_insert_with(Instant::now);
-                    send(line(&model, chat, &t, None))
-                }
-                Event::Done(d) => {
-                    record(&conn, &d);
-                    send(line(&model, chat, "", Some((&d, started, first))));
-                    return;
-                }
-                Event::Failed(e) => {
-                    send(json!({"error": e}));
-                    return;
-                }
-                Event::Accepted | Event::Refused(_) => true,
-            };
-            if !ok {
-                return;
+    let ndjson = |v: Value| {
+        let mut b = v.to_string().into_bytes();
+        b.push(b'\n');
+        Ok::<_, Infallible>(Bytes::from(b))
+    };
+    let mut first = None;
+    let stream = stream_answer(rx, conn, Vec::new(), move |piece| {
+        vec![ndjson(match piece {
+            Piece::Text(t) => {
+                first.get_or_insert_with(Instant::now);
+                line(&model, chat, t, None)
             }
-        }
+            Piece::Done(d) => line(&model, chat, "", Some((d, started, first))),
+            Piece::Failed(e) => json!({"error": e}),
+        })]
     });
-    let body = axum::body::Body::from_stream(tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx));
+    let body = axum::body::Body::from_stream(stream);
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }
 

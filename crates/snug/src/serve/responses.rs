@@ -6,7 +6,7 @@
 //! routes.
 
 use super::*;
-use crate::serve::routes::{body_bytes, chat_prompt, whole_answer};
+use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, whole_answer, Piece};
 
 pub(super) fn routes() -> Router<Arc<AppState>> {
     Router::new().route("/v1/responses", post(responses))
@@ -321,77 +321,53 @@ async fn inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesRejection
         ))
         .into_response());
     }
-    let (out, out_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
-    tokio::spawn(async move {
-        let mut seq = 0u64;
-        let mut send = |mut v: Value| {
-            v["sequence_number"] = json!(seq);
-            seq += 1;
-            let name = v["type"].as_str().unwrap_or("message").to_string();
-            out.send(Ok(SseEvent::default().event(name).data(v.to_string())))
-                .is_ok()
-        };
-        let started = response_object(&resp_id, &msg_id, created, &model, &echo, None);
-        let part = json!({"type": "output_text", "text": "", "annotations": []});
-        if !send(json!({"type": "response.created", "response": started}))
-            || !send(json!({"type": "response.in_progress", "response": started}))
-            || !send(json!({"type": "response.output_item.added", "output_index": 0,
-                            "item": message_item(&msg_id, "in_progress", "")}))
-            || !send(
-                json!({"type": "response.content_part.added", "item_id": msg_id, "output_index": 0,
-                            "content_index": 0, "part": part}),
-            )
-        {
-            return;
+    let started = response_object(&resp_id, &msg_id, created, &model, &echo, None);
+    let part = json!({"type": "output_text", "text": "", "annotations": []});
+    let prelude = vec![
+        json!({"type": "response.created", "response": started}),
+        json!({"type": "response.in_progress", "response": started}),
+        json!({"type": "response.output_item.added", "output_index": 0,
+               "item": message_item(&msg_id, "in_progress", "")}),
+        json!({"type": "response.content_part.added", "item_id": msg_id, "output_index": 0,
+               "content_index": 0, "part": part}),
+    ];
+    let mut text = String::new();
+    let events = stream_answer(rx, conn, prelude, move |piece| match piece {
+        Piece::Text(t) => {
+            text.push_str(t);
+            vec![
+                json!({"type": "response.output_text.delta", "item_id": msg_id, "output_index": 0,
+                        "content_index": 0, "delta": t, "logprobs": []}),
+            ]
         }
-        let mut text = String::new();
-        while let Some(ev) = rx.recv().await {
-            let ok = match ev {
-                Event::Text(t) => {
-                    text.push_str(&t);
-                    send(
-                        json!({"type": "response.output_text.delta", "item_id": msg_id, "output_index": 0,
-                                "content_index": 0, "delta": t, "logprobs": []}),
-                    )
-                }
-                Event::Done(d) => {
-                    conn.record(Usage {
-                        prompt: d.prompt_tokens,
-                        completion: d.completion_tokens,
-                        cached: d.reused_tokens,
-                    });
-                    let done_part = json!({"type": "output_text", "text": text, "annotations": []});
-                    send(
-                        json!({"type": "response.output_text.done", "item_id": msg_id, "output_index": 0,
-                                "content_index": 0, "text": text, "logprobs": []}),
-                    );
-                    send(
-                        json!({"type": "response.content_part.done", "item_id": msg_id, "output_index": 0,
-                                "content_index": 0, "part": done_part}),
-                    );
-                    send(json!({"type": "response.output_item.done", "output_index": 0,
-                                "item": message_item(&msg_id, "completed", &text)}));
-                    let last = response_object(&resp_id, &msg_id, created, &model, &echo, Some((&text, &d)));
-                    let kind = if last["status"] == "completed" {
-                        "response.completed"
-                    } else {
-                        "response.incomplete"
-                    };
-                    send(json!({"type": kind, "response": last}));
-                    return;
-                }
-                Event::Failed(e) => {
-                    send(json!({"type": "error", "code": "server_error", "message": e, "param": null}));
-                    return;
-                }
-                Event::Accepted | Event::Refused(_) => true,
+        Piece::Done(d) => {
+            let done_part = json!({"type": "output_text", "text": text, "annotations": []});
+            let last = response_object(&resp_id, &msg_id, created, &model, &echo, Some((&text, d)));
+            let kind = if last["status"] == "completed" {
+                "response.completed"
+            } else {
+                "response.incomplete"
             };
-            if !ok {
-                return;
-            }
+            vec![
+                json!({"type": "response.output_text.done", "item_id": msg_id, "output_index": 0,
+                       "content_index": 0, "text": text, "logprobs": []}),
+                json!({"type": "response.content_part.done", "item_id": msg_id, "output_index": 0,
+                       "content_index": 0, "part": done_part}),
+                json!({"type": "response.output_item.done", "output_index": 0,
+                       "item": message_item(&msg_id, "completed", &text)}),
+                json!({"type": kind, "response": last}),
+            ]
         }
+        Piece::Failed(e) => vec![json!({"type": "error", "code": "server_error", "message": e, "param": null})],
     });
-    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
+    // Every event carries its place in the stream.
+    let mut seq = 0u64;
+    let stream = tokio_stream::StreamExt::map(events, move |mut v: Value| {
+        v["sequence_number"] = json!(seq);
+        seq += 1;
+        let name = v["type"].as_str().unwrap_or("message").to_string();
+        Ok::<_, Infallible>(SseEvent::default().event(name).data(v.to_string()))
+    });
     Ok(Sse::new(stream).into_response())
 }
 

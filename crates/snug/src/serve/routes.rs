@@ -572,6 +572,58 @@ pub(super) async fn whole_answer(
     }
 }
 
+/// What a streamed answer's formatter is handed, in order: pieces of
+/// text, then how it ended (or why it failed).
+pub(super) enum Piece<'a> {
+    Text(&'a str),
+    Done(&'a worker::Summary),
+    Failed(&'a str),
+}
+
+/// A streamed answer: a task sends `prelude`, then what `format` makes of
+/// each of the engine's events, and notes the tokens for the access log.
+/// When the client goes away the channel closes, the task ends and drops
+/// the engine's receiver, and the engine loop cancels the request.
+pub(super) fn stream_answer<T: Send + 'static>(
+    mut rx: UnboundedReceiver<Event>,
+    conn: Conn,
+    prelude: Vec<T>,
+    mut format: impl FnMut(Piece<'_>) -> Vec<T> + Send + 'static,
+) -> tokio_stream::wrappers::UnboundedReceiverStream<T> {
+    let (out, out_rx) = unbounded_channel::<T>();
+    tokio::spawn(async move {
+        for item in prelude {
+            if out.send(item).is_err() {
+                return;
+            }
+        }
+        while let Some(ev) = rx.recv().await {
+            let (items, last) = match &ev {
+                Event::Text(t) => (format(Piece::Text(t)), false),
+                Event::Done(d) => {
+                    conn.record(Usage {
+                        prompt: d.prompt_tokens,
+                        completion: d.completion_tokens,
+                        cached: d.reused_tokens,
+                    });
+                    (format(Piece::Done(d)), true)
+                }
+                Event::Failed(e) => (format(Piece::Failed(e)), true),
+                Event::Accepted | Event::Refused(_) => continue,
+            };
+            for item in items {
+                if out.send(item).is_err() {
+                    return;
+                }
+            }
+            if last {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx)
+}
+
 /// Runs a prepared request and answers it, streaming or not.
 pub(super) async fn respond(
     s: &Arc<AppState>,
@@ -605,68 +657,52 @@ pub(super) async fn respond(
         };
         return Ok(Json(body).into_response());
     }
-    // Streaming: a task turns engine events into SSE chunks; when the
-    // client goes away the chunk channel closes, the task ends and drops
-    // the engine's receiver, and the engine loop cancels the request.
-    let (out, out_rx) = unbounded_channel::<Result<SseEvent, Infallible>>();
     let model = s.model_id.clone();
     let include_usage = p.settings.include_usage;
-    tokio::spawn(async move {
-        let chunk = |choice: Value| -> Value {
-            match kind {
-                Kind::Chat => json!({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                     "model": model, "choices": [choice]}),
-                Kind::Completion => json!({"id": rid, "object": "text_completion", "created": created,
-                                           "model": model, "choices": [choice]}),
-            }
-        };
-        let send = |v: Value| out.send(Ok(SseEvent::default().data(v.to_string()))).is_ok();
-        if kind == Kind::Chat
-            && !send(chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": null, "finish_reason": null})))
-        {
-            return;
+    let chunk = move |choice: Value| -> Value {
+        match kind {
+            Kind::Chat => json!({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                 "model": model, "choices": [choice]}),
+            Kind::Completion => json!({"id": rid, "object": "text_completion", "created": created,
+                                       "model": model, "choices": [choice]}),
         }
-        while let Some(ev) = rx.recv().await {
-            let ok = match ev {
-                Event::Text(t) => send(chunk(match kind {
-                    Kind::Chat => json!({"index": 0, "delta": {"content": t}, "logprobs": null, "finish_reason": null}),
-                    Kind::Completion => json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
-                })),
-                Event::Done(d) => {
-                    conn.record(Usage {
-                        prompt: d.prompt_tokens,
-                        completion: d.completion_tokens,
-                        cached: d.reused_tokens,
-                    });
-                    let reason = d.finish_reason.as_str();
-                    let last = match kind {
-                        Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
-                        Kind::Completion => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason}),
-                    };
-                    send(chunk(last));
-                    if include_usage {
-                        let mut v = chunk(Value::Null);
-                        v["choices"] = json!([]);
-                        v["usage"] = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
-                        send(v);
-                    }
-                    let _ = out.send(Ok(SseEvent::default().data("[DONE]")));
-                    return;
-                }
-                Event::Failed(e) => {
-                    send(json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}));
-                    return;
-                }
-                Event::Accepted | Event::Refused(_) => true,
+    };
+    let data = |v: Value| SseEvent::default().data(v.to_string());
+    let prelude = match kind {
+        Kind::Chat => vec![data(chunk(
+            json!({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": null, "finish_reason": null}),
+        ))],
+        Kind::Completion => Vec::new(),
+    };
+    let stream = stream_answer(rx, conn, prelude, move |piece| match piece {
+        Piece::Text(t) => vec![data(chunk(match kind {
+            Kind::Chat => json!({"index": 0, "delta": {"content": t}, "logprobs": null, "finish_reason": null}),
+            Kind::Completion => json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
+        }))],
+        Piece::Done(d) => {
+            let reason = d.finish_reason.as_str();
+            let last = match kind {
+                Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
+                Kind::Completion => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason}),
             };
-            if !ok {
-                return;
+            let mut out = vec![data(chunk(last))];
+            if include_usage {
+                let mut v = chunk(Value::Null);
+                v["choices"] = json!([]);
+                v["usage"] = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
+                out.push(data(v));
             }
+            out.push(SseEvent::default().data("[DONE]"));
+            out
         }
+        Piece::Failed(e) => vec![data(
+            json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}),
+        )],
     });
-    let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+    Ok(Sse::new(tokio_stream::StreamExt::map(stream, Ok::<_, Infallible>))
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 /// `POST /v1/systemone`: Laya's typed decisions (see docs/DECIDE.md).
