@@ -28,15 +28,15 @@ for k in formats:
         size = 16 * (vector[k] + vector[v])
         open(f"corpus/kvpage/seed-{k}-{v}", "wb").write(bytes([(i << 1) | 1]) + os.urandom(size))
         i += 1
-# Request bodies: the first byte's remainder mod 5 is the route, its high
-# nibble the encoding (0 none, 1 gzip, 2 zstd).
+# Request bodies: the first byte's low nibble is the route (mod 9), its
+# high nibble the encoding (0 none, 1 gzip, 2 zstd).
 bodies = [
     (0, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "stop": ["\n"],
          "stream": True, "stream_options": {"include_usage": True}}),
     (0, {"messages": [{"role": "system", "content": [{"type": "text", "text": "a"}]}, {"role": "user", "content": "b"}],
          "top_p": 0.9, "top_k": 5, "seed": 3, "n": 1, "logit_bias": {"1": 2}}),
     (1, {"prompt": "Once", "max_tokens": 8, "temperature": 0.5, "min_p": 0.1, "repeat_penalty": 1.1, "stop": "x"}),
-    (1, {"prompt": [1, 2, 3], "max_tokens": 2}),
+    (1, {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}),
     (1, {"prompt": ["a", "b"]}),
     (2, {"state": "The ticket says the printer is on fire.",
          "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"},
@@ -46,14 +46,23 @@ bodies = [
     (3, {"states": ["a", {"x": 1}], "questions": {"q": {"type": "choice", "instructions": "?", "options": ["a", "b"]}},
          "min_confidence": {"q": 0.2}}),
     (4, {"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}),
+    (5, {"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["x"],
+         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, {"role": "assistant", "content": "Yo"}],
+         "temperature": 0.5, "top_k": 3, "stream": True}),
+    (6, {"model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0, "stream": True,
+         "input": [{"role": "developer", "content": "x"}, {"type": "message", "role": "user",
+                    "content": [{"type": "input_text", "text": "Hi"}]}]}),
+    (7, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+         "options": {"temperature": 0, "num_predict": 4, "stop": ["\n"], "seed": 1, "num_ctx": 2048, "mirostat": 0}}),
+    (8, {"model": "m", "prompt": "Once", "system": "s", "raw": False, "options": {"top_k": 5, "repeat_last_n": -1}}),
 ]
 for n, (route, body) in enumerate(bodies):
     raw = json.dumps(body).encode()
     open(f"corpus/http/seed-{n}", "wb").write(bytes([route]) + raw)
-    open(f"corpus/http/seed-{n}-gz", "wb").write(bytes([20 + route]) + gzip.compress(raw))
+    open(f"corpus/http/seed-{n}-gz", "wb").write(bytes([0x10 | route]) + gzip.compress(raw))
     zst = subprocess.run(["zstd", "-q", "-c"], input=raw, capture_output=True).stdout
     if zst:
-        open(f"corpus/http/seed-{n}-zst", "wb").write(bytes([40 + route]) + zst)
+        open(f"corpus/http/seed-{n}-zst", "wb").write(bytes([0x20 | route]) + zst)
 # The models' chat templates, read from their GGUF metadata.
 key = b"tokenizer.chat_template"
 for path in glob.glob(os.path.join(sys.argv[1], "*.gguf")):

@@ -2,10 +2,11 @@
 //! checked, or refused with an OpenAI error object: never a panic, and a
 //! compressed body never decodes past its limit.
 //!
-//! The first byte picks the route (chat, completions, systemone,
-//! systemone batch, the Laya checkpoint's route) and the encoding (none,
-//! gzip, zstd); the rest is the body. The server's request module is
-//! compiled in as it is.
+//! The first byte's low nibble picks the route (chat, completions,
+//! systemone, systemone batch, the Laya checkpoint's route, Anthropic's
+//! messages, OpenAI's responses, ollama's chat and generate) and its high
+//! nibble the encoding (0 none, 1 gzip, 2 zstd); the rest is the body.
+//! The server's request modules are compiled in as they are.
 
 #![no_main]
 
@@ -13,8 +14,17 @@ use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
 #[allow(dead_code)]
+#[path = "../../crates/snug/src/serve/anthropic_wire.rs"]
+mod anthropic_wire;
+#[allow(dead_code)]
 #[path = "../../crates/snug/src/serve/api.rs"]
 mod api;
+#[allow(dead_code)]
+#[path = "../../crates/snug/src/serve/ollama_wire.rs"]
+mod ollama_wire;
+#[allow(dead_code)]
+#[path = "../../crates/snug/src/serve/responses_wire.rs"]
+mod responses_wire;
 
 /// The server's own answer is built elsewhere; the status is all the
 /// request module needs here.
@@ -61,7 +71,7 @@ fuzz_target!(|data: &[u8]| {
         }
         _ => body,
     };
-    match flag % 5 {
+    match (flag & 0x0f) % 9 {
         0 => {
             let Ok(req) = api::parse::<api::ChatRequest>(body) else {
                 return;
@@ -77,9 +87,37 @@ fuzz_target!(|data: &[u8]| {
             };
             let _ = req.common.settings(1);
         }
-        r => {
+        r @ (2..=4) => {
             let Ok(v) = api::parse::<Value>(body) else { return };
             questions(&v, r == 3);
+        }
+        5 => {
+            let Ok(req) = api::parse::<anthropic_wire::MessagesRequest>(body) else {
+                return;
+            };
+            let _ = anthropic_wire::conversation(&req);
+            let _ = anthropic_wire::settings(&req, 1);
+        }
+        6 => {
+            let Ok(req) = api::parse::<responses_wire::ResponsesRequest>(body) else {
+                return;
+            };
+            let _ = responses_wire::conversation(&req);
+            let _ = responses_wire::settings(&req, 1);
+        }
+        7 => {
+            let Ok(req) = api::parse::<ollama_wire::ChatBody>(body) else {
+                return;
+            };
+            let _ = ollama_wire::refuse_unsupported(&req.format, &req.tools, &req.think);
+            let _ = ollama_wire::settings(req.options.as_ref(), 1, true);
+        }
+        _ => {
+            let Ok(req) = api::parse::<ollama_wire::GenerateBody>(body) else {
+                return;
+            };
+            let _ = ollama_wire::refuse_unsupported(&req.format, &None, &req.think);
+            let _ = ollama_wire::settings(req.options.as_ref(), 1, false);
         }
     }
 });

@@ -8,6 +8,7 @@
 //! inside it admits, queues or refuses (503) each job under the KV budget.
 
 pub mod anthropic;
+mod anthropic_wire;
 pub mod api;
 mod args;
 mod auth;
@@ -15,7 +16,9 @@ mod conn;
 pub mod laya;
 pub mod metrics;
 mod ollama;
+mod ollama_wire;
 mod responses;
+mod responses_wire;
 mod routes;
 mod start;
 pub mod worker;

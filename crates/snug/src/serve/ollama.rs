@@ -6,9 +6,9 @@
 //! scheduler, template worker and engine as the OpenAI routes; only the
 //! shapes differ. Errors are ollama's `{"error": "..."}`.
 
+use super::ollama_wire::*;
 use super::*;
 use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, whole_answer, Piece, Prepared};
-use snug_engine::sampling::SamplingParams;
 
 /// What `/api/tags` and `/api/show` say of the model, read at start.
 pub(super) struct Facts {
@@ -102,189 +102,6 @@ pub(super) fn rfc3339(t: SystemTime) -> String {
     )
 }
 
-fn bad(message: String) -> ApiError {
-    ApiError::bad(message, None)
-}
-
-/// `options` into sampling settings, from ollama's defaults.
-fn settings(options: Option<&serde_json::Map<String, Value>>, seed: u64, stream: bool) -> Result<Settings, ApiError> {
-    let mut p = SamplingParams {
-        temperature: 0.8,
-        top_k: 40,
-        top_p: 0.9,
-        min_p: 0.0,
-        repeat_penalty: 1.1,
-        presence_penalty: 0.0,
-        penalty_last_n: 64,
-        seed,
-        logit_bias: Vec::new(),
-    };
-    let mut max_tokens = None;
-    let mut stop = Vec::new();
-    for (k, v) in options.into_iter().flatten() {
-        let num = |lo: f64, hi: f64| -> Result<f64, ApiError> {
-            v.as_f64()
-                .filter(|x| (lo..=hi).contains(x))
-                .ok_or_else(|| bad(format!("options.{k} must be a number in [{lo}, {hi}]; got {v}")))
-        };
-        let int = || -> Result<i64, ApiError> {
-            v.as_i64()
-                .ok_or_else(|| bad(format!("options.{k} must be an integer; got {v}")))
-        };
-        match k.as_str() {
-            "temperature" => p.temperature = num(0.0, 5.0)? as f32,
-            "top_k" => p.top_k = usize::try_from(int()?).map_err(|_| bad("options.top_k must be 0 or more".into()))?,
-            "top_p" => p.top_p = num(0.0, 1.0)? as f32,
-            "min_p" => p.min_p = num(0.0, 1.0)? as f32,
-            "repeat_penalty" => p.repeat_penalty = num(0.0, 10.0)? as f32,
-            "presence_penalty" => p.presence_penalty = num(-2.0, 2.0)? as f32,
-            "repeat_last_n" => {
-                p.penalty_last_n = match int()? {
-                    -1 => usize::MAX,
-                    n => usize::try_from(n).map_err(|_| bad("options.repeat_last_n must be -1 or more".into()))?,
-                }
-            }
-            "seed" => {
-                let s = int()?;
-                if s >= 0 {
-                    p.seed = s as u64;
-                }
-            }
-            "num_predict" => {
-                max_tokens = match int()? {
-                    -1 | -2 => None,
-                    n if n >= 1 => Some(n as usize),
-                    n => {
-                        return Err(bad(format!(
-                            "options.num_predict must be -1, -2 or at least 1; got {n}"
-                        )))
-                    }
-                }
-            }
-            "stop" => {
-                let list = v
-                    .as_array()
-                    .ok_or_else(|| bad("options.stop must be a list of strings".into()))?;
-                for s in list {
-                    match s.as_str() {
-                        Some(s) if !s.is_empty() => stop.push(s.to_string()),
-                        _ => return Err(bad("options.stop must be a list of non-empty strings".into())),
-                    }
-                }
-                if stop.len() > 16 {
-                    return Err(bad("options.stop takes up to 16 strings".into()));
-                }
-            }
-            // Sampling snug does not do: refused unless off.
-            "frequency_penalty" if v.as_f64() == Some(0.0) => {}
-            "mirostat" if v.as_f64() == Some(0.0) => {}
-            "typical_p" | "tfs_z" if v.as_f64() == Some(1.0) => {}
-            "mirostat_tau" | "mirostat_eta" => {}
-            "frequency_penalty" | "mirostat" | "typical_p" | "tfs_z" => {
-                return Err(bad(format!("options.{k} is not supported")));
-            }
-            // How a runner loads and runs the model: snug's flags decide.
-            "num_ctx" | "num_batch" | "num_gpu" | "main_gpu" | "use_mmap" | "use_mlock" | "num_thread" | "numa"
-            | "low_vram" | "f16_kv" | "vocab_only" | "num_keep" | "penalize_newline" | "logits_all"
-            | "embedding_only" => {}
-            other => return Err(bad(format!("unknown option {other:?}"))),
-        }
-    }
-    Ok(Settings {
-        params: p,
-        max_tokens,
-        stop,
-        stream,
-        include_usage: false,
-        ignore_eos: false,
-    })
-}
-
-/// Fields of a request that ask for what snug does not do yet.
-fn refuse_unsupported(
-    format: &Option<Value>,
-    tools: &Option<Vec<Value>>,
-    think: &Option<Value>,
-) -> Result<(), ApiError> {
-    if format.as_ref().is_some_and(|f| !f.is_null() && f != "") {
-        return Err(bad("format (structured output) is not supported yet".into()));
-    }
-    if tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(bad("tools are not supported yet".into()));
-    }
-    if think.as_ref().is_some_and(|t| t == true || t.is_string()) {
-        return Err(bad("think is not supported".into()));
-    }
-    Ok(())
-}
-
-#[derive(serde::Deserialize)]
-struct OllamaMessage {
-    role: String,
-    #[serde(default)]
-    content: String,
-    #[serde(default)]
-    images: Option<Vec<Value>>,
-    #[serde(default)]
-    tool_calls: Option<Vec<Value>>,
-    #[serde(default)]
-    thinking: Option<String>,
-    #[serde(default)]
-    tool_name: Option<String>,
-}
-
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ChatRequest {
-    #[serde(default)]
-    model: String,
-    #[serde(default)]
-    messages: Vec<OllamaMessage>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    options: Option<serde_json::Map<String, Value>>,
-    #[serde(default)]
-    format: Option<Value>,
-    #[serde(default)]
-    tools: Option<Vec<Value>>,
-    #[serde(default)]
-    think: Option<Value>,
-    #[serde(default)]
-    keep_alive: Option<Value>,
-}
-
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct GenerateRequest {
-    #[serde(default)]
-    model: String,
-    #[serde(default)]
-    prompt: String,
-    #[serde(default)]
-    system: Option<String>,
-    #[serde(default)]
-    suffix: Option<String>,
-    #[serde(default)]
-    template: Option<String>,
-    #[serde(default)]
-    raw: Option<bool>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    options: Option<serde_json::Map<String, Value>>,
-    #[serde(default)]
-    format: Option<Value>,
-    #[serde(default)]
-    images: Option<Vec<Value>>,
-    #[serde(default)]
-    context: Option<Vec<Value>>,
-    #[serde(default)]
-    think: Option<Value>,
-    #[serde(default)]
-    keep_alive: Option<Value>,
-}
-
 async fn chat(
     State(s): State<Arc<AppState>>,
     ConnectInfo(conn): ConnectInfo<Conn>,
@@ -297,7 +114,7 @@ async fn chat(
 async fn chat_inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let started = Instant::now();
     let body = body_bytes(body, s)?;
-    let req: ChatRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let req: ChatBody = api::parse(&body).map_err(|e| s.bad(e))?;
     let _ = (&req.model, &req.keep_alive);
     refuse_unsupported(&req.format, &req.tools, &req.think).map_err(|e| s.bad(e))?;
     if req.messages.is_empty() {
@@ -345,7 +162,7 @@ async fn generate_inner(
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let body = body_bytes(body, s)?;
-    let req: GenerateRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let req: GenerateBody = api::parse(&body).map_err(|e| s.bad(e))?;
     let _ = (&req.model, &req.keep_alive);
     refuse_unsupported(&req.format, &None, &req.think).map_err(|e| s.bad(e))?;
     let refuse = |what: &str| Err(s.bad(bad(format!("{what} is not supported"))));
