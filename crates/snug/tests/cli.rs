@@ -431,6 +431,17 @@ fn run_stops_at_the_context_limit_with_length() {
     assert!(text(&out.stderr).contains("context limit"));
 }
 
+/// A number from a chat turn's line (`[N prompt tokens, R reused from the
+/// cache, P prefilled; G generated at ...]`): the one after the first
+/// `sep` (", " gives R, "; " gives G).
+fn turn_count(line: &str, sep: &str) -> u64 {
+    line.split(sep)
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count after {sep:?} in {line:?}"))
+}
+
 #[test]
 fn chat_reuses_the_cache_across_turns() {
     use std::io::Write;
@@ -455,16 +466,7 @@ fn chat_reuses_the_cache_across_turns() {
     let err = text(&out.stderr);
     let turns: Vec<&str> = err.lines().filter(|l| l.contains("reused from the cache")).collect();
     assert_eq!(turns.len(), 3, "{err}");
-    let reused = |l: &str| -> u64 {
-        l.split(", ")
-            .nth(1)
-            .unwrap()
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let reused = |l: &str| turn_count(l, ", ");
     assert_eq!(reused(turns[0]), 0, "first turn starts cold");
     assert!(
         reused(turns[1]) > 20,
@@ -885,15 +887,7 @@ fn a_chat_session_resumes_in_a_new_process() {
     assert!(resumed.contains("2 messages"), "{resumed}");
     // The turn prefills only its own tokens: the rest comes from the file.
     let turn = second.lines().find(|l| l.contains("reused from the cache")).unwrap();
-    let reused: u64 = turn
-        .split(", ")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let reused = turn_count(turn, ", ");
     assert!(reused > 20, "{turn}");
     let info = snug().args(["session", "info", "--json"]).arg(&file).output().unwrap();
     let v = json_of(&info);
@@ -1389,26 +1383,8 @@ fn ctrl_c_in_chat_stops_the_answer_and_keeps_the_conversation() {
     assert!(err.contains("[interrupted"), "{err}");
     let turns: Vec<&str> = err.lines().filter(|l| l.contains("reused from the cache")).collect();
     assert_eq!(turns.len(), 2, "{err}");
-    let generated = |l: &str| -> usize {
-        l.split("; ")
-            .nth(1)
-            .unwrap()
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
-    assert!(generated(turns[0]) < 2000, "{}", turns[0]);
+    assert!(turn_count(turns[0], "; ") < 2000, "{}", turns[0]);
     // The second turn reused the first, interrupted answer included.
-    let reused: usize = turns[1]
-        .split(", ")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let reused = turn_count(turns[1], ", ");
     assert!(reused > 20, "{}", turns[1]);
 }

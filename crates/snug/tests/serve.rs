@@ -536,51 +536,44 @@ fn shutdown_drains_running_requests() {
     assert!(log.iter().any(|l| l.contains("draining")), "{log:?}");
 }
 
-#[test]
-fn the_openai_python_client_drives_the_server() {
-    let Some(model) = smollm2() else { return };
+/// Runs `scripts/PACKAGE-client-check.py ARGS` with the Python that has
+/// the official client libraries (`SNUG_OPENAI_PYTHON`, which scripts/test
+/// sets up) and returns its stdout; `None` (the test skipped) only when no
+/// such Python is named and models are not required.
+fn client_check(package: &str, args: &[String]) -> Option<String> {
     let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
         assert!(
             std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
-            "SNUG_OPENAI_PYTHON must name a python with the openai package (scripts/test installs one)"
+            "SNUG_OPENAI_PYTHON must name a python with the {package} package (scripts/test installs one)"
         );
         eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
-        return;
+        return None;
     };
-    let s = Server::start(&model, &["--api-key", "k"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client-check.py");
-    let out = Command::new(python)
-        .arg(script)
-        .arg(format!("http://{}/v1", s.addr))
-        .arg("k")
-        .output()
-        .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../scripts/{package}-client-check.py"));
+    let out = Command::new(python).arg(script).args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn the_openai_python_client_drives_the_server() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &["--api-key", "k"]);
+    let Some(out) = client_check("openai", &[format!("http://{}/v1", s.addr), "k".into()]) else {
+        return;
+    };
+    assert!(out.contains("ok"), "{out}");
 }
 
 #[test]
 fn the_ollama_python_client_drives_the_server() {
     let Some(model) = smollm2() else { return };
-    let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
-        assert!(
-            std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
-            "SNUG_OPENAI_PYTHON must name a python with the ollama package (scripts/test installs one)"
-        );
-        eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
+    let s = Server::start(&model, &["--alias", "smollm2"]);
+    let Some(out) = client_check("ollama", &[format!("http://{}", s.addr)]) else {
         return;
     };
-    let s = Server::start(&model, &["--alias", "smollm2"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ollama-client-check.py");
-    let out = Command::new(python)
-        .arg(script)
-        .arg(format!("http://{}", s.addr))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["model"], "smollm2");
     assert_eq!(v["details"]["family"], "llama");
     assert_eq!(v["details"]["quantization_level"], "Q4_1");
@@ -593,25 +586,11 @@ fn the_ollama_python_client_drives_the_server() {
 #[test]
 fn the_anthropic_python_client_drives_the_server() {
     let Some(model) = smollm2() else { return };
-    let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
-        assert!(
-            std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
-            "SNUG_OPENAI_PYTHON must name a python with the anthropic package (scripts/test installs one)"
-        );
-        eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
+    let s = Server::start(&model, &["--api-key", "k"]);
+    let Some(out) = client_check("anthropic", &[format!("http://{}", s.addr), "k".into()]) else {
         return;
     };
-    let s = Server::start(&model, &["--api-key", "k"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/anthropic-client-check.py");
-    let out = Command::new(python)
-        .arg(script)
-        .arg(format!("http://{}", s.addr))
-        .arg("k")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["streamed_equal"], true, "{v}");
     assert_eq!(v["stop_sequence"], "e", "{v}");
     // The same greedy answer as the OpenAI route gives the same messages.
