@@ -11,6 +11,13 @@
 //! random draw), drafts are kept while they equal their targets, and the
 //! rest is rolled back by truncating the page table. So the output is the
 //! same, byte for byte, with speculation on or off.
+//!
+//! A request may carry a grammar ([`crate::grammar`]): every token is then
+//! sampled under the grammar's mask for its position. Drafts are cut to the
+//! prefix the grammar accepts (and never run past an end-of-generation
+//! token), verification masks each row with the state after the rows
+//! before it, and the grammar is rolled back to where plain decoding would
+//! stand; so the output stays the same with speculation on or off.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -20,6 +27,7 @@ use snug_core::draft::PromptLookup;
 use snug_core::speculate::{Mode, Policy};
 use snug_model::tokenizer::{StreamDecoder, Tokenizer};
 
+use crate::grammar::Constraint;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::StepRow;
 use crate::{Engine, EngineError, SeqId};
@@ -38,6 +46,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Speculative decoding (never changes the output).
     pub speculate: Mode,
+    /// A grammar the output must follow, from its start.
+    pub constraint: Option<Constraint>,
 }
 
 /// Why generation ended.
@@ -207,6 +217,35 @@ pub struct Decoding {
     decode_start: Option<Instant>,
     pending: Pending,
     step_start: Instant,
+    constraint: Option<Constraint>,
+    /// Logits under the constraint's mask.
+    masked: Vec<f32>,
+    /// The grammar allowed nothing after the tokens in `ready`: the
+    /// generation ends when they are emitted.
+    finish_after_ready: bool,
+}
+
+/// Samples the token at the next position of `history` from `logits`,
+/// under `constraint`'s mask when there is one; `None` when the grammar
+/// allows no token at all.
+fn pick(
+    sampler: &mut Sampler,
+    constraint: &mut Option<Constraint>,
+    masked: &mut Vec<f32>,
+    logits: &[f32],
+    history: &[u32],
+    params: &SamplingParams,
+) -> Result<Option<u32>, EngineError> {
+    let position = history.len() as u64;
+    match constraint {
+        None => Ok(Some(sampler.sample(logits, history, params, position))),
+        Some(c) => {
+            if !c.mask(logits, masked)? {
+                return Ok(None);
+            }
+            Ok(Some(sampler.sample(masked, history, params, position)))
+        }
+    }
 }
 
 impl Decoding {
@@ -270,6 +309,9 @@ impl Decoding {
             decode_start: None,
             pending: Pending::None,
             step_start: start,
+            constraint: req.constraint.clone(),
+            masked: Vec::new(),
+            finish_after_ready: false,
             req,
         })
     }
@@ -336,11 +378,28 @@ impl Decoding {
         while !self.is_done() && self.out_tokens.len() < self.req.max_tokens {
             let (next, in_kv) = match self.ready.pop_front() {
                 Some(r) => r,
-                None => (
-                    self.sampler
-                        .sample(&self.logits, &self.history, &self.req.params, self.history.len() as u64),
-                    false,
-                ),
+                None if self.finish_after_ready => {
+                    self.finish = Some(FinishReason::Stop);
+                    break;
+                }
+                None => {
+                    let picked = pick(
+                        &mut self.sampler,
+                        &mut self.constraint,
+                        &mut self.masked,
+                        &self.logits,
+                        &self.history,
+                        &self.req.params,
+                    )?;
+                    match picked {
+                        Some(t) => (t, false),
+                        // The grammar allows nothing more: it is complete.
+                        None => {
+                            self.finish = Some(FinishReason::Stop);
+                            break;
+                        }
+                    }
+                }
             };
             if self.out_tokens.is_empty() {
                 self.stats.ttft_ms = self.start.elapsed().as_secs_f64() * 1e3;
@@ -348,6 +407,9 @@ impl Decoding {
             if tok.is_eog(next) {
                 self.finish = Some(FinishReason::Stop);
                 break;
+            }
+            if let Some(c) = &mut self.constraint {
+                c.consume(next)?;
             }
             self.out_tokens.push(next);
             self.history.push(next);
@@ -382,7 +444,14 @@ impl Decoding {
                 self.drafter.sync(&self.history);
                 self.spec.state_bytes = self.spec.state_bytes.max(self.drafter.bytes());
                 let (found, n) = self.drafter.draft_match(room.min(self.policy.max_draft));
-                let available = found.len();
+                let mut available = found.len();
+                if let Some(c) = &mut self.constraint {
+                    // Only what the grammar accepts, and nothing past an
+                    // end of generation (the grammar is not advanced
+                    // through one).
+                    let before_eog = found.iter().position(|&t| tok.is_eog(t)).unwrap_or(found.len());
+                    available = c.valid_prefix(&found[..before_eog]);
+                }
                 matched = n;
                 if available > 0 && self.req.speculate == Mode::Auto && !self.calibrated {
                     self.calibrated = true;
@@ -443,11 +512,21 @@ impl Decoding {
                 }
                 let base = self.history.len();
                 let mut accepted = 0;
+                let mut dead_end = false;
                 for (i, &d) in draft.iter().enumerate() {
                     let row = &logits[i * vocab..(i + 1) * vocab];
-                    let target = self
-                        .sampler
-                        .sample(row, &self.history, &self.req.params, self.history.len() as u64);
+                    let picked = pick(
+                        &mut self.sampler,
+                        &mut self.constraint,
+                        &mut self.masked,
+                        row,
+                        &self.history,
+                        &self.req.params,
+                    )?;
+                    let Some(target) = picked else {
+                        dead_end = true;
+                        break;
+                    };
                     if target != d {
                         self.ready.push_back((target, false));
                         break;
@@ -455,16 +534,35 @@ impl Decoding {
                     accepted += 1;
                     self.ready.push_back((target, true));
                     self.history.push(target);
+                    if let Some(c) = &mut self.constraint {
+                        c.consume(target)?;
+                    }
                 }
-                if accepted == draft.len() {
+                if accepted == draft.len() && !dead_end {
                     let row = &logits[draft.len() * vocab..(draft.len() + 1) * vocab];
-                    let target = self
-                        .sampler
-                        .sample(row, &self.history, &self.req.params, self.history.len() as u64);
-                    self.ready.push_back((target, false));
+                    let picked = pick(
+                        &mut self.sampler,
+                        &mut self.constraint,
+                        &mut self.masked,
+                        row,
+                        &self.history,
+                        &self.req.params,
+                    )?;
+                    dead_end = picked.is_none();
+                    if let Some(target) = picked {
+                        self.ready.push_back((target, false));
+                    }
+                }
+                if dead_end {
+                    // Plain decoding would stop where the grammar allows
+                    // nothing: after the accepted drafts.
+                    self.finish_after_ready = true;
                 }
                 // The emitting loop pushes these again as it reaches them.
                 self.history.truncate(base);
+                if let Some(c) = &mut self.constraint {
+                    c.rollback(accepted)?;
+                }
                 engine.truncate(self.seq, held + 1 + accepted)?;
                 self.policy.record(matched, draft.len(), accepted);
                 self.spec.rounds += 1;

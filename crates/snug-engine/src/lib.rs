@@ -6,6 +6,7 @@
 pub mod calibrate;
 pub mod decide;
 pub mod generate;
+pub mod grammar;
 pub mod laya;
 pub mod prefix_disk;
 pub mod sampling;
@@ -78,6 +79,8 @@ pub enum EngineError {
     BadToken(u32),
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error(transparent)]
+    Grammar(#[from] crate::grammar::GrammarError),
 }
 
 /// Bytes of one KV page (every layer's keys and values for

@@ -27,6 +27,7 @@ snug_model::test_backends! {
                 params: SamplingParams::default(),
                 stop: Vec::new(),
                 speculate,
+                constraint: None,
             };
             let mut e = Engine::new(&model, options.clone());
             let s = e.create_sequence();

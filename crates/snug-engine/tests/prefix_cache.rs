@@ -43,6 +43,7 @@ fn generate(engine: &mut Engine, tok: &Tokenizer, prompt: &[u32], params: &Sampl
         params: params.clone(),
         stop: Vec::new(),
         speculate: Mode::On,
+        constraint: None,
     };
     let g = engine.generate(seq, tok, &req, |_| {}).unwrap();
     engine.free_sequence(seq);

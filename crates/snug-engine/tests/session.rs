@@ -51,6 +51,7 @@ fn generate(
         params: params.clone(),
         stop: Vec::new(),
         speculate: Mode::On,
+        constraint: None,
     };
     engine.generate(seq, tok, &req, |_| {}).unwrap().tokens
 }

@@ -111,6 +111,7 @@ fn run(
         params: params.clone(),
         stop: Vec::new(),
         speculate: mode,
+        constraint: None,
     };
     let g = engine.generate(seq, tok, &req, |_| {}).unwrap();
     let held = engine.tokens(seq).unwrap().to_vec();

@@ -178,6 +178,25 @@ impl ChatTemplate {
         )
     }
 
+    /// Renders messages given as JSON (with fields such as `tool_calls`)
+    /// and further variables given as a JSON object (such as `tools`).
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+        extra: &serde_json::Value,
+    ) -> Result<String, TemplateError> {
+        self.render_value(
+            Value::from_serialize(messages),
+            add_generation_prompt,
+            bos_token,
+            eos_token,
+            Value::from_serialize(extra),
+        )
+    }
+
     /// Renders messages given as any serializable value (so messages may
     /// carry fields beyond role and content, such as `tool_calls`).
     pub fn render_value(
