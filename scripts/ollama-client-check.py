@@ -47,6 +47,18 @@ gen_streamed = "".join(p.response for p in c.generate(model=name, prompt="The ca
 assert gen_streamed == gen.response, (gen_streamed, gen.response)
 out["generate"] = gen.response
 
+# Structured output: `format` as "json" and as a schema.
+schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 20}},
+          "required": ["colour"], "additionalProperties": False}
+shaped = c.chat(model=name, messages=[{"role": "user", "content": "Name one colour."}],
+                format=schema, options={"temperature": 0, "num_predict": 40})
+value = json.loads(shaped.message.content)
+assert list(value) == ["colour"], shaped.message.content
+out["format_schema"] = value
+loose = c.generate(model=name, prompt="A cat as JSON:", format="json", options={"temperature": 0, "num_predict": 40})
+if loose.done_reason == "stop":
+    assert isinstance(json.loads(loose.response), dict), loose.response
+
 try:
     c.chat(model=name, messages=msgs, options={"mirostat": 2})
     raise SystemExit("mirostat was accepted")

@@ -8,6 +8,7 @@ non-zero with a message on the first mismatch.
 import sys
 
 import openai
+import pydantic
 
 
 def check(cond, what):
@@ -122,6 +123,14 @@ def main():
     short = client.responses.create(model=model, input=[{"role": "user", "content": "Count to twenty."}],
                                     max_output_tokens=3, temperature=0)
     check(short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens", f"{short}")
+    # Structured output through the Responses API's parse().
+    class Colour(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        warm: bool
+
+    parsed = client.responses.parse(model=model, input="Name one warm colour.", text_format=Colour,
+                                    max_output_tokens=60, temperature=0)
+    check(isinstance(parsed.output_parsed, Colour), f"responses parse: {parsed.output_text!r}")
     try:
         client.responses.create(model=model, input="x", previous_response_id="resp_1")
         check(False, "previous_response_id accepted")

@@ -544,7 +544,7 @@ fn client_check(package: &str, args: &[String]) -> Option<String> {
     let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
         assert!(
             std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
-            "SNUG_OPENAI_PYTHON must name a python with the {package} package (scripts/test installs one)"
+            "SNUG_OPENAI_PYTHON must name a python with the client packages for scripts/{package}-client-check.py (scripts/test installs one)"
         );
         eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
         return None;
@@ -566,6 +566,25 @@ fn the_openai_python_client_drives_the_server() {
     assert!(out.contains("ok"), "{out}");
 }
 
+/// `parse()` with Pydantic models, JSON mode, a constrained answer equal
+/// alone and batched, and tool calls (required, named, auto; streamed and
+/// not; a result sent back), through the `openai` client on every model.
+#[test]
+fn structured_output_and_tool_calls_through_the_openai_client() {
+    for alias in snug_model::testing::MODELS {
+        let Some(model) = model_path(alias) else { continue };
+        let s = Server::start(&model, &[]);
+        let Some(out) = client_check("structured", &[format!("http://{}/v1", s.addr), "--tools".into()]) else {
+            return;
+        };
+        let v: Value = serde_json::from_str(&out).unwrap();
+        eprintln!("{alias}: {v}");
+        assert_eq!(v["parsed"].as_array().unwrap().len(), 4, "{v}");
+        assert_eq!(v["batched_equal"], true, "{v}");
+        assert!(!v["required"].as_array().unwrap().is_empty(), "{v}");
+    }
+}
+
 #[test]
 fn the_ollama_python_client_drives_the_server() {
     let Some(model) = smollm2() else { return };
@@ -577,6 +596,7 @@ fn the_ollama_python_client_drives_the_server() {
     assert_eq!(v["model"], "smollm2");
     assert_eq!(v["details"]["family"], "llama");
     assert_eq!(v["details"]["quantization_level"], "Q4_1");
+    assert!(v["format_schema"]["colour"].is_string(), "{v}");
     assert!(v["chat_chunks"].as_u64().unwrap() > 2, "{v}");
     // Raw generation is the plain greedy continuation `snug run` gives
     // (ollama's default repeat penalty of 1.1 aside, it starts the same).

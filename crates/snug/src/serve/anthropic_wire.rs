@@ -194,5 +194,6 @@ pub(super) fn settings(req: &MessagesRequest, seed: u64) -> Result<Settings, Api
         stream: req.stream,
         include_usage: false,
         ignore_eos: false,
+        grammar: None,
     })
 }

@@ -6,6 +6,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use snug_engine::sampling::SamplingParams;
 
+use super::structured::{GrammarFields, Structured};
+
 /// An error answer: HTTP status and OpenAI's `{"error": {...}}` body.
 #[derive(Debug)]
 pub struct ApiError {
@@ -93,6 +95,9 @@ pub struct Common {
     /// Never end at an end-of-generation token (llama.cpp's field): they
     /// are banned through the logit bias.
     pub ignore_eos: Option<bool>,
+    /// The output's grammar (`response_format` and the others).
+    #[serde(flatten)]
+    pub structured: GrammarFields,
     /// Every other field, checked by [`Common::settings`].
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
@@ -107,7 +112,6 @@ fn asks_nothing(name: &str, v: &Value) -> bool {
         "tools" | "functions" => v.is_null() || v.as_array().is_some_and(Vec::is_empty),
         "tool_choice" | "function_call" => v.is_null() || v == "none",
         "parallel_tool_calls" => v.is_null() || v.is_boolean(),
-        "response_format" => v.is_null() || v.get("type").is_some_and(|t| t == "text"),
         "top_logprobs" => v.is_null() || v == 0,
         _ => false,
     }
@@ -116,23 +120,16 @@ fn asks_nothing(name: &str, v: &Value) -> bool {
 /// A field's refusal: 400 naming it.
 fn unsupported(name: &str) -> ApiError {
     let what = match name {
-        "tools" | "functions" | "tool_choice" | "function_call" => {
-            "tool calling is not supported yet; send the request without tools".to_string()
+        "tools" | "tool_choice" => "tools are taken by /v1/chat/completions only".to_string(),
+        "functions" | "function_call" => {
+            "functions and function_call are replaced by tools and tool_choice; send those".to_string()
         }
-        "response_format" => "only response_format {\"type\": \"text\"} is supported".to_string(),
         "top_logprobs" => "logprobs are not supported".to_string(),
         _ => format!("unknown or unsupported field {name:?}"),
     };
     // `param` is a static string: the known names keep theirs, others are
     // named in the message.
-    const NAMES: &[&str] = &[
-        "tools",
-        "functions",
-        "tool_choice",
-        "function_call",
-        "response_format",
-        "top_logprobs",
-    ];
+    const NAMES: &[&str] = &["tools", "functions", "tool_choice", "function_call", "top_logprobs"];
     ApiError::bad(what, NAMES.iter().copied().find(|n| *n == name))
 }
 
@@ -156,11 +153,19 @@ pub struct Part {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant's calls (`role: assistant`).
+    pub tool_calls: Option<Vec<Value>>,
+    /// Which call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Deserialize, Debug)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -218,6 +223,8 @@ pub struct Settings {
     pub include_usage: bool,
     /// Ban end-of-generation tokens (the route knows which they are).
     pub ignore_eos: bool,
+    /// The grammar the output follows.
+    pub grammar: Option<Structured>,
 }
 
 fn range(v: Option<f32>, lo: f32, hi: f32, name: &'static str) -> Result<Option<f32>, ApiError> {
@@ -340,6 +347,7 @@ impl Common {
             stream: self.stream,
             include_usage,
             ignore_eos: self.ignore_eos == Some(true),
+            grammar: self.structured.read()?,
         })
     }
 }
@@ -477,6 +485,11 @@ mod tests {
         assert!(e.message.contains("not valid JSON"), "{}", e.message);
         let r: ChatRequest = parse(br#"{"messages": [], "n": 2}"#).unwrap();
         assert_eq!(r.common.settings(0).unwrap_err().param, Some("n"));
+        // Grammar fields are read as such, not refused as unknown.
+        let r: ChatRequest =
+            parse(br#"{"messages": [], "response_format": {"type": "json_object"}, "guided_regex": null}"#).unwrap();
+        assert!(r.common.rest.is_empty(), "{:?}", r.common.rest);
+        assert!(r.common.settings(0).unwrap().grammar.is_some());
     }
 
     #[test]

@@ -21,6 +21,8 @@ mod responses;
 mod responses_wire;
 mod routes;
 mod start;
+mod structured;
+mod tools;
 pub mod worker;
 
 use std::convert::Infallible;
@@ -52,6 +54,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use api::{ApiError, ChatRequest, CompletionRequest, Prompt, Settings};
 use metrics::Metrics;
+use structured::Structured;
 use worker::{DecideJob, Event, Job, Msg};
 
 pub use args::ServeArgs;
@@ -79,6 +82,9 @@ struct AppState {
     draining: AtomicBool,
     /// What ollama's `/api/tags` and `/api/show` report.
     facts: ollama::Facts,
+    /// Grammar compiler for the model's vocabulary, built when the first
+    /// request with a grammar comes.
+    grammars: std::sync::OnceLock<std::result::Result<snug_engine::grammar::Grammars, String>>,
 }
 
 /// The value behind a lock, even if a thread panicked while holding it:

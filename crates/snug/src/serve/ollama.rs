@@ -116,7 +116,7 @@ async fn chat_inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesReje
     let body = body_bytes(body, s)?;
     let req: ChatBody = api::parse(&body).map_err(|e| s.bad(e))?;
     let _ = (&req.model, &req.keep_alive);
-    refuse_unsupported(&req.format, &req.tools, &req.think).map_err(|e| s.bad(e))?;
+    refuse_unsupported(&req.tools, &req.think).map_err(|e| s.bad(e))?;
     if req.messages.is_empty() {
         // ollama's way to load a model: nothing to generate.
         return Ok(Json(json!({
@@ -140,7 +140,8 @@ async fn chat_inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesReje
         messages.push(Message::new(&m.role, &m.content));
     }
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let settings = settings(req.options.as_ref(), s.seed(id), req.stream.unwrap_or(true)).map_err(|e| s.bad(e))?;
+    let mut settings = settings(req.options.as_ref(), s.seed(id), req.stream.unwrap_or(true)).map_err(|e| s.bad(e))?;
+    settings.grammar = format_grammar(&req.format).map_err(|e| s.bad(e))?;
     let prompt = chat_prompt(s, messages).await?;
     let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
     answer(s, conn, id, p, true, started).await
@@ -164,7 +165,7 @@ async fn generate_inner(
     let body = body_bytes(body, s)?;
     let req: GenerateBody = api::parse(&body).map_err(|e| s.bad(e))?;
     let _ = (&req.model, &req.keep_alive);
-    refuse_unsupported(&req.format, &None, &req.think).map_err(|e| s.bad(e))?;
+    refuse_unsupported(&None, &req.think).map_err(|e| s.bad(e))?;
     let refuse = |what: &str| Err(s.bad(bad(format!("{what} is not supported"))));
     if req.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
         return refuse("suffix (fill in the middle)");
@@ -186,7 +187,8 @@ async fn generate_inner(
         .into_response());
     }
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let settings = settings(req.options.as_ref(), s.seed(id), req.stream.unwrap_or(true)).map_err(|e| s.bad(e))?;
+    let mut settings = settings(req.options.as_ref(), s.seed(id), req.stream.unwrap_or(true)).map_err(|e| s.bad(e))?;
+    settings.grammar = format_grammar(&req.format).map_err(|e| s.bad(e))?;
     let prompt = if req.raw == Some(true) {
         if req.system.is_some() {
             return refuse("system with raw");

@@ -3,7 +3,9 @@
 //! target compiles them as they are.
 
 use super::api::{ApiError, Settings};
+use super::structured::Structured;
 use serde_json::Value;
+use snug_engine::grammar::GrammarSpec;
 use snug_engine::sampling::SamplingParams;
 
 pub(super) fn bad(message: String) -> ApiError {
@@ -105,18 +107,24 @@ pub(super) fn settings(
         stream,
         include_usage: false,
         ignore_eos: false,
+        grammar: None,
     })
 }
 
+/// ollama's `format`: `"json"` (any JSON object) or a JSON schema.
+pub(super) fn format_grammar(format: &Option<Value>) -> Result<Option<Structured>, ApiError> {
+    let spec = match format {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) if s.is_empty() => return Ok(None),
+        Some(Value::String(s)) if s == "json" => GrammarSpec::JsonObject,
+        Some(v @ Value::Object(_)) => GrammarSpec::JsonSchema(v.clone()),
+        Some(_) => return Err(bad("format must be \"json\" or a JSON schema object".into())),
+    };
+    Ok(Some(Structured { spec, param: "format" }))
+}
+
 /// Fields of a request that ask for what snug does not do yet.
-pub(super) fn refuse_unsupported(
-    format: &Option<Value>,
-    tools: &Option<Vec<Value>>,
-    think: &Option<Value>,
-) -> Result<(), ApiError> {
-    if format.as_ref().is_some_and(|f| !f.is_null() && f != "") {
-        return Err(bad("format (structured output) is not supported yet".into()));
-    }
+pub(super) fn refuse_unsupported(tools: &Option<Vec<Value>>, think: &Option<Value>) -> Result<(), ApiError> {
     if tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(bad("tools are not supported yet".into()));
     }

@@ -187,10 +187,17 @@ mod tests {
             "previous_response_id",
         );
         refused(json!({"input": "x", "tools": [{"type": "function"}]}), "tools");
-        refused(
-            json!({"input": "x", "text": {"format": {"type": "json_schema"}}}),
-            "text",
-        );
+        // A json_schema format without its schema is refused; with one it
+        // becomes the output's grammar.
+        let e = settings(
+            &req(json!({"input": "x", "text": {"format": {"type": "json_schema"}}})),
+            1,
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("text"));
+        let with_schema = json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "p",
+                                 "schema": {"type": "object"}}}});
+        assert!(settings(&req(with_schema), 1).unwrap().grammar.is_some());
         refused(
             json!({"input": [{"type": "function_call_output", "output": "1"}]}),
             "input",

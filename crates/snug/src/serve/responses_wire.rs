@@ -4,7 +4,9 @@
 
 use super::api;
 use super::api::{ApiError, Settings};
+use super::structured::Structured;
 use serde_json::Value;
+use snug_engine::grammar::GrammarSpec;
 use snug_model::template::Message;
 
 pub(super) fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
@@ -102,15 +104,6 @@ pub(super) fn conversation(req: &ResponsesRequest) -> Result<Vec<Message>, ApiEr
         .is_some_and(|t| !t.is_null() && t != "none" && t != "auto")
     {
         return Err(bad("tool calling is not supported yet", "tool_choice"));
-    }
-    if let Some(text) = &req.text {
-        let format = text.get("format").and_then(|f| f.get("type")).and_then(Value::as_str);
-        if !matches!(format, None | Some("text")) {
-            return Err(bad(
-                "only text output is supported (structured output is not yet)",
-                "text",
-            ));
-        }
     }
     if req.reasoning.as_ref().is_some_and(|r| !r.is_null()) {
         return Err(bad("reasoning is not supported", "reasoning"));
@@ -217,5 +210,24 @@ pub(super) fn settings(req: &ResponsesRequest, seed: u64) -> Result<Settings, Ap
         stream: req.stream,
         include_usage: false,
         ignore_eos: false,
+        grammar: text_format(req.text.as_ref())?,
     })
+}
+
+/// `text.format`: `text`, `json_object`, or `json_schema` with its schema
+/// beside the type (the Responses API's flat shape).
+fn text_format(text: Option<&Value>) -> Result<Option<Structured>, ApiError> {
+    let Some(format) = text.and_then(|t| t.get("format")).filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    let spec = match format.get("type").and_then(Value::as_str) {
+        Some("text") => return Ok(None),
+        Some("json_object") => GrammarSpec::JsonObject,
+        Some("json_schema") => match format.get("schema") {
+            Some(s) if s.is_object() => GrammarSpec::JsonSchema(s.clone()),
+            _ => return Err(bad("text.format json_schema needs a schema object", "text")),
+        },
+        _ => return Err(bad("text.format type must be text, json_object or json_schema", "text")),
+    };
+    Ok(Some(Structured { spec, param: "text" }))
 }

@@ -258,6 +258,8 @@ pub(super) struct Prepared {
     pub(super) prompt: Vec<u32>,
     pub(super) settings: Settings,
     pub(super) max_tokens: usize,
+    /// The request's tools: the answer is split into text and calls.
+    pub(super) tools: Option<tools::Tools>,
 }
 
 impl AppState {
@@ -337,6 +339,7 @@ impl AppState {
             prompt,
             settings,
             max_tokens,
+            tools: None,
         })
     }
 
@@ -349,10 +352,14 @@ impl AppState {
 
     /// Hands the job to the engine loop; returns its events once admitted
     /// or queued, or the refusal as a 503.
-    pub(super) async fn submit(&self, id: u64, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
+    pub(super) async fn submit(self: &Arc<Self>, id: u64, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
         if self.draining.load(Ordering::SeqCst) {
             return Err(unavailable("the server is shutting down", 5));
         }
+        let constraint = match &p.settings.grammar {
+            Some(g) => Some(self.constraint(g).await?),
+            None => None,
+        };
         let (events, mut rx) = unbounded_channel();
         let job = Job {
             id,
@@ -360,6 +367,7 @@ impl AppState {
             max_tokens: p.max_tokens,
             params: p.settings.params.clone(),
             stop: p.settings.stop.clone(),
+            constraint,
             events,
             received: Instant::now(),
         };
@@ -427,10 +435,16 @@ pub(super) async fn chat_inner(
     let body = body_bytes(body, s)?;
     let req: ChatRequest = api::parse(&body).map_err(|e| s.bad(e))?;
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let settings = req.common.settings(s.seed(id)).map_err(|e| s.bad(e))?;
+    let mut settings = req.common.settings(s.seed(id)).map_err(|e| s.bad(e))?;
     if req.messages.is_empty() {
         return Err(s.bad(ApiError::bad("messages must not be empty", Some("messages"))));
     }
+    let tools = tools::read(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls.as_ref(),
+    )
+    .map_err(|e| s.bad(e))?;
     let mut messages = Vec::with_capacity(req.messages.len());
     for m in &req.messages {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
@@ -444,10 +458,46 @@ pub(super) async fn chat_inner(
         } else {
             m.role.as_str()
         };
-        messages.push(Message::new(role, &m.text().map_err(|e| s.bad(e))?));
+        let mut v = json!({"role": role, "content": m.text().map_err(|e| s.bad(e))?});
+        if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+            v["tool_calls"] = Value::Array(calls.clone());
+        }
+        if let Some(id) = &m.tool_call_id {
+            v["tool_call_id"] = Value::from(id.as_str());
+        }
+        if let Some(name) = &m.name {
+            v["name"] = Value::from(name.as_str());
+        }
+        messages.push(v);
     }
-    let prompt = chat_prompt(s, messages).await?;
-    let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    // A template that renders tools itself gets them as `tools`; for any
+    // other they are described in the system message.
+    let native = s.template.source.contains("tools");
+    let mut messages = tools::template_messages(messages, native);
+    let mut extra = json!({});
+    if let Some(t) = &tools {
+        if native {
+            extra["tools"] = Value::Array(t.defs.clone());
+        } else if messages[0]["role"] == "system" {
+            let text = format!(
+                "{}\n\n{}",
+                messages[0]["content"].as_str().unwrap_or_default(),
+                t.system_text()
+            );
+            messages[0]["content"] = Value::from(text);
+        } else {
+            messages.insert(0, json!({"role": "system", "content": t.system_text()}));
+        }
+        if let Some(spec) = t
+            .grammar(settings.grammar.as_ref().map(|g| &g.spec))
+            .map_err(|e| s.bad(e))?
+        {
+            settings.grammar = Some(Structured { spec, param: "tools" });
+        }
+    }
+    let prompt = chat_prompt_value(s, Value::Array(messages), extra).await?;
+    let mut p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    p.tools = tools;
     respond(s, conn, id, Kind::Chat, p).await
 }
 
@@ -501,17 +551,20 @@ pub(super) async fn completion_inner(
 /// template worker, on the blocking pool, so the HTTP thread never waits
 /// on it) and tokenized.
 pub(super) async fn chat_prompt(s: &Arc<AppState>, messages: Vec<Message>) -> Result<Vec<u32>, ApiError> {
+    let messages = serde_json::to_value(messages).map_err(|e| ApiError::internal(e.to_string()))?;
+    chat_prompt_value(s, messages, json!({})).await
+}
+
+/// [`chat_prompt`] for messages as JSON (with `tool_calls` and the like)
+/// and further template variables (`tools`).
+pub(super) async fn chat_prompt_value(s: &Arc<AppState>, messages: Value, extra: Value) -> Result<Vec<u32>, ApiError> {
     // A render is a round trip to the template worker (which may take up
     // to its time limit); the blocking pool keeps the HTTP thread free.
     let state = s.clone();
     let text = tokio::task::spawn_blocking(move || {
-        state.template.render(
-            &messages,
-            true,
-            &state.bos,
-            &state.eos,
-            std::collections::BTreeMap::<String, String>::new(),
-        )
+        state
+            .template
+            .render_json(&messages, true, &state.bos, &state.eos, &extra)
     })
     .await
     .map_err(|e| ApiError::internal(format!("the chat template's render stopped: {e}")))?
@@ -638,14 +691,26 @@ pub(super) async fn respond(
         Kind::Chat => format!("chatcmpl-{id}"),
         Kind::Completion => format!("cmpl-{id}"),
     };
+    let call_id = move |i: usize| format!("call_{id}_{i}");
     if !p.settings.stream {
         let (text, d, _) = whole_answer(&conn, &mut rx).await?;
         let u = usage(d.prompt_tokens, d.completion_tokens, d.reused_tokens);
+        let mut message = json!({"role": "assistant", "content": text});
+        let mut reason = d.finish_reason.as_str();
+        if let Some(t) = &p.tools {
+            let (content, calls) = tools::split(&text, t);
+            message["content"] = content.map_or(Value::Null, Value::from);
+            if !calls.is_empty() {
+                let calls: Vec<Value> = calls.iter().enumerate().map(|(i, c)| c.json(&call_id(i))).collect();
+                message["tool_calls"] = Value::Array(calls);
+                reason = "tool_calls";
+            }
+        }
         let body = match kind {
             Kind::Chat => json!({
                 "id": rid, "object": "chat.completion", "created": created, "model": s.model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": null, "finish_reason": d.finish_reason.as_str()}],
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": null, "finish_reason": reason}],
                 "usage": u,
             }),
             Kind::Completion => json!({
@@ -675,18 +740,52 @@ pub(super) async fn respond(
         ))],
         Kind::Completion => Vec::new(),
     };
+    // With tools, text passes through the splitter: calls come out as
+    // `tool_calls` deltas (each whole: its id and name, and its arguments
+    // in one piece), the rest as content.
+    let mut splitter = p.tools.as_ref().map(tools::Splitter::new);
+    let mut calls = 0usize;
+    let delta_chunk = chunk.clone();
+    let mut delta = move |out: Vec<tools::Out>| -> Vec<SseEvent> {
+        out.into_iter()
+            .map(|o| {
+                let d = match o {
+                    tools::Out::Text(t) => json!({"content": t}),
+                    tools::Out::Call(c) => {
+                        let mut call = c.json(&call_id(calls));
+                        call["index"] = Value::from(calls);
+                        calls += 1;
+                        json!({"tool_calls": [call]})
+                    }
+                };
+                data(delta_chunk(
+                    json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": null}),
+                ))
+            })
+            .collect()
+    };
     let stream = stream_answer(rx, conn, prelude, move |piece| match piece {
-        Piece::Text(t) => vec![data(chunk(match kind {
-            Kind::Chat => json!({"index": 0, "delta": {"content": t}, "logprobs": null, "finish_reason": null}),
-            Kind::Completion => json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
-        }))],
+        Piece::Text(t) => match &mut splitter {
+            Some(sp) => delta(sp.push(t)),
+            None => vec![data(chunk(match kind {
+                Kind::Chat => json!({"index": 0, "delta": {"content": t}, "logprobs": null, "finish_reason": null}),
+                Kind::Completion => json!({"index": 0, "text": t, "logprobs": null, "finish_reason": null}),
+            }))],
+        },
         Piece::Done(d) => {
-            let reason = d.finish_reason.as_str();
+            let mut out = Vec::new();
+            let mut reason = d.finish_reason.as_str();
+            if let Some(sp) = &mut splitter {
+                out.extend(delta(sp.finish()));
+                if sp.calls() > 0 {
+                    reason = "tool_calls";
+                }
+            }
             let last = match kind {
                 Kind::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
                 Kind::Completion => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason}),
             };
-            let mut out = vec![data(chunk(last))];
+            out.push(data(chunk(last)));
             if include_usage {
                 let mut v = chunk(Value::Null);
                 v["choices"] = json!([]);

@@ -76,6 +76,7 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
         started: unix_now(),
         draining: AtomicBool::new(false),
         facts,
+        grammars: std::sync::OnceLock::new(),
     });
     let log = match (a.no_access_log, a.log_format.as_str()) {
         (true, _) => AccessLog::Off,

@@ -40,6 +40,8 @@ pub struct Job {
     pub max_tokens: usize,
     pub params: SamplingParams,
     pub stop: Vec<String>,
+    /// The grammar the output follows, at its start.
+    pub constraint: Option<snug_engine::grammar::Constraint>,
     pub events: UnboundedSender<Event>,
     /// When the server received it (time to first token counts from here).
     pub received: Instant,
@@ -242,6 +244,7 @@ impl Loop<'_> {
                     params: a.job.params.clone(),
                     stop: a.job.stop.clone(),
                     speculate: self.cfg.speculate,
+                    constraint: a.job.constraint.clone(),
                 };
                 match Decoding::start(engine, seq, req) {
                     Ok(d) => {
