@@ -240,6 +240,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
             params: params.clone(),
             stop: a.gen.stop.clone(),
             speculate,
+            constraint: None,
         };
         if a.no_cache_reuse {
             engine.truncate(seq, 0)?;

@@ -363,6 +363,22 @@ struct RunArgs {
     /// Print timing and memory to stderr after the text.
     #[arg(long)]
     stats: bool,
+    /// Constrain the output to JSON matching this schema (given inline).
+    #[arg(short = 'j', long, value_name = "SCHEMA", group = "constraint")]
+    json_schema: Option<String>,
+    /// Constrain the output to JSON matching the schema in this file.
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    json_schema_file: Option<PathBuf>,
+    /// Constrain the output to a grammar: GBNF (as llama.cpp's), or
+    /// llguidance's Lark when it has no `::=`.
+    #[arg(long, group = "constraint")]
+    grammar: Option<String>,
+    /// Constrain the output to the grammar in this file (GBNF or Lark).
+    #[arg(long, value_name = "FILE", group = "constraint")]
+    grammar_file: Option<PathBuf>,
+    /// Constrain the output to match this regular expression.
+    #[arg(long, value_name = "REGEX", group = "constraint")]
+    regex: Option<String>,
     #[command(flatten)]
     gen: GenArgs,
 }

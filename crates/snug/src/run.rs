@@ -287,6 +287,34 @@ struct Resumed {
     restore_ms: f64,
 }
 
+/// The grammar the flags ask for, if any.
+fn grammar_spec(a: &RunArgs) -> Result<Option<snug_engine::grammar::GrammarSpec>> {
+    use snug_engine::grammar::GrammarSpec;
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    let schema = |text: &str, from: &str| -> Result<GrammarSpec> {
+        let v: serde_json::Value = serde_json::from_str(text).with_context(|| format!("{from} is not valid JSON"))?;
+        Ok(GrammarSpec::JsonSchema(v))
+    };
+    let grammar = |text: String| {
+        if text.contains("::=") {
+            GrammarSpec::Gbnf(text)
+        } else {
+            GrammarSpec::Lark(text)
+        }
+    };
+    Ok(if let Some(s) = &a.json_schema {
+        Some(schema(s, "--json-schema")?)
+    } else if let Some(p) = &a.json_schema_file {
+        Some(schema(&read(p)?, &p.display().to_string())?)
+    } else if let Some(g) = &a.grammar {
+        Some(grammar(g.clone()))
+    } else if let Some(p) = &a.grammar_file {
+        Some(grammar(read(p)?))
+    } else {
+        a.regex.clone().map(GrammarSpec::Regex)
+    })
+}
+
 pub fn cmd_run(a: RunArgs) -> Result<()> {
     let prompt = match a.prompt.as_deref() {
         Some("-") => Some(read_stdin()?),
@@ -382,12 +410,20 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     let mut calibration =
         (speculate == Mode::Auto).then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
     let params = sampling(&a.gen, &state.params);
+    let constraint = match grammar_spec(&a)? {
+        Some(spec) => {
+            let grammars = snug_engine::grammar::Grammars::new(&tok, model.config.vocab)?;
+            Some(grammars.compile(&spec)?)
+        }
+        None => None,
+    };
     let req = GenerateRequest {
         prompt: ids,
         max_tokens: a.gen.max_tokens,
         params: params.clone(),
         stop: a.gen.stop.clone(),
         speculate,
+        constraint,
     };
     let stream = !a.json;
     let mut stdout = std::io::stdout().lock();
