@@ -19,7 +19,7 @@ use snug_core::twins::{TwinPool, Twins, KEEP};
 use snug_core::{PagePool, PageTable, PagesError};
 use snug_kernels::kv::{KvFormat, KvShape, KvStorage, KvStore};
 use snug_kernels::kvbasis::KeyBasis;
-use snug_model::arch::{BatchRow, KvView, Model};
+use snug_model::arch::{BatchRow, Head, KvView, Model};
 use snug_model::backend::{CpuWorkspace, WorkspaceSize};
 
 /// A sequence's handle, from [`Engine::create_sequence`]. Handles are
@@ -440,6 +440,12 @@ impl<'m> Engine<'m> {
     /// sequence. Returns the logits of the rows
     /// that want them, in order (`vocab` floats each).
     pub fn step(&mut self, rows: &[StepRow]) -> Result<&[f32], EngineError> {
+        self.step_to(rows, Head::Logits)
+    }
+
+    /// [`Engine::step`], handing back what `head` asks for of the rows that
+    /// want output (logits, or the normed last hidden states).
+    fn step_to(&mut self, rows: &[StepRow], head: Head) -> Result<&[f32], EngineError> {
         let vocab = self.model.config.vocab;
         for &StepRow {
             seq: id, token: tok, ..
@@ -569,7 +575,7 @@ impl<'m> Engine<'m> {
                 twins: &twins,
             };
             self.model
-                .forward(chunk, &mut view, &mut self.scratch, &mut self.logits);
+                .forward_to(chunk, &mut view, &mut self.scratch, head, &mut self.logits);
             if lossy {
                 for (si, span) in spans.iter().enumerate() {
                     if let Some((_, hi)) = *span {
@@ -764,6 +770,39 @@ impl<'m> Engine<'m> {
     /// The forward costs this engine measured or was given, if any.
     pub fn known_speculation_costs(&self) -> Option<&[(usize, f64)]> {
         self.spec_costs.as_deref()
+    }
+
+    /// An embedding of `tokens`: the mean of their last hidden states
+    /// (after the output norm), scaled to unit length. The tokens run
+    /// through a sequence of their own in prefill chunks, which is freed
+    /// after; each row's state does not depend on the chunking (batch
+    /// invariance) and the sum runs in position order, so the vector is
+    /// the same bits however the work is split.
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let dim = self.model.config.dim;
+        let id = self.create_sequence();
+        let mut sum = vec![0f64; dim];
+        let mut run = || -> Result<(), EngineError> {
+            for chunk in tokens.chunks(self.options.batch.max(1)) {
+                let rows: Vec<StepRow> = chunk.iter().map(|&t| StepRow::new(id, t, true)).collect();
+                let hidden = self.step_to(&rows, Head::Hidden)?;
+                for row in hidden.chunks_exact(dim) {
+                    for (s, &h) in sum.iter_mut().zip(row) {
+                        *s += h as f64;
+                    }
+                }
+            }
+            Ok(())
+        };
+        let r = run();
+        self.free_sequence(id);
+        r?;
+        let n = tokens.len() as f64;
+        let norm = sum.iter().map(|s| (s / n) * (s / n)).sum::<f64>().sqrt();
+        Ok(sum.iter().map(|s| (s / n / norm.max(1e-12)) as f32).collect())
     }
 
     /// Appends `tokens` to a sequence in prefill chunks; returns the logits

@@ -56,6 +56,16 @@ pub struct Layer<M, V> {
     pub post_ffn_norm: Option<V>,
 }
 
+/// What a forward pass hands back for the rows that ask.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Head {
+    /// Logits over the vocabulary (`vocab` floats a row).
+    Logits,
+    /// The last hidden state after the output norm (`dim` floats a row):
+    /// what the output head reads, and what embeddings pool.
+    Hidden,
+}
+
 /// A decoder's weights.
 #[derive(Clone)]
 pub struct Weights<M, V> {
@@ -67,14 +77,15 @@ pub struct Weights<M, V> {
 }
 
 /// Runs `rows` through the decoder of `c` and `w` on backend `B`, writing
-/// each row's keys and values into `kv`, and appends the logits of the
-/// rows that ask for them, in order, to `logits` (`vocab` floats each).
+/// each row's keys and values into `kv`, and appends what `head` asks for
+/// of the rows that want output, in order, to `out`.
 pub fn forward<'w, B: Backend>(
     c: &Config,
     w: &Weights<B::Matrix<'w>, B::Vector<'w>>,
     rows: &[BatchRow],
     kv: &mut KvView<B::Kv>,
     ws: &mut B::Workspace,
+    head: Head,
     logits: &mut Vec<f32>,
 ) {
     let n = rows.len();
@@ -197,6 +208,11 @@ pub fn forward<'w, B: Backend>(
     B::gather_rows(ws, Buf::X, Buf::Sel, dim, &want);
     B::rms_norm(ws, Buf::Sel, m * dim, &w.output_norm, c.rms_eps);
     let start = logits.len();
+    if head == Head::Hidden {
+        logits.resize(start + m * dim, 0.0);
+        B::read(ws, Buf::Sel, &mut logits[start..]);
+        return;
+    }
     logits.resize(start + m * c.vocab, 0.0);
     B::logits(ws, &w.output, Buf::Sel, m, &mut logits[start..]);
     trace(ws, "result_norm", usize::MAX, Buf::Sel, m * dim);

@@ -6,7 +6,7 @@ use snug_kernels::matmul::{f32_data, matmul_supports, Weight};
 use snug_kernels::GgmlType;
 
 use super::config::Config;
-use super::forward::{forward, BatchRow, KvView, Layer, Weights};
+use super::forward::{forward, BatchRow, Head, KvView, Layer, Weights};
 use super::ModelError;
 use crate::backend::{Backend, Cpu, CpuWorkspace, LlamaCpp, Native, WorkspaceSize};
 use crate::files::ModelFiles;
@@ -283,10 +283,23 @@ impl Model<'_> {
     /// logits of the rows that ask for them, in order, to `logits`
     /// (`vocab` floats each).
     pub fn forward(&self, rows: &[BatchRow], kv: &mut KvView, ws: &mut CpuWorkspace, logits: &mut Vec<f32>) {
+        self.forward_to(rows, kv, ws, Head::Logits, logits)
+    }
+
+    /// [`Model::forward`], handing back what `head` asks for (logits, or
+    /// the normed last hidden states, `dim` floats a row).
+    pub fn forward_to(
+        &self,
+        rows: &[BatchRow],
+        kv: &mut KvView,
+        ws: &mut CpuWorkspace,
+        head: Head,
+        out: &mut Vec<f32>,
+    ) {
         let (c, w) = (&self.config, &self.weights);
         match self.numerics {
-            Numerics::Native => forward::<Cpu<Native>>(c, w, rows, kv, ws, logits),
-            Numerics::Ggml => forward::<Cpu<LlamaCpp>>(c, w, rows, kv, ws, logits),
+            Numerics::Native => forward::<Cpu<Native>>(c, w, rows, kv, ws, head, out),
+            Numerics::Ggml => forward::<Cpu<LlamaCpp>>(c, w, rows, kv, ws, head, out),
         }
     }
 

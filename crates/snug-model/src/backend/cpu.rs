@@ -334,6 +334,10 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         A::matmul(&ws.pool, head, x, rows, out, &mut ws.mm)
     }
 
+    fn read(ws: &CpuWorkspace, buf: Buf, out: &mut [f32]) {
+        out.copy_from_slice(&ws.bufs[buf as usize][..out.len()]);
+    }
+
     fn trace(ws: &CpuWorkspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize) {
         trace(name, layer, layers, &ws.bufs[buf as usize][..len]);
     }

@@ -171,6 +171,9 @@ pub trait Backend: Sync {
     /// into host memory.
     fn logits(ws: &mut Self::Workspace, head: &Self::Matrix<'_>, from: Buf, rows: usize, out: &mut [f32]);
 
+    /// Copies the first `out.len()` floats of `buf` into host memory.
+    fn read(ws: &Self::Workspace, buf: Buf, out: &mut [f32]);
+
     /// Hands the first `len` floats of `buf` to the forward pass' trace
     /// (see [`crate::arch::trace`]) when tracing is on.
     fn trace(ws: &Self::Workspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize);
