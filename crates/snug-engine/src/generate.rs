@@ -78,6 +78,10 @@ pub struct GenerateStats {
     pub decode_tokens: usize,
     pub decode_tok_s: f64,
     pub speculation: SpecStats,
+    /// Time spent in the grammar engine (masks, checks), when the request
+    /// has a grammar.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grammar_ms: Option<f64>,
 }
 
 /// What speculation did during one generation.
@@ -240,6 +244,16 @@ fn pick(
     match constraint {
         None => Ok(Some(sampler.sample(logits, history, params, position))),
         Some(c) => {
+            // Greedy: when the grammar accepts the best token, take it;
+            // checking one token costs far less than a whole mask. (The
+            // choice depends only on the logits and the grammar's state,
+            // so plain decoding and verification make it alike.)
+            if params.temperature <= 0.0 {
+                let best = sampler.sample(logits, history, params, position);
+                if c.valid_prefix(&[best]) == 1 {
+                    return Ok(Some(best));
+                }
+            }
             if !c.mask(logits, masked)? {
                 return Ok(None);
             }
@@ -603,6 +617,7 @@ impl Decoding {
             spec.mean_accepted = spec.accepted as f64 / spec.rounds as f64;
         }
         self.stats.speculation = spec;
+        self.stats.grammar_ms = self.constraint.as_ref().map(|c| c.spent().as_secs_f64() * 1e3);
         if !self.stopped_by_string {
             // Flush what was held back: partial characters, stop prefixes.
             let (mut tail, stopped) = self.stops.push(&self.decoder.finish());

@@ -20,6 +20,7 @@ mod gbnf;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
@@ -151,6 +152,7 @@ impl Grammars {
         }
         Ok(Constraint {
             matcher: Box::new(matcher),
+            spent: Duration::ZERO,
         })
     }
 }
@@ -170,12 +172,15 @@ fn with_layout(mut schema: Value) -> Value {
 /// may come next.
 pub struct Constraint {
     matcher: Box<Matcher>,
+    /// Time spent in the grammar engine (masks, checks, advancing).
+    spent: Duration,
 }
 
 impl Clone for Constraint {
     fn clone(&self) -> Self {
         Constraint {
             matcher: Box::new(self.matcher.deep_clone()),
+            spent: self.spent,
         }
     }
 }
@@ -193,16 +198,25 @@ fn engine(e: impl fmt::Display) -> GrammarError {
 }
 
 impl Constraint {
+    /// Runs `f` on the matcher, counting its time.
+    fn timed<T>(&mut self, f: impl FnOnce(&mut Matcher) -> T) -> T {
+        let t = Instant::now();
+        let r = f(&mut self.matcher);
+        self.spent += t.elapsed();
+        r
+    }
+
     /// The tokens allowed next (the end-of-generation tokens once the
     /// grammar is complete and nothing more may follow).
     pub fn allowed(&mut self) -> Result<SimpleVob, GrammarError> {
-        self.matcher.compute_mask_or_eos().map_err(engine)
+        self.timed(|m| m.compute_mask_or_eos()).map_err(engine)
     }
 
     /// Writes `logits` to `out` with every token the grammar forbids at
     /// `-inf`; returns whether any token is allowed.
     pub fn mask(&mut self, logits: &[f32], out: &mut Vec<f32>) -> Result<bool, GrammarError> {
         let allowed = self.allowed()?;
+        let t = Instant::now();
         out.clear();
         out.resize(logits.len(), f32::NEG_INFINITY);
         let mut any = false;
@@ -212,12 +226,13 @@ impl Constraint {
                 any = true;
             }
         });
+        self.spent += t.elapsed();
         Ok(any)
     }
 
-    /// Advances past `token`, which the last mask allowed.
+    /// Advances past `token`, which the grammar allows.
     pub fn consume(&mut self, token: u32) -> Result<(), GrammarError> {
-        self.matcher.consume_token(token).map_err(engine)
+        self.timed(|m| m.consume_token(token)).map_err(engine)
     }
 
     /// Undoes the last `n` consumed tokens.
@@ -225,18 +240,23 @@ impl Constraint {
         if n == 0 {
             return Ok(());
         }
-        self.matcher.rollback(n).map_err(engine)
+        self.timed(|m| m.rollback(n)).map_err(engine)
     }
 
     /// How many leading `tokens` the grammar would accept from here
     /// (without consuming them).
     pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
-        self.matcher.validate_tokens(tokens).unwrap_or(0)
+        self.timed(|m| m.validate_tokens(tokens)).unwrap_or(0)
     }
 
     /// Whether the output so far is a complete sentence of the grammar.
     pub fn is_accepting(&mut self) -> bool {
-        self.matcher.is_accepting().unwrap_or(false)
+        self.timed(|m| m.is_accepting()).unwrap_or(false)
+    }
+
+    /// Time spent in the grammar engine so far.
+    pub fn spent(&self) -> Duration {
+        self.spent
     }
 }
 

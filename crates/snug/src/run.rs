@@ -491,6 +491,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
                 "kv_budget_tokens": engine.options.kv_budget.map(|b| snug_engine::kv_budget_tokens(&model, &engine.options, b)),
                 "ledger": ledger_json(&ledger, peak_rss),
                 "speculation": g.stats.speculation,
+                "grammar_ms": g.stats.grammar_ms,
                 "prefix_cache": engine.prefix_stats(),
             },
             "session": (a.session.is_some() || a.save_session.is_some()).then(|| serde_json::json!({
