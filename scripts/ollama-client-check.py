@@ -59,6 +59,10 @@ loose = c.generate(model=name, prompt="A cat as JSON:", format="json", options={
 if loose.done_reason == "stop":
     assert isinstance(json.loads(loose.response), dict), loose.response
 
+emb = c.embed(model=name, input=["The cat sat on the mat.", "A cat is sitting on a mat."])
+assert len(emb.embeddings) == 2 and len(emb.embeddings[0]) > 0, emb
+out["embed_dims"] = len(emb.embeddings[0])
+
 try:
     c.chat(model=name, messages=msgs, options={"mirostat": 2})
     raise SystemExit("mirostat was accepted")

@@ -1,5 +1,6 @@
 """Drives a running `snug serve` with the official `openai` Python client:
-chat, completion, streaming with usage, models and error mapping. Exits
+chat, completion, streaming with usage, models, error mapping, embeddings
+and the Responses API (with parse()). Exits
 non-zero with a message on the first mismatch.
 
     python3 scripts/openai-client-check.py http://127.0.0.1:8080/v1 [API_KEY]
@@ -123,6 +124,19 @@ def main():
     short = client.responses.create(model=model, input=[{"role": "user", "content": "Count to twenty."}],
                                     max_output_tokens=3, temperature=0)
     check(short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens", f"{short}")
+    # Embeddings: a batch equals its inputs one at a time (bit for bit,
+    # through the client's base64 default and as floats), unit length.
+    texts = ["The cat sat on the mat.", "A cat is sitting on a mat.", "Stock markets fell sharply."]
+    batch = client.embeddings.create(model=model, input=texts)
+    check(len(batch.data) == 3 and batch.usage.prompt_tokens > 0, f"embeddings: {batch.usage}")
+    for i, t in enumerate(texts):
+        one = client.embeddings.create(model=model, input=t, encoding_format="float").data[0].embedding
+        check(one == batch.data[i].embedding, f"embedding {i} alone differs from the batch's")
+    norm = sum(x * x for x in batch.data[0].embedding) ** 0.5
+    check(abs(norm - 1) < 1e-4, f"embedding norm {norm}")
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))
+    e = [d.embedding for d in batch.data]
+    check(dot(e[0], e[1]) > dot(e[0], e[2]), "a paraphrase is closer than an unrelated text")
     # Structured output through the Responses API's parse().
     class Colour(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=20)
@@ -136,7 +150,7 @@ def main():
         check(False, "previous_response_id accepted")
     except openai.BadRequestError as e:
         check("previous_response_id" in str(e), f"error: {e}")
-    print("openai client: chat, stream, completion, stop, seed, errors, responses ok")
+    print("openai client: chat, stream, completion, stop, seed, errors, embeddings, responses ok")
 
 
 if __name__ == "__main__":

@@ -597,6 +597,7 @@ fn the_ollama_python_client_drives_the_server() {
     assert_eq!(v["details"]["family"], "llama");
     assert_eq!(v["details"]["quantization_level"], "Q4_1");
     assert!(v["format_schema"]["colour"].is_string(), "{v}");
+    assert_eq!(v["embed_dims"], 576, "{v}");
     assert!(v["chat_chunks"].as_u64().unwrap() > 2, "{v}");
     // Raw generation is the plain greedy continuation `snug run` gives
     // (ollama's default repeat penalty of 1.1 aside, it starts the same).

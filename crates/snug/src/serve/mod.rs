@@ -13,6 +13,7 @@ pub mod api;
 mod args;
 mod auth;
 mod conn;
+mod embeddings;
 pub mod laya;
 pub mod metrics;
 mod ollama;
@@ -47,6 +48,7 @@ use axum::{Json, Router};
 use clap::Args;
 use serde_json::{json, Value};
 use snug_core::schedule::{Refused, ScheduleConfig};
+use snug_engine::grammar::{Constraint, GrammarError, Grammars};
 use snug_engine::{Engine, EngineOptions};
 use snug_model::template::{ChatTemplate, Message};
 use snug_model::{EncodeOptions, ModelFiles, Tokenizer};
@@ -84,7 +86,7 @@ struct AppState {
     facts: ollama::Facts,
     /// Grammar compiler for the model's vocabulary, built when the first
     /// request with a grammar comes.
-    grammars: std::sync::OnceLock<std::result::Result<snug_engine::grammar::Grammars, String>>,
+    grammars: std::sync::OnceLock<std::result::Result<Grammars, String>>,
 }
 
 /// The value behind a lock, even if a thread panicked while holding it:

@@ -17,6 +17,8 @@ pub(super) struct Facts {
     pub(super) quantization: String,
     pub(super) size: u64,
     pub(super) modified: SystemTime,
+    /// Floats in an embedding (the model's width).
+    pub(super) embedding_length: usize,
 }
 
 impl Facts {
@@ -38,6 +40,7 @@ impl Facts {
             quantization,
             size,
             modified: meta.and_then(|m| m.modified().ok()).unwrap_or(UNIX_EPOCH),
+            embedding_length: info.geometry.embedding.unwrap_or(0) as usize,
         }
     }
 

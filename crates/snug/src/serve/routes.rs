@@ -13,6 +13,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> R
         .merge(super::ollama::routes())
         .merge(super::anthropic::routes())
         .merge(super::responses::routes())
+        .merge(super::embeddings::routes())
         .route("/v1/systemone", post(systemone))
         .route("/v1/systemone/batch", post(systemone_batch))
         .route("/health", get(health))
@@ -340,6 +341,29 @@ impl AppState {
             settings,
             max_tokens,
             tools: None,
+        })
+    }
+
+    /// Compiles a request's grammar off the HTTP threads. The vocabulary's
+    /// trie is built on the first constrained request and kept.
+    pub(super) async fn constraint(self: &Arc<Self>, g: &Structured) -> Result<Constraint, ApiError> {
+        let state = self.clone();
+        let spec = g.spec.clone();
+        let param = g.param;
+        let compiled = tokio::task::spawn_blocking(move || {
+            let grammars = state
+                .grammars
+                .get_or_init(|| Grammars::new(&state.tok, state.vocab).map_err(|e| e.to_string()));
+            match grammars {
+                Ok(g) => g.compile(&spec),
+                Err(e) => Err(GrammarError::Engine(e.clone())),
+            }
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("compiling the grammar stopped: {e}")))?;
+        compiled.map_err(|e| match e {
+            GrammarError::Invalid(m) => self.bad(ApiError::bad(format!("{param}: {m}"), Some(param))),
+            GrammarError::Engine(m) => ApiError::internal(m),
         })
     }
 

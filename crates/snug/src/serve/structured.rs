@@ -7,13 +7,10 @@
 //! the request arrives (a grammar that does not compile is a 400 naming
 //! the field) and applied to every token the request samples.
 
-use std::sync::Arc;
-
 use serde_json::Value;
-use snug_engine::grammar::{Constraint, GrammarError, GrammarSpec, Grammars};
+use snug_engine::grammar::GrammarSpec;
 
 use super::api::ApiError;
-use super::AppState;
 
 /// A request's grammar and the field it came from (for error messages).
 #[derive(Clone, Debug)]
@@ -168,31 +165,6 @@ impl GrammarFields {
                 found[1].param,
             )),
         }
-    }
-}
-
-impl AppState {
-    /// Compiles a request's grammar off the HTTP threads. The vocabulary's
-    /// trie is built on the first constrained request and kept.
-    pub(super) async fn constraint(self: &Arc<Self>, g: &Structured) -> Result<Constraint, ApiError> {
-        let state = self.clone();
-        let spec = g.spec.clone();
-        let param = g.param;
-        let compiled = tokio::task::spawn_blocking(move || {
-            let grammars = state
-                .grammars
-                .get_or_init(|| Grammars::new(&state.tok, state.vocab).map_err(|e| e.to_string()));
-            match grammars {
-                Ok(g) => g.compile(&spec),
-                Err(e) => Err(GrammarError::Engine(e.clone())),
-            }
-        })
-        .await
-        .map_err(|e| ApiError::internal(format!("compiling the grammar stopped: {e}")))?;
-        compiled.map_err(|e| match e {
-            GrammarError::Invalid(m) => self.bad(bad(format!("{param}: {m}"), param)),
-            GrammarError::Engine(m) => ApiError::internal(m),
-        })
     }
 }
 

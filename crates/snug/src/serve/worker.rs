@@ -79,10 +79,17 @@ pub struct DecideJob {
     pub reply: tokio::sync::oneshot::Sender<Result<(Vec<Scored>, DecideUsage), DecideError>>,
 }
 
+/// An embeddings request: answered between two steps.
+pub struct EmbedJob {
+    pub inputs: Vec<Vec<u32>>,
+    pub reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, snug_engine::EngineError>>,
+}
+
 /// Messages to the engine loop.
 pub enum Msg {
     Job(Job),
     Decide(DecideJob),
+    Embed(EmbedJob),
     /// Finish what runs and waits, then return.
     Drain,
     /// Return now, dropping what runs and waits (their clients are gone).
@@ -157,6 +164,10 @@ pub fn run(
                     l.decide(engine, tok, d);
                     continue;
                 }
+                Ok(Msg::Embed(e)) => {
+                    l.embed(engine, e);
+                    continue;
+                }
                 Ok(Msg::Drain | Msg::Stop) | Err(_) => return,
             }
         }
@@ -164,6 +175,7 @@ pub fn run(
             match rx.try_recv() {
                 Ok(Msg::Job(job)) => l.submit(engine, job),
                 Ok(Msg::Decide(d)) => l.decide(engine, tok, d),
+                Ok(Msg::Embed(e)) => l.embed(engine, e),
                 Ok(Msg::Drain) => draining = true,
                 Ok(Msg::Stop) => return,
                 Err(TryRecvError::Empty) => break,
@@ -227,6 +239,13 @@ impl Loop<'_> {
             m.decide.observe(t0.elapsed().as_secs_f64());
         }
         let _ = d.reply.send(r);
+    }
+
+    /// Answers an embeddings request at once, input by input, with pages
+    /// free now.
+    fn embed(&mut self, engine: &mut Engine, e: EmbedJob) {
+        let r: Result<Vec<Vec<f32>>, _> = e.inputs.iter().map(|t| engine.embed(t)).collect();
+        let _ = e.reply.send(r);
     }
 
     /// Starts admitted requests: each takes a sequence and reuses what the
