@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 snug=../target/release/snug
-mkdir -p corpus/session corpus/kvpage corpus/http corpus/template
+mkdir -p corpus/session corpus/kvpage corpus/http corpus/template corpus/grammar
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for kv in f16 q8 tq4; do
@@ -73,5 +73,21 @@ for path in glob.glob(os.path.join(sys.argv[1], "*.gguf")):
     at += 8 + len(key) + 4
     (n,) = struct.unpack("<Q", head[at:at + 8])
     open(f"corpus/template/{os.path.basename(path)}.jinja", "wb").write(head[at + 8:at + 8 + n])
+# Grammars of each kind: the first byte is the kind (0 GBNF, 1 Lark,
+# 2 regex, 3 JSON schema, 4 choices split at '|').
+grammars = [
+    (0, 'root ::= object\nobject ::= "{" ws ( string ":" ws value ( "," ws string ":" ws value )* )? "}"\n'
+        'value ::= object | string | [0-9]+ | "true" | "false" | "null"\n'
+        'string ::= "\\"" ( [^"\\\\] | "\\\\" ["\\\\/bfnrt] )* "\\""\nws ::= [ \\t\\n]{0,4}\n'),
+    (0, 'root ::= ("yes" | "no") (", " [a-z-]{1,8})? .\n'),
+    (1, 'start: item ("," item)*\nitem: /[a-z]+/ | %json {"type": "integer"}\n'),
+    (2, r"\d{4}-\d{2}-\d{2}( [A-Z][a-z]+)*"),
+    (3, json.dumps({"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, "x", None]}},
+                    "b": {"$ref": "#/$defs/b"}}, "$defs": {"b": {"type": "string", "pattern": "^[a-z]{2,5}$"}},
+                    "required": ["a"]})),
+    (4, "positive|negative|neutral"),
+]
+for i, (kind, text) in enumerate(grammars):
+    open(f"corpus/grammar/seed-{i}", "wb").write(bytes([kind]) + text.encode())
 PY
 echo "seeded $(find corpus -type f | wc -l) inputs"

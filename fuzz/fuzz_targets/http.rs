@@ -25,6 +25,12 @@ mod ollama_wire;
 #[allow(dead_code)]
 #[path = "../../crates/snug/src/serve/responses_wire.rs"]
 mod responses_wire;
+#[allow(dead_code)]
+#[path = "../../crates/snug/src/serve/structured.rs"]
+mod structured;
+#[allow(dead_code)]
+#[path = "../../crates/snug/src/serve/tools.rs"]
+mod tools;
 
 /// The server's own answer is built elsewhere; the status is all the
 /// request module needs here.
@@ -76,9 +82,26 @@ fuzz_target!(|data: &[u8]| {
             let Ok(req) = api::parse::<api::ChatRequest>(body) else {
                 return;
             };
-            let _ = req.common.settings(1);
+            let settings = req.common.settings(1);
+            let mut messages = Vec::new();
             for m in &req.messages {
-                let _ = m.text();
+                let text = m.text().unwrap_or_default();
+                let mut v = serde_json::json!({"role": m.role, "content": text});
+                if let Some(calls) = &m.tool_calls {
+                    v["tool_calls"] = Value::Array(calls.clone());
+                }
+                messages.push(v);
+                // Any text, read as an answer, splits into text and calls.
+                if let Ok(Some(t)) = tools::read(Some(&serde_json::json!([{"type": "function", "function": {"name": "f"}}])), None, None) {
+                    let _ = tools::split(&text, &t);
+                }
+            }
+            let _ = tools::template_messages(messages.clone(), true);
+            let _ = tools::template_messages(messages, false);
+            if let Ok(Some(t)) = tools::read(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls.as_ref()) {
+                let answer = settings.ok().and_then(|s| s.grammar).map(|g| g.spec);
+                let _ = t.grammar(answer.as_ref());
+                let _ = t.system_text();
             }
         }
         1 => {
@@ -109,14 +132,16 @@ fuzz_target!(|data: &[u8]| {
             let Ok(req) = api::parse::<ollama_wire::ChatBody>(body) else {
                 return;
             };
-            let _ = ollama_wire::refuse_unsupported(&req.format, &req.tools, &req.think);
+            let _ = ollama_wire::refuse_unsupported(&req.tools, &req.think);
+            let _ = ollama_wire::format_grammar(&req.format);
             let _ = ollama_wire::settings(req.options.as_ref(), 1, true);
         }
         _ => {
             let Ok(req) = api::parse::<ollama_wire::GenerateBody>(body) else {
                 return;
             };
-            let _ = ollama_wire::refuse_unsupported(&req.format, &None, &req.think);
+            let _ = ollama_wire::refuse_unsupported(&None, &req.think);
+            let _ = ollama_wire::format_grammar(&req.format);
             let _ = ollama_wire::settings(req.options.as_ref(), 1, false);
         }
     }
