@@ -394,7 +394,7 @@ fn bad_requests_get_openai_error_objects() {
 }
 
 #[test]
-fn an_api_key_guards_every_route_but_health() {
+fn an_api_key_guards_every_route_but_health_and_the_page() {
     let Some(model) = smollm2() else { return };
     // Anything but loopback needs a key.
     let out = Command::new(env!("CARGO_BIN_EXE_snug"))
@@ -409,6 +409,13 @@ fn an_api_key_guards_every_route_but_health() {
     assert!(err.starts_with("error: ") && err.contains("--api-key"), "{err}");
 
     let s = Server::start(&model, &["--api-key", "sesame"]);
+    // The web page itself holds no data and asks for the key; what it
+    // reads is guarded.
+    let r = http(&s.addr, "GET", "/", &[], b"");
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("<title>snug</title>"));
+    let r = http(&s.addr, "GET", "/ui/conversations", &[], b"");
+    assert_eq!(r.status, 401);
     let body = completion("Hello", 2).to_string();
     let r = http(&s.addr, "POST", "/v1/completions", &[], body.as_bytes());
     assert_eq!(r.status, 401, "{}", r.body);
@@ -564,6 +571,45 @@ fn the_openai_python_client_drives_the_server() {
         return;
     };
     assert!(out.contains("ok"), "{out}");
+}
+
+/// The web chat page in a real headless browser: an answer streams in,
+/// a long one is stopped part way and kept, and after a reload both
+/// conversations are listed and open again (saved by the server).
+#[test]
+fn the_web_page_chats_in_a_headless_browser() {
+    let Some(model) = smollm2() else { return };
+    let browser = ["/usr/bin/chromium", "/usr/bin/chromedriver"];
+    if !browser.iter().all(|p| Path::new(p).exists()) {
+        assert!(
+            std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
+            "the browser test needs Debian's chromium and chromium-driver (scripts/test installs them)"
+        );
+        eprintln!("skipping: no chromium and chromedriver");
+        return;
+    }
+    let chats = std::env::temp_dir().join(format!("snug-serve-chats-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&chats);
+    let s = Server::start(&model, &["--chats-dir", chats.to_str().unwrap()]);
+    let Some(out) = client_check("browser", &[format!("http://{}", s.addr)]) else {
+        return;
+    };
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(v["stream_states"].as_u64().unwrap() >= 3, "{v}");
+    assert_eq!(v["titles"].as_array().unwrap().len(), 2, "{v}");
+    // The conversations are files in the folder, each a whole JSON object.
+    let files: Vec<_> = std::fs::read_dir(&chats).unwrap().flatten().collect();
+    assert_eq!(files.len(), 2);
+    for f in files {
+        let c: Value = serde_json::from_slice(&std::fs::read(f.path()).unwrap()).unwrap();
+        assert_eq!(c["messages"].as_array().unwrap().len(), 2, "{c}");
+    }
+    // The page's store refuses ids that could name other files.
+    let r = http(&s.addr, "GET", "/ui/conversations/..%2Fx", &[], b"");
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = http(&s.addr, "PUT", "/ui/conversations/a", &[], b"{\"messages\": 3}");
+    assert_eq!(r.status, 400, "{}", r.body);
+    let _ = std::fs::remove_dir_all(&chats);
 }
 
 /// `parse()` with Pydantic models, JSON mode, a constrained answer equal

@@ -56,6 +56,13 @@ pub struct ServeArgs {
     /// auto. The output is the same either way.
     #[arg(long, default_value = "auto")]
     pub(super) speculate: String,
+    /// Where the web page's conversations are saved (default: `chats/` in
+    /// snug's cache).
+    #[arg(long, value_name = "DIR")]
+    pub(super) chats_dir: Option<PathBuf>,
+    /// Do not serve the web chat page at `/` (nor its conversation store).
+    #[arg(long, conflicts_with = "chats_dir")]
+    pub(super) no_web: bool,
     /// Largest request body in bytes (e.g. 4MiB).
     #[arg(long, value_name = "SIZE", default_value = "4MiB")]
     pub(super) max_body: String,

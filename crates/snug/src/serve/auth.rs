@@ -1,13 +1,17 @@
-//! The API key: checked on every route but `/health`, in constant time.
+//! The API key: checked on every route but `/health` and the web page
+//! itself (`GET /`, which holds no data and asks for the key), in constant
+//! time.
 
 use super::*;
 
-/// Whether `req` may pass: no key is set, the route is /health, or it
+/// Whether `req` may pass: no key is set, the route is /health or the
+/// page at `/`, or it
 /// sends `Authorization: Bearer KEY` or (as Anthropic's clients do)
 /// `x-api-key: KEY`, compared in constant time.
 pub(crate) fn key_ok(req: &Request, key: Option<&str>) -> bool {
     let Some(key) = key else { return true };
-    if req.uri().path() == "/health" {
+    let path = req.uri().path();
+    if path == "/health" || (path == "/" && req.method() == axum::http::Method::GET) {
         return true;
     }
     let bearer = req

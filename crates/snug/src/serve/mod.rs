@@ -24,6 +24,7 @@ mod routes;
 mod start;
 mod structured;
 mod tools;
+mod ui;
 pub mod worker;
 
 use std::convert::Infallible;
@@ -87,6 +88,8 @@ struct AppState {
     /// Grammar compiler for the model's vocabulary, built when the first
     /// request with a grammar comes.
     grammars: std::sync::OnceLock<std::result::Result<Grammars, String>>,
+    /// The web page's conversation folder (`None`: no page).
+    chats_dir: Option<PathBuf>,
 }
 
 /// The value behind a lock, even if a thread panicked while holding it:

@@ -14,6 +14,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> R
         .merge(super::anthropic::routes())
         .merge(super::responses::routes())
         .merge(super::embeddings::routes())
+        .merge(super::ui::routes())
         .route("/v1/systemone", post(systemone))
         .route("/v1/systemone/batch", post(systemone_batch))
         .route("/health", get(health))

@@ -77,6 +77,11 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
         draining: AtomicBool::new(false),
         facts,
         grammars: std::sync::OnceLock::new(),
+        chats_dir: (!a.no_web).then(|| {
+            a.chats_dir
+                .clone()
+                .unwrap_or_else(|| crate::env::get().cache.join("chats"))
+        }),
     });
     let log = match (a.no_access_log, a.log_format.as_str()) {
         (true, _) => AccessLog::Off,
