@@ -113,7 +113,7 @@ async fn list(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
             let title = v.get("title").and_then(Value::as_str).unwrap_or("").to_string();
             items.push((updated, json!({"id": id, "title": title, "updated": updated})));
         }
-        items.sort_by(|a, b| b.0.cmp(&a.0));
+        items.sort_by_key(|x| std::cmp::Reverse(x.0));
         items.truncate(MAX_LISTED);
         items
     })
