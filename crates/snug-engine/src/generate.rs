@@ -229,40 +229,44 @@ pub struct Decoding {
     finish_after_ready: bool,
 }
 
-/// Samples the token at the next position of `history` from `logits`,
-/// under `constraint`'s mask when there is one; `None` when the grammar
-/// allows no token at all.
-fn pick(
-    sampler: &mut Sampler,
-    constraint: &mut Option<Constraint>,
-    masked: &mut Vec<f32>,
-    logits: &[f32],
-    history: &[u32],
-    params: &SamplingParams,
-) -> Result<Option<u32>, EngineError> {
-    let position = history.len() as u64;
-    match constraint {
-        None => Ok(Some(sampler.sample(logits, history, params, position))),
-        Some(c) => {
-            // Greedy: when the grammar accepts the best token, take it;
-            // checking one token costs far less than a whole mask. (The
-            // choice depends only on the logits and the grammar's state,
-            // so plain decoding and verification make it alike.)
-            if params.temperature <= 0.0 {
-                let best = sampler.sample(logits, history, params, position);
-                if c.valid_prefix(&[best]) == 1 {
-                    return Ok(Some(best));
+impl Decoding {
+    /// Samples the token at the next position of the history from `row`
+    /// (the logits kept from the last forward when `None`), under the
+    /// grammar's mask when there is one; `None` when the grammar allows no
+    /// token at all.
+    fn pick(&mut self, row: Option<&[f32]>) -> Result<Option<u32>, EngineError> {
+        let Decoding {
+            sampler,
+            constraint,
+            masked,
+            logits,
+            history,
+            req,
+            ..
+        } = self;
+        let logits: &[f32] = row.unwrap_or(logits);
+        let (params, position) = (&req.params, history.len() as u64);
+        match constraint {
+            None => Ok(Some(sampler.sample(logits, history, params, position))),
+            Some(c) => {
+                // Greedy: when the grammar accepts the best token, take it;
+                // checking one token costs far less than a whole mask. (The
+                // choice depends only on the logits and the grammar's state,
+                // so plain decoding and verification make it alike.)
+                if params.temperature <= 0.0 {
+                    let best = sampler.sample(logits, history, params, position);
+                    if c.valid_prefix(&[best]) == 1 {
+                        return Ok(Some(best));
+                    }
                 }
+                if !c.mask(logits, masked)? {
+                    return Ok(None);
+                }
+                Ok(Some(sampler.sample(masked, history, params, position)))
             }
-            if !c.mask(logits, masked)? {
-                return Ok(None);
-            }
-            Ok(Some(sampler.sample(masked, history, params, position)))
         }
     }
-}
 
-impl Decoding {
     /// Starts generating `req` on `seq`: reuses the prefix of the prompt
     /// the sequence holds (an empty sequence first takes what the prefix
     /// cache holds); at least the last prompt token is left to feed, so
@@ -397,15 +401,7 @@ impl Decoding {
                     break;
                 }
                 None => {
-                    let picked = pick(
-                        &mut self.sampler,
-                        &mut self.constraint,
-                        &mut self.masked,
-                        &self.logits,
-                        &self.history,
-                        &self.req.params,
-                    )?;
-                    match picked {
+                    match self.pick(None)? {
                         Some(t) => (t, false),
                         // The grammar allows nothing more: it is complete.
                         None => {
@@ -528,16 +524,7 @@ impl Decoding {
                 let mut accepted = 0;
                 let mut dead_end = false;
                 for (i, &d) in draft.iter().enumerate() {
-                    let row = &logits[i * vocab..(i + 1) * vocab];
-                    let picked = pick(
-                        &mut self.sampler,
-                        &mut self.constraint,
-                        &mut self.masked,
-                        row,
-                        &self.history,
-                        &self.req.params,
-                    )?;
-                    let Some(target) = picked else {
+                    let Some(target) = self.pick(Some(&logits[i * vocab..(i + 1) * vocab]))? else {
                         dead_end = true;
                         break;
                     };
@@ -553,15 +540,7 @@ impl Decoding {
                     }
                 }
                 if accepted == draft.len() && !dead_end {
-                    let row = &logits[draft.len() * vocab..(draft.len() + 1) * vocab];
-                    let picked = pick(
-                        &mut self.sampler,
-                        &mut self.constraint,
-                        &mut self.masked,
-                        row,
-                        &self.history,
-                        &self.req.params,
-                    )?;
+                    let picked = self.pick(Some(&logits[draft.len() * vocab..(draft.len() + 1) * vocab]))?;
                     dead_end = picked.is_none();
                     if let Some(target) = picked {
                         self.ready.push_back((target, false));

@@ -107,6 +107,20 @@ impl AppState {
         Ok(inputs)
     }
 
+    /// `input` checked, run through the engine loop and counted for the
+    /// access log: the vectors and the tokens they took.
+    async fn embed_input(&self, conn: &Conn, input: Input) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+        let inputs = self.embedding_inputs(input).map_err(|e| self.bad(e))?;
+        let tokens: usize = inputs.iter().map(Vec::len).sum();
+        let vectors = self.embed(inputs).await?;
+        conn.record(Usage {
+            prompt: tokens,
+            completion: 0,
+            cached: 0,
+        });
+        Ok((vectors, tokens))
+    }
+
     /// Runs the inputs through the engine loop.
     async fn embed(&self, inputs: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>, ApiError> {
         if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
@@ -186,14 +200,7 @@ async fn embeddings_inner(
         )));
     }
     let _ = (&req.model, &req.user);
-    let inputs = s.embedding_inputs(req.input).map_err(|e| s.bad(e))?;
-    let tokens: usize = inputs.iter().map(Vec::len).sum();
-    let vectors = s.embed(inputs).await?;
-    conn.record(Usage {
-        prompt: tokens,
-        completion: 0,
-        cached: 0,
-    });
+    let (vectors, tokens) = s.embed_input(conn, req.input).await?;
     let data: Vec<Value> = vectors
         .iter()
         .enumerate()
@@ -235,14 +242,7 @@ async fn ollama_embed(
         // a cut input's embedding would not be the text's.
         let _ = (&req.options, &req.keep_alive, req.truncate);
         let started = std::time::Instant::now();
-        let inputs = s.embedding_inputs(req.input).map_err(|e| s.bad(e))?;
-        let tokens: usize = inputs.iter().map(Vec::len).sum();
-        let vectors = s.embed(inputs).await?;
-        conn.record(Usage {
-            prompt: tokens,
-            completion: 0,
-            cached: 0,
-        });
+        let (vectors, tokens) = s.embed_input(&conn, req.input).await?;
         Ok(Json(json!({
             "model": s.model_id,
             "embeddings": vectors,
