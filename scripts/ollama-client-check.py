@@ -59,6 +59,32 @@ loose = c.generate(model=name, prompt="A cat as JSON:", format="json", options={
 if loose.done_reason == "stop":
     assert isinstance(json.loads(loose.response), dict), loose.response
 
+# Tool calls: the model answers a weather question with a call to the
+# function (as ollama's message.tool_calls, arguments an object), whole and
+# streamed alike.
+def get_weather(city: str) -> str:
+    """The current weather in a city.
+
+    Args:
+      city: the city's name
+    """
+    return "12 degrees"
+
+ask = [{"role": "user", "content": "What is the weather in Oslo? Use the get_weather tool."}]
+called = c.chat(model=name, messages=ask, tools=[get_weather], options={"temperature": 0, "num_predict": 80})
+calls = called.message.tool_calls or []
+streamed_calls = [tc for part in c.chat(model=name, messages=ask, tools=[get_weather], stream=True,
+                                        options={"temperature": 0, "num_predict": 80})
+                  for tc in (part.message.tool_calls or [])]
+assert [(t.function.name, dict(t.function.arguments)) for t in calls] == \
+       [(t.function.name, dict(t.function.arguments)) for t in streamed_calls], (calls, streamed_calls)
+out["tool_calls"] = [{"name": t.function.name, "arguments": dict(t.function.arguments)} for t in calls]
+if calls:
+    # The result goes back as a tool message; the model answers.
+    follow = c.chat(model=name, messages=ask + [called.message, {"role": "tool", "content": "12 degrees", "tool_name": "get_weather"}],
+                    tools=[get_weather], options={"temperature": 0, "num_predict": 40})
+    out["after_tool"] = follow.message.content
+
 emb = c.embed(model=name, input=["The cat sat on the mat.", "A cat is sitting on a mat."])
 assert len(emb.embeddings) == 2 and len(emb.embeddings[0]) > 0, emb
 out["embed_dims"] = len(emb.embeddings[0])

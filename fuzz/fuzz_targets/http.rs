@@ -132,15 +132,16 @@ fuzz_target!(|data: &[u8]| {
             let Ok(req) = api::parse::<ollama_wire::ChatBody>(body) else {
                 return;
             };
-            let _ = ollama_wire::refuse_unsupported(&req.tools, &req.think);
+            let _ = ollama_wire::refuse_unsupported(&req.think);
             let _ = ollama_wire::format_grammar(&req.format);
+            let _ = tools::read(req.tools.clone().map(Value::Array).as_ref(), None, None);
             let _ = ollama_wire::settings(req.options.as_ref(), 1, true);
         }
         _ => {
             let Ok(req) = api::parse::<ollama_wire::GenerateBody>(body) else {
                 return;
             };
-            let _ = ollama_wire::refuse_unsupported(&None, &req.think);
+            let _ = ollama_wire::refuse_unsupported(&req.think);
             let _ = ollama_wire::format_grammar(&req.format);
             let _ = ollama_wire::settings(req.options.as_ref(), 1, false);
         }

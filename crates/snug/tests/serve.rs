@@ -648,6 +648,18 @@ fn the_ollama_python_client_drives_the_server() {
     // Raw generation is the plain greedy continuation `snug run` gives
     // (ollama's default repeat penalty of 1.1 aside, it starts the same).
     assert!(v["generate"].as_str().unwrap().starts_with(" Paris."), "{v}");
+    drop(s);
+    // Tool calls in ollama's shape, from a model whose template renders
+    // tools (the script checks streamed calls equal whole ones).
+    let Some(qwen) = model_path("qwen2.5-coder-0.5b") else {
+        return;
+    };
+    let s = Server::start(&qwen, &[]);
+    let out = client_check("ollama", &[format!("http://{}", s.addr)]).unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["capabilities"], json!(["completion", "tools"]), "{v}");
+    assert_eq!(v["tool_calls"][0]["name"], "get_weather", "{v}");
+    assert!(v["tool_calls"][0]["arguments"]["city"].is_string(), "{v}");
 }
 
 #[test]

@@ -8,7 +8,7 @@
 
 use super::ollama_wire::*;
 use super::*;
-use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, whole_answer, Piece, Prepared};
+use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, tool_chat_prompt, whole_answer, Piece, Prepared};
 
 /// What `/api/tags` and `/api/show` say of the model, read at start.
 pub(super) struct Facts {
@@ -119,7 +119,9 @@ async fn chat_inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesReje
     let body = body_bytes(body, s)?;
     let req: ChatBody = api::parse(&body).map_err(|e| s.bad(e))?;
     let _ = (&req.model, &req.keep_alive);
-    refuse_unsupported(&req.tools, &req.think).map_err(|e| s.bad(e))?;
+    refuse_unsupported(&req.think).map_err(|e| s.bad(e))?;
+    let tool_list = req.tools.clone().map(Value::Array);
+    let tools = super::tools::read(tool_list.as_ref(), None, None).map_err(|e| s.bad(e))?;
     if req.messages.is_empty() {
         // ollama's way to load a model: nothing to generate.
         return Ok(Json(json!({
@@ -136,18 +138,29 @@ async fn chat_inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesReje
         if m.images.as_ref().is_some_and(|i| !i.is_empty()) {
             return Err(s.bad(bad("images are not supported (text only)".into())));
         }
-        if m.tool_calls.as_ref().is_some_and(|t| !t.is_empty()) || m.tool_name.is_some() {
-            return Err(s.bad(bad("tool calls are not supported yet".into())));
-        }
         let _ = &m.thinking;
-        messages.push(Message::new(&m.role, &m.content));
+        let mut v = json!({"role": m.role, "content": m.content});
+        if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+            v["tool_calls"] = Value::Array(calls.clone());
+        }
+        if let Some(name) = &m.tool_name {
+            v["name"] = Value::from(name.as_str());
+        }
+        messages.push(v);
     }
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let mut settings = settings(req.options.as_ref(), s.seed(id), req.stream.unwrap_or(true)).map_err(|e| s.bad(e))?;
     settings.grammar = format_grammar(&req.format).map_err(|e| s.bad(e))?;
-    let prompt = chat_prompt(s, messages).await?;
-    let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    let prompt = tool_chat_prompt(s, messages, tools.as_ref(), &mut settings).await?;
+    let mut p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    p.tools = tools;
     answer(s, conn, id, p, true, started).await
+}
+
+/// A call in ollama's shape: the arguments as an object.
+fn ollama_call(c: &super::tools::Call) -> Value {
+    let arguments: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+    json!({"function": {"name": c.name, "arguments": arguments}})
 }
 
 async fn generate(
@@ -168,7 +181,7 @@ async fn generate_inner(
     let body = body_bytes(body, s)?;
     let req: GenerateBody = api::parse(&body).map_err(|e| s.bad(e))?;
     let _ = (&req.model, &req.keep_alive);
-    refuse_unsupported(&None, &req.think).map_err(|e| s.bad(e))?;
+    refuse_unsupported(&req.think).map_err(|e| s.bad(e))?;
     let refuse = |what: &str| Err(s.bad(bad(format!("{what} is not supported"))));
     if req.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
         return refuse("suffix (fill in the middle)");
@@ -253,8 +266,22 @@ async fn answer(
     let model = s.model_id.clone();
     if !stream {
         let (text, d, first) = whole_answer(&conn, &mut rx).await?;
-        return Ok(Json(line(&model, chat, &text, Some((&d, started, first)))).into_response());
+        let Some(t) = &p.tools else {
+            return Ok(Json(line(&model, chat, &text, Some((&d, started, first)))).into_response());
+        };
+        let (content, calls) = super::tools::split(&text, t);
+        let mut v = line(
+            &model,
+            chat,
+            content.as_deref().unwrap_or(""),
+            Some((&d, started, first)),
+        );
+        if !calls.is_empty() {
+            v["message"]["tool_calls"] = Value::Array(calls.iter().map(ollama_call).collect());
+        }
+        return Ok(Json(v).into_response());
     }
+    let mut splitter = p.tools.as_ref().map(super::tools::Splitter::new);
     let ndjson = |v: Value| {
         let mut b = v.to_string().into_bytes();
         b.push(b'\n');
@@ -262,14 +289,45 @@ async fn answer(
     };
     let mut first = None;
     let stream = stream_answer(rx, conn, Vec::new(), move |piece| {
-        vec![ndjson(match piece {
+        // With tools, text passes through the splitter; each call is a
+        // line of its own with `message.tool_calls`.
+        let parts = |out: Vec<super::tools::Out>| -> Vec<Value> {
+            out.into_iter()
+                .map(|o| match o {
+                    super::tools::Out::Text(t) => line(&model, chat, &t, None),
+                    super::tools::Out::Call(c) => {
+                        let mut v = line(&model, chat, "", None);
+                        v["message"]["tool_calls"] = json!([ollama_call(&c)]);
+                        v
+                    }
+                })
+                .collect()
+        };
+        let lines = match piece {
             Piece::Text(t) => {
                 first.get_or_insert_with(Instant::now);
-                line(&model, chat, t, None)
+                match &mut splitter {
+                    Some(sp) => {
+                        let out = sp.push(t);
+                        parts(out)
+                    }
+                    None => vec![line(&model, chat, t, None)],
+                }
             }
-            Piece::Done(d) => line(&model, chat, "", Some((d, started, first))),
-            Piece::Failed(e) => json!({"error": e}),
-        })]
+            Piece::Done(d) => {
+                let mut v = match &mut splitter {
+                    Some(sp) => {
+                        let out = sp.finish();
+                        parts(out)
+                    }
+                    None => Vec::new(),
+                };
+                v.push(line(&model, chat, "", Some((d, started, first))));
+                v
+            }
+            Piece::Failed(e) => vec![json!({"error": e})],
+        };
+        lines.into_iter().map(ndjson).collect()
     });
     let body = axum::body::Body::from_stream(stream);
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
@@ -336,7 +394,7 @@ async fn show(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection
                 "general.parameter_count": f.parameters,
                 format!("{}.context_length", f.family): s.ctx,
             },
-            "capabilities": ["completion"],
+            "capabilities": ["completion", "tools"],
             "modified_at": rfc3339(f.modified),
         }))
     };

@@ -124,10 +124,7 @@ pub(super) fn format_grammar(format: &Option<Value>) -> Result<Option<Structured
 }
 
 /// Fields of a request that ask for what snug does not do yet.
-pub(super) fn refuse_unsupported(tools: &Option<Vec<Value>>, think: &Option<Value>) -> Result<(), ApiError> {
-    if tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(bad("tools are not supported yet".into()));
-    }
+pub(super) fn refuse_unsupported(think: &Option<Value>) -> Result<(), ApiError> {
     if think.as_ref().is_some_and(|t| t == true || t.is_string()) {
         return Err(bad("think is not supported".into()));
     }

@@ -495,32 +495,7 @@ pub(super) async fn chat_inner(
         }
         messages.push(v);
     }
-    // A template that renders tools itself gets them as `tools`; for any
-    // other they are described in the system message.
-    let native = s.template.source.contains("tools");
-    let mut messages = tools::template_messages(messages, native);
-    let mut extra = json!({});
-    if let Some(t) = &tools {
-        if native {
-            extra["tools"] = Value::Array(t.defs.clone());
-        } else if messages[0]["role"] == "system" {
-            let text = format!(
-                "{}\n\n{}",
-                messages[0]["content"].as_str().unwrap_or_default(),
-                t.system_text()
-            );
-            messages[0]["content"] = Value::from(text);
-        } else {
-            messages.insert(0, json!({"role": "system", "content": t.system_text()}));
-        }
-        if let Some(spec) = t
-            .grammar(settings.grammar.as_ref().map(|g| &g.spec))
-            .map_err(|e| s.bad(e))?
-        {
-            settings.grammar = Some(Structured { spec, param: "tools" });
-        }
-    }
-    let prompt = chat_prompt_value(s, Value::Array(messages), extra).await?;
+    let prompt = tool_chat_prompt(s, messages, tools.as_ref(), &mut settings).await?;
     let mut p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
     p.tools = tools;
     respond(s, conn, id, Kind::Chat, p).await
@@ -570,6 +545,42 @@ pub(super) async fn completion_inner(
     // OpenAI's default for completions.
     let p = s.prepare(prompt, settings, Some(16)).map_err(|e| s.bad(e))?;
     respond(s, conn, id, Kind::Completion, p).await
+}
+
+/// A conversation with tools (or none) as prompt tokens: a template that
+/// renders tools itself gets them as `tools`; for any other they are
+/// described in the system message. The call grammar, when the tool
+/// choice needs one, becomes the request's.
+pub(super) async fn tool_chat_prompt(
+    s: &Arc<AppState>,
+    messages: Vec<Value>,
+    tools: Option<&tools::Tools>,
+    settings: &mut Settings,
+) -> Result<Vec<u32>, ApiError> {
+    let native = s.template.source.contains("tools");
+    let mut messages = tools::template_messages(messages, native);
+    let mut extra = json!({});
+    if let Some(t) = tools {
+        if native {
+            extra["tools"] = Value::Array(t.defs.clone());
+        } else if messages.first().is_some_and(|m| m["role"] == "system") {
+            let text = format!(
+                "{}\n\n{}",
+                messages[0]["content"].as_str().unwrap_or_default(),
+                t.system_text()
+            );
+            messages[0]["content"] = Value::from(text);
+        } else {
+            messages.insert(0, json!({"role": "system", "content": t.system_text()}));
+        }
+        if let Some(spec) = t
+            .grammar(settings.grammar.as_ref().map(|g| &g.spec))
+            .map_err(|e| s.bad(e))?
+        {
+            settings.grammar = Some(Structured { spec, param: "tools" });
+        }
+    }
+    chat_prompt_value(s, Value::Array(messages), extra).await
 }
 
 /// A conversation's prompt tokens: the chat template rendered (in the
