@@ -4,8 +4,9 @@
     scripts/anthropic-client-check.py http://127.0.0.1:PORT KEY
 
 Sends a message (whole and streamed, which must agree under greedy
-sampling), counts tokens, and checks that an unsupported field comes back
-as the client's BadRequestError and a wrong key as AuthenticationError.
+sampling), counts tokens, calls a tool (whole and streamed, then sends the
+result back), and checks that an unsupported tool comes back as the
+client's BadRequestError and a wrong key as AuthenticationError.
 Prints one JSON object of what it saw; exits non-zero on any mismatch.
 """
 
@@ -45,9 +46,34 @@ out["stop_sequence"] = stopped.stop_sequence
 counted = c.messages.count_tokens(model="snug", system="Be brief.", messages=msgs)
 assert counted.input_tokens == whole.usage.input_tokens, (counted, whole.usage)
 
+# Tool use: tool_choice "any" makes the model call; the stream's final
+# message holds the same tool_use blocks; the result goes back as a
+# tool_result block and the model answers.
+weather = {"name": "get_weather", "description": "The current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                            "required": ["city"]}}
+ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+tkw = dict(model="snug", max_tokens=100, messages=ask, tools=[weather], tool_choice={"type": "any"},
+           extra_body={"temperature": 0})
+used = c.messages.create(**tkw)
+uses = [b for b in used.content if b.type == "tool_use"]
+assert used.stop_reason == "tool_use" and uses, used
+assert all(u.name == "get_weather" and isinstance(u.input.get("city"), str) for u in uses), uses
+with c.messages.stream(**tkw) as stream:
+    final = stream.get_final_message()
+streamed_uses = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+assert streamed_uses == [(u.name, u.input) for u in uses], (streamed_uses, uses)
+assert final.stop_reason == "tool_use", final
+out["tool_use"] = [{"name": u.name, "input": u.input} for u in uses]
+back = ask + [{"role": "assistant", "content": [u.model_dump() for u in uses]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "12 degrees, rain"}
+                                           for u in uses]}]
+after = c.messages.create(model="snug", max_tokens=40, messages=back, tools=[weather], extra_body={"temperature": 0})
+assert after.content, after
+out["after_tool"] = after.stop_reason
 try:
-    c.messages.create(model="snug", max_tokens=5, messages=msgs, tools=[{"name": "f", "input_schema": {"type": "object"}}])
-    raise SystemExit("tools were accepted")
+    c.messages.create(model="snug", max_tokens=5, messages=msgs, tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    raise SystemExit("a server tool was accepted")
 except anthropic.BadRequestError as e:
     out["refused"] = e.body["error"]["message"]
 try:

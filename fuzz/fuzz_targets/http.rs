@@ -118,7 +118,10 @@ fuzz_target!(|data: &[u8]| {
             let Ok(req) = api::parse::<anthropic_wire::MessagesRequest>(body) else {
                 return;
             };
-            let _ = anthropic_wire::conversation(&req);
+            let _ = anthropic_wire::conversation_json(&req);
+            if let Ok((defs, choice, parallel)) = anthropic_wire::tool_fields(&req) {
+                let _ = tools::read(defs.as_ref(), choice.as_ref(), parallel.as_ref());
+            }
             let _ = anthropic_wire::settings(&req, 1);
         }
         6 => {

@@ -672,6 +672,7 @@ fn the_anthropic_python_client_drives_the_server() {
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["streamed_equal"], true, "{v}");
     assert_eq!(v["stop_sequence"], "e", "{v}");
+    assert_eq!(v["tool_use"][0]["name"], "get_weather", "{v}");
     // The same greedy answer as the OpenAI route gives the same messages.
     let r = http(
         &s.addr,

@@ -7,7 +7,8 @@
 
 use super::anthropic_wire::*;
 use super::*;
-use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, whole_answer, Piece};
+use crate::serve::routes::{body_bytes, stream_answer, tool_chat_prompt, whole_answer, Piece};
+use crate::serve::tools::{self, Out};
 
 pub(super) fn routes() -> Router<Arc<AppState>> {
     Router::new()
@@ -40,6 +41,18 @@ fn error(e: ApiError) -> Response {
     r
 }
 
+/// The request's tools, read through the OpenAI machinery.
+fn request_tools(req: &MessagesRequest) -> Result<Option<tools::Tools>, ApiError> {
+    let (defs, choice, parallel) = tool_fields(req)?;
+    tools::read(defs.as_ref(), choice.as_ref(), parallel.as_ref())
+}
+
+/// A call as a `tool_use` block.
+fn tool_use(id: &str, c: &tools::Call) -> Value {
+    let input: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+    json!({"type": "tool_use", "id": id, "name": c.name, "input": input})
+}
+
 /// Anthropic's stop reason, and the stop sequence when it can say which.
 fn stop_reason(d: &worker::Summary, stops: &[String]) -> (&'static str, Value) {
     match (d.finish_reason, d.stopped_by_string) {
@@ -69,22 +82,41 @@ async fn messages_inner(
 ) -> Result<Response, ApiError> {
     let body = body_bytes(body, s)?;
     let req: MessagesRequest = api::parse(&body).map_err(|e| s.bad(e))?;
-    let messages = conversation(&req).map_err(|e| s.bad(e))?;
+    let messages = conversation_json(&req).map_err(|e| s.bad(e))?;
+    let tools = request_tools(&req).map_err(|e| s.bad(e))?;
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let settings = settings(&req, s.seed(id)).map_err(|e| s.bad(e))?;
+    let mut settings = settings(&req, s.seed(id)).map_err(|e| s.bad(e))?;
     let stops = settings.stop.clone();
-    let prompt = chat_prompt(s, messages).await?;
-    let p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    let prompt = tool_chat_prompt(s, messages, tools.as_ref(), &mut settings).await?;
+    let mut p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
+    p.tools = tools;
     let prompt_tokens = p.prompt.len();
     let mut rx = s.submit(id, &p).await?;
     let msg_id = format!("msg_snug{id:016x}");
+    let call_id = move |i: usize| format!("toolu_snug{id:016x}_{i}");
     let model = s.model_id.clone();
     if !p.settings.stream {
         let (text, d, _) = whole_answer(&conn, &mut rx).await?;
-        let (reason, sequence) = stop_reason(&d, &stops);
+        let (mut reason, sequence) = stop_reason(&d, &stops);
+        let mut content = Vec::new();
+        match &p.tools {
+            None => content.push(json!({"type": "text", "text": text})),
+            Some(t) => {
+                let (answer, calls) = tools::split(&text, t);
+                if let Some(a) = answer {
+                    content.push(json!({"type": "text", "text": a}));
+                }
+                for (i, c) in calls.iter().enumerate() {
+                    content.push(tool_use(&call_id(i), c));
+                }
+                if !calls.is_empty() {
+                    reason = "tool_use";
+                }
+            }
+        }
         return Ok(Json(json!({
             "id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}],
+            "content": content,
             "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": d.prompt_tokens, "output_tokens": d.completion_tokens,
                       "cache_read_input_tokens": d.reused_tokens, "cache_creation_input_tokens": 0},
@@ -92,36 +124,117 @@ async fn messages_inner(
         .into_response());
     }
     let event = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
-    let prelude = vec![
-        event(
-            "message_start",
-            json!({"type": "message_start", "message": {
-                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
-        ),
-        event(
+    let mut prelude = vec![event(
+        "message_start",
+        json!({"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
+    )];
+    // Without tools the one text block opens at once; with tools, blocks
+    // open as text or calls come: text, then each call a `tool_use` block
+    // whose input arrives as one `input_json_delta`.
+    let mut splitter = p.tools.as_ref().map(tools::Splitter::new);
+    let mut open_text = splitter.is_none();
+    if open_text {
+        prelude.push(event(
             "content_block_start",
             json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-        ),
-        event("ping", json!({"type": "ping"})),
-    ];
+        ));
+    }
+    prelude.push(event("ping", json!({"type": "ping"})));
+    let mut index = 0usize;
+    let mut calls = 0usize;
+    // `None` closes the text block if one is open.
+    let mut blocks = move |out: Vec<Option<Out>>| -> Vec<SseEvent> {
+        let mut ev = Vec::new();
+        for o in out {
+            match o {
+                None => {
+                    if open_text {
+                        ev.push(event(
+                            "content_block_stop",
+                            json!({"type": "content_block_stop", "index": index}),
+                        ));
+                        open_text = false;
+                    }
+                }
+                Some(Out::Text(t)) => {
+                    if !open_text {
+                        ev.push(event(
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": index,
+                                   "content_block": {"type": "text", "text": ""}}),
+                        ));
+                        open_text = true;
+                    }
+                    ev.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index,
+                               "delta": {"type": "text_delta", "text": t}}),
+                    ));
+                }
+                Some(Out::Call(c)) => {
+                    if open_text {
+                        ev.push(event(
+                            "content_block_stop",
+                            json!({"type": "content_block_stop", "index": index}),
+                        ));
+                        index += 1;
+                        open_text = false;
+                    }
+                    let mut start = tool_use(&call_id(calls), &c);
+                    start["input"] = json!({});
+                    ev.push(event(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": index, "content_block": start}),
+                    ));
+                    ev.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index,
+                               "delta": {"type": "input_json_delta", "partial_json": c.arguments}}),
+                    ));
+                    ev.push(event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": index}),
+                    ));
+                    index += 1;
+                    calls += 1;
+                }
+            }
+        }
+        ev
+    };
+    let some = |out: Vec<Out>| out.into_iter().map(Some).collect::<Vec<_>>();
     let stream = stream_answer(rx, conn, prelude, move |piece| match piece {
-        Piece::Text(t) => vec![event(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
-        )],
+        Piece::Text(t) => match &mut splitter {
+            Some(sp) => {
+                let out = sp.push(t);
+                blocks(some(out))
+            }
+            None => blocks(vec![Some(Out::Text(t.to_string()))]),
+        },
         Piece::Done(d) => {
-            let (reason, sequence) = stop_reason(d, &stops);
-            vec![
-                event("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
-                event(
-                    "message_delta",
-                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                           "usage": {"output_tokens": d.completion_tokens}}),
-                ),
-                event("message_stop", json!({"type": "message_stop"})),
-            ]
+            let (mut reason, sequence) = stop_reason(d, &stops);
+            let mut rest = match &mut splitter {
+                Some(sp) => {
+                    let out = sp.finish();
+                    if sp.calls() > 0 {
+                        reason = "tool_use";
+                    }
+                    some(out)
+                }
+                None => Vec::new(),
+            };
+            rest.push(None);
+            let mut ev = blocks(rest);
+            ev.push(event(
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                       "usage": {"output_tokens": d.completion_tokens}}),
+            ));
+            ev.push(event("message_stop", json!({"type": "message_stop"})));
+            ev
         }
         Piece::Failed(e) => vec![event(
             "error",
@@ -136,8 +249,19 @@ async fn count_tokens(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesR
     let inner = async {
         let body = body_bytes(body, &s)?;
         let req: MessagesRequest = api::parse(&body).map_err(|e| s.bad(e))?;
-        let messages = conversation(&req).map_err(|e| s.bad(e))?;
-        let prompt = chat_prompt(&s, messages).await?;
+        let messages = conversation_json(&req).map_err(|e| s.bad(e))?;
+        let tools = request_tools(&req).map_err(|e| s.bad(e))?;
+        // The settings only carry the call grammar here; nothing runs.
+        let mut settings = api::Settings {
+            params: snug_engine::sampling::SamplingParams::default(),
+            max_tokens: None,
+            stop: Vec::new(),
+            stream: false,
+            include_usage: false,
+            ignore_eos: false,
+            grammar: None,
+        };
+        let prompt = tool_chat_prompt(&s, messages, tools.as_ref(), &mut settings).await?;
         Ok::<_, ApiError>(Json(json!({"input_tokens": prompt.len()})).into_response())
     };
     inner.await.unwrap_or_else(error)
@@ -157,9 +281,9 @@ mod tests {
             json!({"model": "x", "max_tokens": 5, "system": [{"type": "text", "text": "Be brief."}],
                             "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
         );
-        let msgs = conversation(&ok).unwrap();
-        assert_eq!(msgs[0], Message::new("system", "Be brief."));
-        assert_eq!(msgs[1], Message::new("user", "Hi"));
+        let msgs = conversation_json(&ok).unwrap();
+        assert_eq!(msgs[0], json!({"role": "system", "content": "Be brief."}));
+        assert_eq!(msgs[1], json!({"role": "user", "content": "Hi"}));
         let s = settings(&ok, 3).unwrap();
         assert_eq!((s.params.temperature, s.params.top_k, s.max_tokens), (1.0, 0, Some(5)));
         let no_max = req(json!({"messages": [{"role": "user", "content": "Hi"}]}));
@@ -167,10 +291,34 @@ mod tests {
         let hot = req(json!({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "Hi"}]}));
         assert!(settings(&hot, 0).unwrap_err().message.contains("temperature"));
         let image = req(json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}));
-        assert!(conversation(&image).unwrap_err().message.contains("image"));
-        let tools =
-            req(json!({"max_tokens": 5, "tools": [{"name": "f"}], "messages": [{"role": "user", "content": "x"}]}));
-        assert!(conversation(&tools).unwrap_err().message.contains("tools"));
+        assert!(conversation_json(&image).unwrap_err().message.contains("image"));
+        // Server tools are refused by name; client tools read as functions.
+        let server_tool = req(
+            json!({"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "w"}],
+                                     "messages": [{"role": "user", "content": "x"}]}),
+        );
+        assert!(request_tools(&server_tool)
+            .unwrap_err()
+            .message
+            .contains("client tools"));
+        let any = req(
+            json!({"max_tokens": 5, "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
+                             "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                             "messages": [{"role": "user", "content": "x"}]}),
+        );
+        let t = request_tools(&any).unwrap().unwrap();
+        assert_eq!((t.choice.clone(), t.parallel), (tools::Choice::Required, false));
+        // A tool round trip becomes an assistant call and a tool message.
+        let trip = req(json!({"max_tokens": 5, "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Looking."},
+                {"type": "tool_use", "id": "t1", "name": "f", "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                "content": [{"type": "text", "text": "12 C"}]}, {"type": "text", "text": "Thanks"}]}]}));
+        let m = conversation_json(&trip).unwrap();
+        assert_eq!(m[1]["tool_calls"][0]["function"]["arguments"], "{\"city\":\"Oslo\"}");
+        assert_eq!(m[2], json!({"role": "tool", "tool_call_id": "t1", "content": "12 C"}));
+        assert_eq!(m[3], json!({"role": "user", "content": "Thanks"}));
         assert!(serde_json::from_value::<MessagesRequest>(json!({"messages": [], "bogus": 1})).is_err());
     }
 }
