@@ -237,6 +237,27 @@ def main():
         for t in c.message.tool_calls or []:
             json.loads(t.function.arguments)
 
+        # The Responses API: function tools, a required call whole and
+        # through the stream helper, then the output sent back.
+        rtools = [{"type": "function", "name": f["function"]["name"], "description": f["function"]["description"],
+                   "parameters": f["function"]["parameters"]} for f in (WEATHER, TIME)]
+        ask = "What is the weather in Oslo, in celsius?"
+        r = client.responses.create(model=model, input=ask, tools=rtools, tool_choice="required",
+                                    temperature=0, max_output_tokens=200)
+        calls = [o for o in r.output if o.type == "function_call"]
+        check(calls and all(isinstance(json.loads(c.arguments), dict) for c in calls), f"responses calls: {r.output}")
+        with client.responses.stream(model=model, input=ask, tools=rtools, tool_choice="required",
+                                     temperature=0, max_output_tokens=200) as st:
+            final = st.get_final_response()
+        streamed = [(o.name, json.loads(o.arguments)) for o in final.output if o.type == "function_call"]
+        check(streamed == [(c.name, json.loads(c.arguments)) for c in calls], f"responses stream {streamed}")
+        back = [{"role": "user", "content": ask}] + [
+            {"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls
+        ] + [{"type": "function_call_output", "call_id": c.call_id, "output": "12 degrees"} for c in calls]
+        after = client.responses.create(model=model, input=back, tools=rtools, temperature=0, max_output_tokens=60)
+        check(after.output, f"responses after the output: {after}")
+        summary["responses_calls"] = [(c.name, json.loads(c.arguments)) for c in calls]
+
     print(json.dumps(summary))
 
 

@@ -129,6 +129,9 @@ fuzz_target!(|data: &[u8]| {
                 return;
             };
             let _ = responses_wire::conversation(&req);
+            if let Ok((defs, choice, parallel)) = responses_wire::tool_fields(&req) {
+                let _ = tools::read(defs.as_ref(), choice.as_ref(), parallel.as_ref());
+            }
             let _ = responses_wire::settings(&req, 1);
         }
         7 => {

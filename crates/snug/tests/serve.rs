@@ -628,6 +628,7 @@ fn structured_output_and_tool_calls_through_the_openai_client() {
         assert_eq!(v["parsed"].as_array().unwrap().len(), 4, "{v}");
         assert_eq!(v["batched_equal"], true, "{v}");
         assert!(!v["required"].as_array().unwrap().is_empty(), "{v}");
+        assert!(!v["responses_calls"].as_array().unwrap().is_empty(), "{v}");
     }
 }
 

@@ -7,7 +7,6 @@ use super::api::{ApiError, Settings};
 use super::structured::Structured;
 use serde_json::Value;
 use snug_engine::grammar::GrammarSpec;
-use snug_model::template::Message;
 
 pub(super) fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
     ApiError::bad(message, Some(param))
@@ -28,6 +27,20 @@ pub(super) struct Item {
     pub(super) role: Option<String>,
     #[serde(default)]
     pub(super) content: Option<ItemContent>,
+    /// A `function_call` item's call id, name and arguments (JSON text),
+    /// or a `function_call_output` item's call id and output.
+    #[serde(default)]
+    pub(super) call_id: Option<String>,
+    #[serde(default)]
+    pub(super) name: Option<String>,
+    #[serde(default)]
+    pub(super) arguments: Option<String>,
+    #[serde(default)]
+    pub(super) output: Option<Value>,
+    #[serde(default)]
+    pub(super) id: Option<String>,
+    #[serde(default)]
+    pub(super) status: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -87,23 +100,56 @@ pub(super) struct ResponsesRequest {
     pub(super) service_tier: Option<Value>,
 }
 
-/// The conversation as chat messages, checked.
-pub(super) fn conversation(req: &ResponsesRequest) -> Result<Vec<Message>, ApiError> {
+/// `tools`, `tool_choice` and `parallel_tool_calls` as the chat route
+/// takes them.
+pub(super) type ToolFields = (Option<Value>, Option<Value>, Option<Value>);
+
+/// The request's function tools in the chat route's shapes: `{"type":
+/// "function", "name", "description", "parameters"}` becomes a function;
+/// `tool_choice` `auto`, `none`, `required` or `{"type": "function",
+/// "name"}`. Hosted tools (web search, file search, ...) are refused.
+pub(super) fn tool_fields(req: &ResponsesRequest) -> Result<ToolFields, ApiError> {
+    let mut defs = Vec::new();
+    for (i, t) in req.tools.iter().flatten().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(format!("tools[{i}]: only function tools are supported"), "tools"));
+        }
+        let mut f = serde_json::json!({"name": t.get("name").cloned().unwrap_or(Value::Null)});
+        if let Some(d) = t.get("description") {
+            f["description"] = d.clone();
+        }
+        if let Some(p) = t.get("parameters") {
+            f["parameters"] = p.clone();
+        }
+        defs.push(serde_json::json!({"type": "function", "function": f}));
+    }
+    let choice = match &req.tool_choice {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(Value::from(s.as_str())),
+        Some(v) if v.get("type").and_then(Value::as_str) == Some("function") => Some(serde_json::json!(
+            {"type": "function", "function": {"name": v.get("name").cloned().unwrap_or(Value::Null)}}
+        )),
+        Some(_) => {
+            return Err(bad(
+                "tool_choice must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
+                "tool_choice",
+            ))
+        }
+    };
+    let defs = (!defs.is_empty()).then_some(Value::Array(defs));
+    Ok((defs, choice, req.parallel_tool_calls.map(Value::Bool)))
+}
+
+/// The conversation as chat messages in the shape the templates read,
+/// checked: `function_call` items become an assistant's `tool_calls`,
+/// `function_call_output` items `tool` messages.
+pub(super) fn conversation(req: &ResponsesRequest) -> Result<Vec<Value>, ApiError> {
+    use serde_json::json;
     if req.previous_response_id.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(bad(
             "previous_response_id is not supported: responses are not stored; send the conversation as input",
             "previous_response_id",
         ));
-    }
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(bad("tool calling is not supported yet", "tools"));
-    }
-    if req
-        .tool_choice
-        .as_ref()
-        .is_some_and(|t| !t.is_null() && t != "none" && t != "auto")
-    {
-        return Err(bad("tool calling is not supported yet", "tool_choice"));
     }
     if req.reasoning.as_ref().is_some_and(|r| !r.is_null()) {
         return Err(bad("reasoning is not supported", "reasoning"));
@@ -114,22 +160,47 @@ pub(super) fn conversation(req: &ResponsesRequest) -> Result<Vec<Message>, ApiEr
     if req.truncation.as_deref().is_some_and(|t| t != "disabled") {
         return Err(bad("only truncation \"disabled\" is supported", "truncation"));
     }
-    let mut out = Vec::new();
+    let mut out: Vec<Value> = Vec::new();
     if let Some(i) = &req.instructions {
-        out.push(Message::new("system", i));
+        out.push(json!({"role": "system", "content": i}));
     }
     match &req.input {
-        Input::Text(t) => out.push(Message::new("user", t)),
+        Input::Text(t) => out.push(json!({"role": "user", "content": t})),
         Input::Items(items) => {
             for (n, item) in items.iter().enumerate() {
-                if item.kind.as_deref().is_some_and(|k| k != "message") {
-                    return Err(bad(
-                        format!(
-                            "input[{n}]: items of type {:?} are not supported (messages only)",
-                            item.kind
-                        ),
-                        "input",
-                    ));
+                let _ = (&item.id, &item.status);
+                match item.kind.as_deref() {
+                    None | Some("message") => {}
+                    Some("function_call") => {
+                        let call = json!({"id": item.call_id, "type": "function",
+                            "function": {"name": item.name, "arguments": item.arguments.clone().unwrap_or_default()}});
+                        // Calls made together join one assistant turn.
+                        match out.last_mut() {
+                            Some(m) if m["role"] == "assistant" => match m["tool_calls"].as_array_mut() {
+                                Some(calls) => calls.push(call),
+                                None => m["tool_calls"] = json!([call]),
+                            },
+                            _ => out.push(json!({"role": "assistant", "content": "", "tool_calls": [call]})),
+                        }
+                        continue;
+                    }
+                    Some("function_call_output") => {
+                        let output = match &item.output {
+                            Some(Value::String(s)) => s.clone(),
+                            Some(v) => v.to_string(),
+                            None => String::new(),
+                        };
+                        out.push(json!({"role": "tool", "tool_call_id": item.call_id, "content": output}));
+                        continue;
+                    }
+                    Some(other) => {
+                        return Err(bad(
+                            format!(
+                                "input[{n}]: items of type {other:?} are not supported (messages and function calls)"
+                            ),
+                            "input",
+                        ))
+                    }
                 }
                 let role = match item.role.as_deref() {
                     Some("developer") => "system",
@@ -160,11 +231,11 @@ pub(super) fn conversation(req: &ResponsesRequest) -> Result<Vec<Message>, ApiEr
                         s
                     }
                 };
-                out.push(Message::new(role, &text));
+                out.push(json!({"role": role, "content": text}));
             }
         }
     }
-    if !out.iter().any(|m| m.role == "user") {
+    if !out.iter().any(|m| m["role"] == "user") {
         return Err(bad("input has no user message", "input"));
     }
     Ok(out)
