@@ -160,33 +160,15 @@ impl ChatTemplate {
         self
     }
 
-    /// Renders `messages`. `extra` adds variables (for example `tools`).
-    pub fn render<E: Serialize>(
+    /// Renders `messages` (chat [`Message`]s, or JSON messages with fields
+    /// such as `tool_calls`). `extra` adds variables (for example `tools`).
+    pub fn render<M: Serialize + ?Sized, E: Serialize>(
         &self,
-        messages: &[Message],
+        messages: &M,
         add_generation_prompt: bool,
         bos_token: &str,
         eos_token: &str,
         extra: E,
-    ) -> Result<String, TemplateError> {
-        self.render_value(
-            Value::from_serialize(messages),
-            add_generation_prompt,
-            bos_token,
-            eos_token,
-            Value::from_serialize(extra),
-        )
-    }
-
-    /// Renders messages given as JSON (with fields such as `tool_calls`)
-    /// and further variables given as a JSON object (such as `tools`).
-    pub fn render_json(
-        &self,
-        messages: &serde_json::Value,
-        add_generation_prompt: bool,
-        bos_token: &str,
-        eos_token: &str,
-        extra: &serde_json::Value,
     ) -> Result<String, TemplateError> {
         self.render_value(
             Value::from_serialize(messages),
@@ -416,7 +398,9 @@ mod tests {
             "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
         )
         .unwrap();
-        let e = t.render(&[], false, "", "", minijinja::context! {}).unwrap_err();
+        let e = t
+            .render(&[] as &[Message], false, "", "", minijinja::context! {})
+            .unwrap_err();
         assert!(matches!(e, TemplateError::Budget), "{e}");
         // A long conversation stays far within it.
         let many: Vec<Message> = (0..2000)
@@ -444,7 +428,7 @@ mod tests {
         let t = ChatTemplate::new("{{ x | tojson }}|{{ y | tojson(indent=2) }}").unwrap();
         let s = t
             .render(
-                &[],
+                &[] as &[Message],
                 false,
                 "",
                 "",
@@ -460,7 +444,9 @@ mod tests {
     #[test]
     fn raise_exception_is_a_render_error() {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}").unwrap();
-        let e = t.render(&[], false, "", "", minijinja::context! {}).unwrap_err();
+        let e = t
+            .render(&[] as &[Message], false, "", "", minijinja::context! {})
+            .unwrap_err();
         assert!(e.to_string().contains("no system role"), "{e}");
     }
 
@@ -468,7 +454,8 @@ mod tests {
     fn python_string_methods_work() {
         let t = ChatTemplate::new("{{ '  a b '.strip().upper() }}{{ 'xy'.startswith('x') }}{{ none }}").unwrap();
         assert_eq!(
-            t.render(&[], false, "", "", minijinja::context! {}).unwrap(),
+            t.render(&[] as &[Message], false, "", "", minijinja::context! {})
+                .unwrap(),
             "A BTrueNone"
         );
     }

@@ -349,18 +349,25 @@ fn bad_requests_get_openai_error_objects() {
     bad(&s.get("/v1/nothing"), 404, "no route");
     // What snug does not do is refused, never ignored.
     let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
-    let r = s.post(
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools}),
-    );
-    bad(&r, 400, "tool calling");
+    let r = s.post("/v1/completions", &json!({"prompt": "hi", "tools": tools}));
+    bad(&r, 400, "chat/completions only");
     assert_eq!(r.json()["error"]["param"], "tools");
-    let schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}});
     let r = s.post(
         "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "hi"}], "response_format": schema}),
+        &json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "code_interpreter"}]}),
+    );
+    bad(&r, 400, "only tools of type");
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}),
     );
     bad(&r, 400, "response_format");
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "(unclosed"}),
+    );
+    bad(&r, 400, "guided_regex: ");
+    assert!(r.body.contains("unclosed group"), "{}", r.body);
     bad(
         &s.post("/v1/completions", &json!({"prompt": "hi", "mirostat": 2})),
         400,

@@ -105,6 +105,18 @@ struct Items {
 }
 
 impl Items {
+    fn new(id: u64, msg_id: String) -> Items {
+        Items {
+            id,
+            msg_id,
+            index: 0,
+            msg_open: false,
+            text: String::new(),
+            calls: 0,
+            done: Vec::new(),
+        }
+    }
+
     fn open_message(&mut self, ev: &mut Vec<Value>) {
         let part = json!({"type": "output_text", "text": "", "annotations": []});
         ev.push(json!({"type": "response.output_item.added", "output_index": self.index,
@@ -200,15 +212,7 @@ async fn inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesRejection
     let mut splitter = p.tools.as_ref().map(tools::Splitter::new);
     if !p.settings.stream {
         let (text, d, _) = whole_answer(&conn, &mut rx).await?;
-        let mut items = Items {
-            id,
-            msg_id,
-            index: 0,
-            msg_open: false,
-            text: String::new(),
-            calls: 0,
-            done: Vec::new(),
-        };
+        let mut items = Items::new(id, msg_id);
         match &mut splitter {
             Some(sp) => {
                 let mut out = sp.push(&text);
@@ -236,15 +240,7 @@ async fn inner(s: &Arc<AppState>, conn: Conn, body: Result<Bytes, BytesRejection
         .into_response());
     }
     let started = response_object(&resp_id, created, &model, &echo, None);
-    let mut items = Items {
-        id,
-        msg_id,
-        index: 0,
-        msg_open: false,
-        text: String::new(),
-        calls: 0,
-        done: Vec::new(),
-    };
+    let mut items = Items::new(id, msg_id);
     let mut prelude = vec![
         json!({"type": "response.created", "response": started}),
         json!({"type": "response.in_progress", "response": started}),

@@ -597,20 +597,17 @@ pub(super) async fn chat_prompt_value(s: &Arc<AppState>, messages: Value, extra:
     // A render is a round trip to the template worker (which may take up
     // to its time limit); the blocking pool keeps the HTTP thread free.
     let state = s.clone();
-    let text = tokio::task::spawn_blocking(move || {
-        state
-            .template
-            .render_json(&messages, true, &state.bos, &state.eos, &extra)
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("the chat template's render stopped: {e}")))?
-    .map_err(|e| match e {
-        snug_model::template::TemplateError::Isolation(_) => ApiError::internal(e.to_string()),
-        _ => s.bad(ApiError::bad(
-            format!("the chat template failed: {e}"),
-            Some("messages"),
-        )),
-    })?;
+    let text =
+        tokio::task::spawn_blocking(move || state.template.render(&messages, true, &state.bos, &state.eos, &extra))
+            .await
+            .map_err(|e| ApiError::internal(format!("the chat template's render stopped: {e}")))?
+            .map_err(|e| match e {
+                snug_model::template::TemplateError::Isolation(_) => ApiError::internal(e.to_string()),
+                _ => s.bad(ApiError::bad(
+                    format!("the chat template failed: {e}"),
+                    Some("messages"),
+                )),
+            })?;
     Ok(s.tok.encode(
         &text,
         EncodeOptions {
