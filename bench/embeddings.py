@@ -1,0 +1,75 @@
+"""Embedding throughput of `snug serve`: batches of real sentences sent to
+`/v1/embeddings` with the `openai` client, timed end to end (HTTP,
+tokenization, the forward, pooling). Starts the server itself.
+
+    python3 -P bench/embeddings.py [--bin target/release/snug] [--models smollm2-135m ...]
+        [--batch 32] [--rounds 5] [--out FILE.json]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import openai
+
+TEXT = os.path.join(os.path.dirname(__file__), "..", "crates", "snug-engine", "src", "calibration.txt")
+
+
+def sentences(n):
+    words = open(TEXT).read().split()
+    out, i = [], 0
+    while len(out) < n:
+        k = 12 + (len(out) * 7) % 40
+        out.append(" ".join(words[i % len(words):][:k]))
+        i += k
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default="target/release/snug")
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--port", type=int, default=8199)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    texts = sentences(a.batch)
+    rows = []
+    for model in a.models:
+        srv = subprocess.Popen([a.bin, "serve", model, "--port", str(a.port), "--threads", "2", "--no-access-log"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{a.port}/v1", api_key="x", max_retries=0, timeout=600)
+            for _ in range(600):
+                try:
+                    client.models.list()
+                    break
+                except Exception:
+                    time.sleep(0.1)
+            client.embeddings.create(model=model, input=texts[:2])  # warm up
+            times, tokens = [], 0
+            for _ in range(a.rounds):
+                t0 = time.perf_counter()
+                r = client.embeddings.create(model=model, input=texts)
+                times.append(time.perf_counter() - t0)
+                tokens = r.usage.prompt_tokens
+            secs = statistics.median(times)
+            row = {"model": model, "inputs": len(texts), "tokens": tokens, "seconds": secs,
+                   "tokens_per_s": tokens / secs, "inputs_per_s": len(texts) / secs, "rounds": a.rounds}
+            rows.append(row)
+            print(f"{model:22} {len(texts)} inputs, {tokens} tokens: {secs:.3f} s, "
+                  f"{tokens / secs:.0f} tok/s, {len(texts) / secs:.1f} inputs/s", flush=True)
+        finally:
+            srv.terminate()
+            srv.wait()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
