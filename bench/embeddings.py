@@ -1,6 +1,8 @@
 """Embedding throughput of `snug serve`: batches of real sentences sent to
 `/v1/embeddings` with the `openai` client, timed end to end (HTTP,
-tokenization, the forward, pooling). Starts the server itself.
+tokenization, the forward, pooling). Starts the server itself. (`-P`:
+this folder holds a `tokenize.py` that would shadow the standard
+library's.)
 
     python3 -P bench/embeddings.py [--bin target/release/snug] [--models smollm2-135m ...]
         [--batch 32] [--rounds 5] [--out FILE.json]
