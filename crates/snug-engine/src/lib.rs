@@ -83,6 +83,20 @@ pub enum EngineError {
     Grammar(#[from] crate::grammar::GrammarError),
 }
 
+/// The mean of `n` hidden states (summed in order, in f64), scaled to
+/// unit length.
+fn pool<'a>(rows: impl Iterator<Item = &'a [f32]>, n: usize, dim: usize) -> Vec<f32> {
+    let mut sum = vec![0f64; dim];
+    for row in rows {
+        for (s, &h) in sum.iter_mut().zip(row) {
+            *s += h as f64;
+        }
+    }
+    let n = n as f64;
+    let norm = sum.iter().map(|s| (s / n) * (s / n)).sum::<f64>().sqrt();
+    sum.iter().map(|s| (s / n / norm.max(1e-12)) as f32).collect()
+}
+
 /// Bytes of one KV page (every layer's keys and values for
 /// `options.page_tokens` positions) for `model` in the options' formats.
 pub fn kv_page_bytes(model: &Model, options: &EngineOptions) -> usize {
@@ -784,25 +798,71 @@ impl<'m> Engine<'m> {
         }
         let dim = self.model.config.dim;
         let id = self.create_sequence();
-        let mut sum = vec![0f64; dim];
+        let mut hidden = Vec::with_capacity(tokens.len() * dim);
         let mut run = || -> Result<(), EngineError> {
             for chunk in tokens.chunks(self.options.batch.max(1)) {
                 let rows: Vec<StepRow> = chunk.iter().map(|&t| StepRow::new(id, t, true)).collect();
-                let hidden = self.step_to(&rows, Head::Hidden)?;
-                for row in hidden.chunks_exact(dim) {
-                    for (s, &h) in sum.iter_mut().zip(row) {
-                        *s += h as f64;
-                    }
-                }
+                hidden.extend_from_slice(self.step_to(&rows, Head::Hidden)?);
             }
             Ok(())
         };
         let r = run();
         self.free_sequence(id);
         r?;
-        let n = tokens.len() as f64;
-        let norm = sum.iter().map(|s| (s / n) * (s / n)).sum::<f64>().sqrt();
-        Ok(sum.iter().map(|s| (s / n / norm.max(1e-12)) as f32).collect())
+        Ok(pool(hidden.chunks_exact(dim), tokens.len(), dim))
+    }
+
+    /// Embeddings of several inputs ([`Engine::embed`] each), with short
+    /// inputs' rows run together, up to `options.batch` rows a forward:
+    /// each row's state is what it would be alone (batch invariance), so
+    /// the vectors are the same bits as one input at a time.
+    pub fn embed_batch(&mut self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let batch = self.options.batch.max(1);
+        let dim = self.model.config.dim;
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut i = 0;
+        while i < inputs.len() {
+            let mut j = i + 1;
+            let mut rows = inputs[i].len();
+            while j < inputs.len() && rows + inputs[j].len() <= batch {
+                rows += inputs[j].len();
+                j += 1;
+            }
+            let group = &inputs[i..j];
+            i = j;
+            if group.len() == 1 || group.iter().any(Vec::is_empty) {
+                for t in group {
+                    out.push(self.embed(t)?);
+                }
+                continue;
+            }
+            let seqs: Vec<SeqId> = group.iter().map(|_| self.create_sequence()).collect();
+            let step: Vec<StepRow> = group
+                .iter()
+                .zip(&seqs)
+                .flat_map(|(t, &id)| t.iter().map(move |&tok| StepRow::new(id, tok, true)))
+                .collect();
+            let hidden = self.step_to(&step, Head::Hidden).map(<[f32]>::to_vec);
+            for &id in &seqs {
+                self.free_sequence(id);
+            }
+            let hidden = match hidden {
+                Ok(h) => h,
+                // No room for the group at once: one input at a time.
+                Err(EngineError::Pages(_)) => {
+                    for t in group {
+                        out.push(self.embed(t)?);
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let mut rows = hidden.chunks_exact(dim);
+            for t in group {
+                out.push(pool(rows.by_ref().take(t.len()), t.len(), dim));
+            }
+        }
+        Ok(out)
     }
 
     /// Appends `tokens` to a sequence in prefill chunks; returns the logits

@@ -1,5 +1,6 @@
 //! Embeddings from a decoder's pooled hidden states, on the real models:
-//! unit length, the same bits however the prefill is chunked, and closer for texts that mean the same.
+//! unit length, the same bits however the prefill is chunked and whatever
+//! inputs share a forward, and closer for texts that mean the same.
 #![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use snug_engine::{Engine, EngineOptions};
@@ -51,6 +52,15 @@ fn embeddings_are_unit_vectors_independent_of_chunking_and_meaningful() {
             assert!(
                 v.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{alias}: chunking changed the embedding of {t:?}"
+            );
+        }
+        // All three in one forward: the same bits again.
+        let inputs: Vec<Vec<u32>> = texts.iter().map(|t| enc(t)).collect();
+        let together = wide.embed_batch(&inputs).unwrap();
+        for (a, b) in together.iter().zip(&vs) {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{alias}: batching changed an embedding"
             );
         }
         let same = cosine(&vs[0], &vs[1]);

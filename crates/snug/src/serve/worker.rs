@@ -241,11 +241,10 @@ impl Loop<'_> {
         let _ = d.reply.send(r);
     }
 
-    /// Answers an embeddings request at once, input by input, with pages
-    /// free now.
+    /// Answers an embeddings request at once (short inputs share a
+    /// forward), with pages free now.
     fn embed(&mut self, engine: &mut Engine, e: EmbedJob) {
-        let r: Result<Vec<Vec<f32>>, _> = e.inputs.iter().map(|t| engine.embed(t)).collect();
-        let _ = e.reply.send(r);
+        let _ = e.reply.send(engine.embed_batch(&e.inputs));
     }
 
     /// Starts admitted requests: each takes a sequence and reuses what the
