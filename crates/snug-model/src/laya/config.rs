@@ -52,12 +52,12 @@ pub struct Specials {
     pub mask_text: String,
 }
 
-pub(super) fn read_json(path: &Path) -> Result<Value, LayaError> {
+pub(crate) fn read_json(path: &Path) -> Result<Value, LayaError> {
     let text = snug_core::durable::read_regular_string(path).map_err(io_err(path))?;
     serde_json::from_str(&text).map_err(|e| format_err(path, format!("not valid JSON: {e}")))
 }
 
-pub(super) fn get_usize(v: &Value, key: &str, default: Option<usize>, path: &Path) -> Result<usize, LayaError> {
+pub(crate) fn get_usize(v: &Value, key: &str, default: Option<usize>, path: &Path) -> Result<usize, LayaError> {
     match v.get(key) {
         Some(x) => x
             .as_u64()

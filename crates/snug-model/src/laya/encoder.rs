@@ -5,14 +5,14 @@ use super::*;
 
 /// A LayerNorm's parameters (no bias where the encoder has none).
 #[derive(Clone, Debug)]
-pub(super) struct Norm {
-    pub(super) w: Vec<f32>,
-    pub(super) b: Option<Vec<f32>>,
-    pub(super) eps: f32,
+pub(crate) struct Norm {
+    pub(crate) w: Vec<f32>,
+    pub(crate) b: Option<Vec<f32>>,
+    pub(crate) eps: f32,
 }
 
 impl Norm {
-    pub(super) fn load(t: &Tensors, prefix: &str, d: usize, bias: bool, eps: f32) -> Result<Norm, LayaError> {
+    pub(crate) fn load(t: &Tensors, prefix: &str, d: usize, bias: bool, eps: f32) -> Result<Norm, LayaError> {
         let b = if bias || t.has(&format!("{prefix}.bias")) {
             Some(t.vector(&format!("{prefix}.bias"), d)?)
         } else {
@@ -26,7 +26,7 @@ impl Norm {
     }
 
     /// Normalizes each `d`-wide row of `x` into `out`.
-    pub(super) fn apply(&self, x: &[f32], out: &mut [f32]) {
+    pub(crate) fn apply(&self, x: &[f32], out: &mut [f32]) {
         let d = self.w.len();
         for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
@@ -405,7 +405,7 @@ impl LayaModel {
             for &(s, len) in &spans {
                 rope.apply(&mut big[s * 3 * d..(s + len) * 3 * d], e.heads, hd, d);
             }
-            self.attention(&big, &spans, e.heads, hd, window, &mut att);
+            attention(&self.pool, &big, &spans, e.heads, hd, window, &mut att);
             self.linear(&format!("{p}.attn.Wo"), d, d, &att, n, &mut a);
             h.iter_mut().zip(&a).for_each(|(h, &v)| *h += v);
             self.norms.mlp[i].apply(&h, &mut a);
@@ -442,7 +442,7 @@ impl LayaModel {
             big[..n * 3 * d]
                 .chunks_exact_mut(3 * d)
                 .for_each(|r| r.iter_mut().zip(b).for_each(|(o, &b)| *o += b));
-            self.attention(&big, &spans, head_heads, d / head_heads, None, &mut att);
+            attention(&self.pool, &big, &spans, head_heads, d / head_heads, None, &mut att);
             self.linear(&format!("{p}.self_attn.out_proj"), d, d, &att, n, &mut a);
             h.iter_mut().zip(&a).for_each(|(h, &v)| *h += v);
             self.norms.head2[j].apply(&h, &mut a);
@@ -494,59 +494,59 @@ impl LayaModel {
         self.linear("act_head.2", self.config.n_act, 256, &mid, 1, &mut act);
         RowOutput { logits, act }
     }
+}
 
-    /// Bidirectional attention within each row's span; `qkv` rows hold
-    /// `[q | k | v]`, each `heads x hd`. A local layer's query sees keys
-    /// at most `window` positions away.
-    pub(super) fn attention(
-        &self,
-        qkv: &[f32],
-        spans: &[(usize, usize)],
-        heads: usize,
-        hd: usize,
-        window: Option<usize>,
-        out: &mut [f32],
-    ) {
-        let d = heads * hd;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let out_ptr = SendPtr(out.as_mut_ptr());
-        let tasks: Vec<(usize, usize, usize)> = spans
-            .iter()
-            .flat_map(|&(s, len)| (0..heads).map(move |hh| (s, len, hh)))
-            .collect();
-        self.pool.run(tasks.len(), &|ti| {
-            let (s, len, hh) = tasks[ti];
-            let op = &out_ptr;
-            let mut k = vec![0f32; len * hd];
-            let mut v = vec![0f32; len * hd];
-            for t in 0..len {
-                let row = &qkv[(s + t) * 3 * d..(s + t + 1) * 3 * d];
-                k[t * hd..(t + 1) * hd].copy_from_slice(&row[d + hh * hd..d + (hh + 1) * hd]);
-                v[t * hd..(t + 1) * hd].copy_from_slice(&row[2 * d + hh * hd..2 * d + (hh + 1) * hd]);
+/// Bidirectional attention within each row's span; `qkv` rows hold
+/// `[q | k | v]`, each `heads x hd`. A local layer's query sees keys
+/// at most `window` positions away.
+pub(crate) fn attention(
+    pool: &ThreadPool,
+    qkv: &[f32],
+    spans: &[(usize, usize)],
+    heads: usize,
+    hd: usize,
+    window: Option<usize>,
+    out: &mut [f32],
+) {
+    let d = heads * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let tasks: Vec<(usize, usize, usize)> = spans
+        .iter()
+        .flat_map(|&(s, len)| (0..heads).map(move |hh| (s, len, hh)))
+        .collect();
+    pool.run(tasks.len(), &|ti| {
+        let (s, len, hh) = tasks[ti];
+        let op = &out_ptr;
+        let mut k = vec![0f32; len * hd];
+        let mut v = vec![0f32; len * hd];
+        for t in 0..len {
+            let row = &qkv[(s + t) * 3 * d..(s + t + 1) * 3 * d];
+            k[t * hd..(t + 1) * hd].copy_from_slice(&row[d + hh * hd..d + (hh + 1) * hd]);
+            v[t * hd..(t + 1) * hd].copy_from_slice(&row[2 * d + hh * hd..2 * d + (hh + 1) * hd]);
+        }
+        let mut scores = vec![0f32; len];
+        let mut acc = vec![0f32; hd];
+        for i in 0..len {
+            let q = &qkv[(s + i) * 3 * d + hh * hd..(s + i) * 3 * d + (hh + 1) * hd];
+            let (lo, hi) = match window {
+                Some(w) => (i.saturating_sub(w), (i + w + 1).min(len)),
+                None => (0, len),
+            };
+            attend(
+                q,
+                &k[lo * hd..hi * hd],
+                &v[lo * hd..hi * hd],
+                scale,
+                &mut scores[..hi - lo],
+                &mut acc,
+            );
+            for (c, &a) in acc.iter().enumerate() {
+                // SAFETY: each (token, head) slice is written by one task.
+                unsafe { *op.0.add((s + i) * d + hh * hd + c) = a };
             }
-            let mut scores = vec![0f32; len];
-            let mut acc = vec![0f32; hd];
-            for i in 0..len {
-                let q = &qkv[(s + i) * 3 * d + hh * hd..(s + i) * 3 * d + (hh + 1) * hd];
-                let (lo, hi) = match window {
-                    Some(w) => (i.saturating_sub(w), (i + w + 1).min(len)),
-                    None => (0, len),
-                };
-                attend(
-                    q,
-                    &k[lo * hd..hi * hd],
-                    &v[lo * hd..hi * hd],
-                    scale,
-                    &mut scores[..hi - lo],
-                    &mut acc,
-                );
-                for (c, &a) in acc.iter().enumerate() {
-                    // SAFETY: each (token, head) slice is written by one task.
-                    unsafe { *op.0.add((s + i) * d + hh * hd + c) = a };
-                }
-            }
-        });
-    }
+        }
+    });
 }
 
 use snug_kernels::pool::SendPtr;

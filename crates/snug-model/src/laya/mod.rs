@@ -39,10 +39,11 @@ mod config;
 mod encoder;
 mod tensors;
 
-use config::read_json;
+pub(crate) use config::{get_usize, read_json};
 pub use config::{AgentConfig, EncoderConfig, Specials};
+pub(crate) use encoder::{attention, Norm};
 pub use encoder::{LayaModel, Row, RowOutput, FORWARD_TOKENS};
-use tensors::Tensors;
+pub(crate) use tensors::Tensors;
 
 /// Why a checkpoint cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -55,14 +56,14 @@ pub enum LayaError {
     Tokenizer(String),
 }
 
-pub(super) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LayaError + '_ {
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LayaError + '_ {
     move |source| LayaError::Io {
         path: path.to_path_buf(),
         source,
     }
 }
 
-pub(super) fn format_err(path: &Path, message: impl Into<String>) -> LayaError {
+pub(crate) fn format_err(path: &Path, message: impl Into<String>) -> LayaError {
     LayaError::Format {
         path: path.to_path_buf(),
         message: message.into(),

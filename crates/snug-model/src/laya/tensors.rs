@@ -4,30 +4,36 @@
 use super::*;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Dtype {
+pub(crate) enum Dtype {
     F16,
     F32,
 }
 
-pub(super) enum Storage {
-    Mapped { dtype: Dtype, range: Range<usize> },
+pub(crate) enum Storage {
+    Mapped {
+        dtype: Dtype,
+        range: Range<usize>,
+    },
     Owned(Vec<f32>),
+    /// A tensor of a type no weight uses (integer buffers such as
+    /// `position_ids`): listed, refused only if something binds it.
+    Other(String),
 }
 
-pub(super) struct TensorEntry {
-    pub(super) shape: Vec<usize>,
+pub(crate) struct TensorEntry {
+    pub(crate) shape: Vec<usize>,
     pub(super) storage: Storage,
 }
 
 /// The tensors of `model.safetensors`, memory-mapped.
-pub(super) struct Tensors {
+pub(crate) struct Tensors {
     pub(super) path: PathBuf,
     pub(super) map: Mmap,
-    pub(super) entries: HashMap<String, TensorEntry>,
+    pub(crate) entries: HashMap<String, TensorEntry>,
 }
 
 impl Tensors {
-    pub(super) fn open(path: &Path) -> Result<Tensors, LayaError> {
+    pub(crate) fn open(path: &Path) -> Result<Tensors, LayaError> {
         let file = snug_core::durable::open_regular(path).map_err(io_err(path))?;
         // SAFETY: the file is opened read-only and treated as immutable;
         // replacing a checkpoint under a running process is unsupported.
@@ -72,12 +78,7 @@ impl Tensors {
                         .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
                         .collect(),
                 ),
-                other => {
-                    return Err(format_err(
-                        path,
-                        format!("tensor {name}: dtype {other:?} is not supported"),
-                    ))
-                }
+                other => Storage::Other(format!("{other:?}")),
             };
             entries.insert(
                 name.clone(),
@@ -94,7 +95,7 @@ impl Tensors {
         })
     }
 
-    pub(super) fn entry(&self, name: &str, shape: &[usize]) -> Result<&TensorEntry, LayaError> {
+    pub(crate) fn entry(&self, name: &str, shape: &[usize]) -> Result<&TensorEntry, LayaError> {
         let e = self
             .entries
             .get(name)
@@ -108,16 +109,22 @@ impl Tensors {
         Ok(e)
     }
 
-    pub(super) fn has(&self, name: &str) -> bool {
+    pub(crate) fn has(&self, name: &str) -> bool {
         self.entries.contains_key(name)
     }
 
     /// A matrix (`rows x cols`), or a vector (`cols == 0` means 1-D of `rows`).
-    pub(super) fn dense(&self, name: &str, rows: usize, cols: usize) -> Result<Dense<'_>, LayaError> {
+    pub(crate) fn dense(&self, name: &str, rows: usize, cols: usize) -> Result<Dense<'_>, LayaError> {
         let shape: Vec<usize> = if cols == 0 { vec![rows] } else { vec![rows, cols] };
         let e = self.entry(name, &shape)?;
         let data = match &e.storage {
             Storage::Owned(v) => DenseData::F32(v),
+            Storage::Other(dtype) => {
+                return Err(format_err(
+                    &self.path,
+                    format!("tensor {name}: dtype {dtype} is not supported"),
+                ))
+            }
             Storage::Mapped { dtype, range } => {
                 let bytes = &self.map[range.clone()];
                 match dtype {
@@ -139,7 +146,7 @@ impl Tensors {
         })
     }
 
-    pub(super) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, LayaError> {
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, LayaError> {
         let d = self.dense(name, len, 0)?;
         let mut out = vec![0f32; len];
         match d.data {
@@ -152,7 +159,7 @@ impl Tensors {
         Ok(out)
     }
 
-    pub(super) fn mapped_bytes(&self) -> usize {
+    pub(crate) fn mapped_bytes(&self) -> usize {
         self.map.len()
     }
 }
