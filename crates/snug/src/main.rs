@@ -6,6 +6,7 @@ mod bench;
 mod calibration;
 mod chat;
 mod decide;
+mod embed;
 mod env;
 mod eval;
 mod line_input;
@@ -88,6 +89,11 @@ enum Command {
     #[command(after_help = r#"Examples:
   snug decide smollm2-135m --state "The printer is on fire" --question "urgent:noul:Is this urgent?""#)]
     Decide(decide::DecideArgs),
+    /// Turn texts into embedding vectors, one JSON array per line.
+    #[command(after_help = r#"Examples:
+  snug embed all-minilm-l6-v2 "The cat sat on the mat." "A feline rested on a rug."
+  snug embed qwen2.5-coder-0.5b -f notes.txt --json"#)]
+    Embed(embed::EmbedArgs),
     /// Render chat templates sent on stdin, under a memory limit (started
     /// by snug itself).
     #[command(hide = true)]
@@ -487,6 +493,7 @@ fn main() -> ExitCode {
         Command::Session(SessionCommand::List(a)) => session::cmd_list(a),
         Command::Serve(a) => serve::cmd_serve(a),
         Command::Decide(a) => decide::cmd_decide(a),
+        Command::Embed(a) => embed::cmd_embed(a),
         Command::TemplateWorker(_) => Ok(()),
     };
     match result {
@@ -549,6 +556,31 @@ fn resolve_model(name: &str) -> Result<PathBuf> {
     let bar = progress::PullBar::new();
     let env = env::get();
     Ok(pull::resolve(name, &env.cache, &env.pip, &bar)?)
+}
+
+/// The directory of an encoder checkpoint (a Laya decision checkpoint or
+/// a sentence-embedding model) that `name` names, pulling a known one;
+/// `None` for a GGUF model.
+fn encoder_checkpoint(name: &str) -> Result<Option<PathBuf>> {
+    let path = std::path::Path::new(name);
+    let dir = if path.exists() {
+        path.to_path_buf()
+    } else if catalog::lookup(name).is_some_and(|e| e.is_dir()) {
+        resolve_model(name)?
+    } else {
+        return Ok(None);
+    };
+    let is = |d: &std::path::Path| snug_model::laya::is_checkpoint(d) || snug_model::sentence::is_checkpoint(d);
+    if is(&dir) {
+        return Ok(Some(dir));
+    }
+    if dir.is_dir() {
+        bail!(
+            "{}: a directory, but neither a Laya checkpoint (rl_agent_config.json) nor a sentence-embedding checkpoint (config.json, model.safetensors and modules.json)",
+            dir.display()
+        );
+    }
+    Ok(None)
 }
 
 fn open_model(name: &str) -> Result<ModelFiles> {

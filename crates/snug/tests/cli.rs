@@ -1388,3 +1388,81 @@ fn ctrl_c_in_chat_stops_the_answer_and_keeps_the_conversation() {
     let reused = turn_count(turns[1], ", ");
     assert!(reused > 20, "{}", turns[1]);
 }
+
+/// `snug embed`: a sentence-embedding checkpoint gives its reference's
+/// vectors (one JSON array per line, or an OpenAI-style object); a GGUF
+/// decoder gives unit vectors of its width, the same alone as in a batch;
+/// an over-long text is a one-line error.
+#[test]
+fn embed_prints_the_reference_vectors() {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../snug-model/tests/data");
+    if let Some(dir) = model_path("all-minilm-l6-v2") {
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(data.join("minilm-reference.json")).unwrap()).unwrap();
+        let out = snug()
+            .arg("embed")
+            .arg(&dir)
+            .arg("-f")
+            .arg(data.join("sentences.txt"))
+            .args(["-t", "2"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let lines: Vec<Vec<f64>> = text(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let want = reference["embeddings"].as_array().unwrap();
+        assert_eq!(lines.len(), want.len());
+        for (g, w) in lines.iter().zip(want) {
+            let w: Vec<f64> = w.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            let worst = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+            assert_eq!(g.len(), 384);
+            assert!(worst < 1e-5, "{worst}");
+        }
+        // The alias and --json: the same first vector in an object.
+        let out = snug()
+            .args(["embed", "all-minilm-l6-v2", "--json"])
+            .arg(reference["texts"][0].as_str().unwrap())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let first: Vec<f64> = v["data"][0]["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(first, lines[0]);
+        assert_eq!(
+            v["usage"]["prompt_tokens"],
+            reference["token_ids"][0].as_array().unwrap().len()
+        );
+        let out = snug().arg("embed").arg(&dir).arg("word ".repeat(400)).output().unwrap();
+        assert_clean_error(&out, "at most 256");
+    }
+    let Some(model) = model_path("smollm2-135m") else {
+        return;
+    };
+    let run = |texts: &[&str]| -> Vec<Vec<f64>> {
+        let out = snug()
+            .arg("embed")
+            .arg(&model)
+            .args(texts)
+            .args(["-t", "2"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let both = run(&["The cat sat on the mat.", "Stock markets fell sharply today."]);
+    let alone = run(&["Stock markets fell sharply today."]);
+    assert_eq!(both[1], alone[0]);
+    assert_eq!(both[0].len(), 576);
+    let norm = both[0].iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-4, "{norm}");
+}

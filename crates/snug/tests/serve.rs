@@ -17,6 +17,8 @@ struct Server {
     child: Child,
     addr: String,
     stderr: std::sync::mpsc::Receiver<String>,
+    /// The resident set's peak before the last `reset_peak_rss`.
+    lifetime_peak: u64,
 }
 
 impl Server {
@@ -50,6 +52,7 @@ impl Server {
                     child,
                     addr,
                     stderr: rx,
+                    lifetime_peak: 0,
                 };
             }
         }
@@ -77,15 +80,31 @@ impl Server {
             .sum()
     }
 
-    fn peak_rss(&self) -> u64 {
+    fn status_bytes(&self, field: &str) -> u64 {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
         let kb: u64 = s
             .lines()
-            .find(|l| l.starts_with("VmHWM:"))
+            .find(|l| l.starts_with(field))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse().ok())
             .unwrap();
         kb * 1024
+    }
+
+    /// The resident set's high-water mark since start (or the last reset).
+    fn peak_rss(&self) -> u64 {
+        self.status_bytes("VmHWM:")
+    }
+
+    fn rss(&self) -> u64 {
+        self.status_bytes("VmRSS:")
+    }
+
+    /// Starts the high-water mark again from the current resident set
+    /// (Linux's `clear_refs` 5), remembering the peak so far.
+    fn reset_peak_rss(&mut self) {
+        self.lifetime_peak = self.lifetime_peak.max(self.peak_rss());
+        std::fs::write(format!("/proc/{}/clear_refs", self.pid()), "5").unwrap();
     }
 }
 
@@ -698,16 +717,19 @@ fn the_anthropic_python_client_drives_the_server() {
 
 /// 16 clients at once with mixed prompt lengths under a KV budget that
 /// holds only a few of them: the rest queue (or, past the queue, get a
-/// planned 503 and retry); none fails otherwise, peak RSS stays within
-/// weights + budget + overhead, and every greedy completion equals the
-/// same request run alone.
+/// planned 503 and retry); none fails otherwise, the resident set grows
+/// under the load by no more than the budget and a bounded overhead, and
+/// every greedy completion equals the same request run alone.
 #[test]
 fn sixteen_clients_under_a_tight_budget_get_what_they_would_alone() {
     let Some(model) = smollm2() else { return };
     const BUDGET: u64 = 16 << 20;
     // Scratch, heap, the tokenizer, runtime and libraries.
     const OVERHEAD: u64 = 64 << 20;
-    let s = Server::start(
+    // What the load may add beyond the budget: scratch for the batch,
+    // per-request heap (prompts, grammars, replies), connection buffers.
+    const LOAD_OVERHEAD: u64 = 32 << 20;
+    let mut s = Server::start(
         &model,
         &[
             "--memory-budget",
@@ -721,6 +743,12 @@ fn sixteen_clients_under_a_tight_budget_get_what_they_would_alone() {
         ],
     );
     let prompts = prompts();
+    // One request first, so that every weight page a forward reads is in;
+    // then the peak is reset and the load's own growth is measured.
+    let warm = s.post("/v1/completions", &completion(&prompts[0], 8));
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let before = s.rss();
+    s.reset_peak_rss();
     let started = Instant::now();
     let workers: Vec<_> = prompts
         .iter()
@@ -750,10 +778,25 @@ fn sixteen_clients_under_a_tight_budget_get_what_they_would_alone() {
     let refused: usize = results.iter().map(|r| r.1).sum();
     let queued = s.metric("snug_requests_queued_total");
     let peak = s.peak_rss();
-    let weights = std::fs::metadata(&model).unwrap().len();
+    let ledger = s
+        .get("/metrics")
+        .body
+        .lines()
+        .filter(|l| l.starts_with("snug_memory_bytes"))
+        .collect::<Vec<_>>()
+        .join("; ");
     assert!(
-        peak < weights + BUDGET + OVERHEAD,
-        "peak RSS {peak} exceeds weights {weights} + budget {BUDGET} + {OVERHEAD}"
+        peak < before + BUDGET + LOAD_OVERHEAD,
+        "under load the resident set grew from {before} to {peak}, over the budget {BUDGET} + {LOAD_OVERHEAD} ({ledger})"
+    );
+    // And at no time more than every mapped weight byte (the file and its
+    // packed panels) + budget + overhead.
+    let mapped = s.metric("snug_memory_bytes{part=\"weights_mapped\"}") as u64;
+    assert!(mapped >= std::fs::metadata(&model).unwrap().len());
+    let lifetime = s.lifetime_peak.max(peak);
+    assert!(
+        lifetime < mapped + BUDGET + OVERHEAD,
+        "peak RSS {lifetime} exceeds mapped weights {mapped} + budget {BUDGET} + {OVERHEAD} ({ledger})"
     );
     assert!(queued + refused as f64 > 0.0, "the budget held every request at once");
     // Each request again, alone.
@@ -768,9 +811,10 @@ fn sixteen_clients_under_a_tight_budget_get_what_they_would_alone() {
         }
     }
     eprintln!(
-        "16 clients: {:.1} s together, {queued} queued, {refused} planned 503s, peak RSS {} MiB",
+        "16 clients: {:.1} s together, {queued} queued, {refused} planned 503s, peak RSS {} MiB ({} MiB before the load)",
         together.as_secs_f64(),
-        peak >> 20
+        peak >> 20,
+        before >> 20
     );
     assert_eq!(s.metric("snug_requests_finished_total{reason=\"error\"}"), 0.0);
 }
@@ -890,6 +934,97 @@ fn systemone_answers_typed_questions_as_the_cli_does() {
             .status,
         400
     );
+}
+
+/// `/v1/decisions`: scored answers are `/v1/systemone`'s probabilities in
+/// OpenAI's shape; generated answers are always one of the options (the
+/// grammar admits nothing else), the same on a second ask; fields it
+/// does not know are refused.
+#[test]
+fn decisions_score_as_systemone_does_and_generate_only_options() {
+    for alias in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
+        let Some(model) = model_path(alias) else { continue };
+        let s = Server::start(&model, &["--ctx", "1024"]);
+        let state = "The parcel arrived two weeks late and the box was crushed. I want my money back.";
+        let questions = json!({
+            "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+            "mood": {"type": "choice", "instructions": "How does the customer feel?", "criteria": ["happy", "upset", "neutral"]},
+            "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["low", "medium", "high"]},
+        });
+        let one = s.post("/v1/systemone", &json!({"state": state, "questions": questions}));
+        assert_eq!(one.status, 200, "{}", one.body);
+        let one = one.json();
+        let r = s.post(
+            "/v1/decisions",
+            &json!({"model": "any", "messages": [{"role": "user", "content": state}], "questions": questions}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        assert_eq!(v["object"], "decision");
+        assert_eq!(v["method"], "score");
+        assert!(v["id"].as_str().unwrap().starts_with("decision-"));
+        let list = v["decisions"].as_array().unwrap();
+        assert_eq!(list.len(), 3);
+        for (i, d) in list.iter().enumerate() {
+            assert_eq!(d["index"], i);
+            let name = d["name"].as_str().unwrap();
+            assert_eq!(
+                d["probabilities"], one["answers"][name]["probabilities"],
+                "{alias} {name}"
+            );
+        }
+        let by = |n: &str| list.iter().find(|d| d["name"] == n).unwrap().clone();
+        assert_eq!(by("mood")["answer"], one["answers"]["mood"]["choice"]);
+        assert!(by("refund")["answer"].is_boolean());
+        assert!(by("urgency")["answer"].as_u64().unwrap() <= 2);
+        assert_eq!(v["usage"]["completion_tokens"], 0);
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 20);
+
+        let gen = json!({"input": state, "questions": questions, "method": "generate"});
+        let g = s.post("/v1/decisions", &gen);
+        assert_eq!(g.status, 200, "{}", g.body);
+        let g = g.json();
+        eprintln!("{alias}: {}", g["decisions"]);
+        for d in g["decisions"].as_array().unwrap() {
+            let text = d["text"].as_str().unwrap();
+            match d["type"].as_str().unwrap() {
+                "choice" => {
+                    assert!(["happy", "upset", "neutral"].contains(&text), "{d}");
+                    assert_eq!(d["answer"], text);
+                }
+                "score" => {
+                    assert!(["0", "1", "2"].contains(&text), "{d}");
+                    assert_eq!(d["answer"].as_u64().unwrap().to_string(), text);
+                }
+                _ => {
+                    assert!(["yes", "no"].contains(&text), "{d}");
+                    assert_eq!(d["answer"], text == "yes");
+                }
+            }
+            assert_eq!(d["finish_reason"], "stop", "{d}");
+        }
+        assert!(g["usage"]["completion_tokens"].as_u64().unwrap() >= 3);
+        let again = s.post("/v1/decisions", &gen).json();
+        assert_eq!(again["decisions"], g["decisions"]);
+
+        for (body, status) in [
+            (json!({"input": state, "questions": questions, "temperature": 1}), 400),
+            (json!({"input": state, "questions": questions, "method": "vote"}), 400),
+            (
+                json!({"input": state, "questions": questions, "method": "generate", "min_confidence": 0.9}),
+                400,
+            ),
+            (json!({"questions": questions}), 400),
+            (
+                json!({"input": state, "questions": {"q": {"type": "vote", "instructions": "?"}}}),
+                422,
+            ),
+        ] {
+            let r = s.post("/v1/decisions", &body);
+            assert_eq!(r.status, status, "{body}: {}", r.body);
+            assert!(r.json()["error"]["message"].is_string(), "{}", r.body);
+        }
+    }
 }
 
 #[test]
@@ -1039,6 +1174,101 @@ fn a_laya_checkpoint_is_served_as_the_reference_answers_it() {
         cases[0]["request"].to_string().as_bytes(),
     );
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// A sentence-embedding checkpoint served: the official `openai` and
+/// `ollama` clients get the vectors sentence-transformers computes (the
+/// reference the encoder's own test uses), inputs batched across clients
+/// embed to the same bits as alone, and decoder-only routes are 404s.
+#[test]
+fn an_embedding_model_serves_the_reference_vectors_to_its_clients() {
+    let Some(dir) = model_path("all-minilm-l6-v2") else {
+        return;
+    };
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../snug-model/tests/data");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("minilm-reference.json")).unwrap()).unwrap();
+    let s = Server::start(&dir, &[]);
+    let models = s.get("/v1/models").json();
+    assert_eq!(models["data"][0]["meta"]["kind"], "sentence_embeddings", "{models}");
+    assert_eq!(models["data"][0]["meta"]["dimensions"], 384);
+    let texts = data.join("sentences.txt");
+    let Some(out) = client_check(
+        "embeddings",
+        &[format!("http://{}", s.addr), texts.to_str().unwrap().to_string()],
+    ) else {
+        return;
+    };
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let want = reference["embeddings"].as_array().unwrap();
+    let got = v["embeddings"].as_array().unwrap();
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g: Vec<f64> = g.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let w: Vec<f64> = w.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let dot: f64 = g.iter().zip(&w).map(|(a, b)| a * b).sum();
+        let norms = g.iter().map(|a| a * a).sum::<f64>().sqrt() * w.iter().map(|a| a * a).sum::<f64>().sqrt();
+        let worst = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(
+            dot / norms > 0.999_999 && worst < 1e-5,
+            "text {i}: {} {worst}",
+            dot / norms
+        );
+    }
+    let tokens: usize = reference["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_array().unwrap().len())
+        .sum();
+    assert_eq!(v["prompt_tokens"], tokens);
+
+    // Eight clients at once, each with one text: the worker batches what
+    // waits, and every vector is the one the text gets alone.
+    let lines: Vec<String> = std::fs::read_to_string(&texts)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let alone: Vec<Value> = lines[..8]
+        .iter()
+        .map(|t| s.post("/v1/embeddings", &json!({"input": t})).json()["data"][0]["embedding"].clone())
+        .collect();
+    let addr = s.addr.clone();
+    let together: Vec<Value> = std::thread::scope(|sc| {
+        let hs: Vec<_> = lines[..8]
+            .iter()
+            .map(|t| {
+                let addr = &addr;
+                sc.spawn(move || {
+                    let body = json!({"input": t}).to_string();
+                    http(addr, "POST", "/v1/embeddings", &[], body.as_bytes()).json()["data"][0]["embedding"].clone()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(alone, together);
+
+    // Token ids are inputs too; an id past the vocabulary is a 400.
+    let ids = &reference["token_ids"][0];
+    let r = s.post("/v1/embeddings", &json!({"input": ids}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["data"][0]["embedding"], alone[0]);
+    let r = s.post("/v1/embeddings", &json!({"input": [[1, 99999999]]}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(s.post("/v1/embeddings", &json!({"input": []})).status, 400);
+    assert_eq!(
+        s.post("/v1/embeddings", &json!({"input": "x", "dimensions": 12}))
+            .status,
+        400
+    );
+    assert_eq!(s.post("/v1/chat/completions", &json!({"messages": []})).status, 404);
+    assert!(
+        s.metric("snug_embedding_inputs_total") >= 30.0,
+        "{}",
+        s.get("/metrics").body
+    );
 }
 
 #[test]

@@ -4,9 +4,15 @@
 //! head reads), scaled to unit length ([`snug_engine::Engine::embed`]).
 //! The engine loop computes them between two steps, as it answers
 //! decisions.
+//!
+//! The same routes serve a sentence-embedding checkpoint
+//! ([`super::encoder`]): the handlers are written once over [`Embedder`],
+//! which the decoder's state and the encoder's both implement.
 
 use std::sync::Arc;
 
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{ConnectInfo, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -20,14 +26,46 @@ use super::routes::{body_bytes, unavailable};
 use super::worker::{EmbedJob, Msg};
 use super::{locked, AppState, Conn, Usage};
 
-pub(super) fn routes() -> Router<Arc<AppState>> {
+pub(super) fn routes<S: Embedder>() -> Router<Arc<S>> {
     Router::new()
-        .route("/v1/embeddings", post(embeddings))
-        .route("/api/embed", post(ollama_embed))
+        .route("/v1/embeddings", post(embeddings::<S>))
+        .route("/api/embed", post(ollama_embed::<S>))
 }
 
 /// Most inputs in one request (OpenAI's limit).
-const MAX_INPUTS: usize = 2048;
+pub(super) const MAX_INPUTS: usize = 2048;
+
+/// A server state that makes embeddings.
+pub(super) trait Embedder: Send + Sync + 'static {
+    fn model_id(&self) -> &str;
+    /// The vectors' length.
+    fn dim(&self) -> usize;
+    /// Counts a request to `route` for /metrics.
+    fn count_request(&self, route: &'static str);
+    /// Counts a refused request for /metrics and hands the error back.
+    fn refuse(&self, e: ApiError) -> ApiError;
+    /// The request body, or the error for one that could not be read.
+    fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError>;
+    /// `input` checked and embedded, counted for the access log: the
+    /// vectors and the tokens they took.
+    fn embed_input(
+        &self,
+        conn: &Conn,
+        input: Input,
+    ) -> impl std::future::Future<Output = Result<(Vec<Vec<f32>>, usize), ApiError>> + Send;
+}
+
+/// Token ids from a request, checked against a vocabulary of `vocab`.
+pub(super) fn token_ids(v: Vec<i64>, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    v.into_iter()
+        .map(|t| {
+            u32::try_from(t)
+                .ok()
+                .filter(|&t| (t as usize) < vocab)
+                .ok_or_else(|| bad(format!("token id {t} is outside the vocabulary of {vocab}"), "input"))
+        })
+        .collect()
+}
 
 /// `input`: a text, texts, token ids, or lists of token ids.
 #[derive(Deserialize, Debug)]
@@ -66,21 +104,7 @@ impl AppState {
                 },
             )
         };
-        let ids = |v: Vec<i64>| -> Result<Vec<u32>, ApiError> {
-            v.into_iter()
-                .map(|t| {
-                    u32::try_from(t)
-                        .ok()
-                        .filter(|&t| (t as usize) < self.vocab)
-                        .ok_or_else(|| {
-                            bad(
-                                format!("token id {t} is outside the vocabulary of {}", self.vocab),
-                                "input",
-                            )
-                        })
-                })
-                .collect()
-        };
+        let ids = |v: Vec<i64>| token_ids(v, self.vocab);
         let inputs: Vec<Vec<u32>> = match input {
             Input::Text(t) => vec![text(&t)],
             Input::Texts(v) => v.iter().map(|t| text(t)).collect(),
@@ -107,20 +131,6 @@ impl AppState {
         Ok(inputs)
     }
 
-    /// `input` checked, run through the engine loop and counted for the
-    /// access log: the vectors and the tokens they took.
-    async fn embed_input(&self, conn: &Conn, input: Input) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
-        let inputs = self.embedding_inputs(input).map_err(|e| self.bad(e))?;
-        let tokens: usize = inputs.iter().map(Vec::len).sum();
-        let vectors = self.embed(inputs).await?;
-        conn.record(Usage {
-            prompt: tokens,
-            completion: 0,
-            cached: 0,
-        });
-        Ok((vectors, tokens))
-    }
-
     /// Runs the inputs through the engine loop.
     async fn embed(&self, inputs: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>, ApiError> {
         if self.draining.load(std::sync::atomic::Ordering::SeqCst) {
@@ -138,6 +148,42 @@ impl AppState {
             Ok(Err(e)) => Err(ApiError::internal(e.to_string())),
             Err(_) => Err(unavailable("the engine has stopped", 5)),
         }
+    }
+}
+
+impl Embedder for AppState {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn dim(&self) -> usize {
+        self.facts.embedding_length
+    }
+
+    fn count_request(&self, route: &'static str) {
+        locked(&self.metrics).request(route);
+    }
+
+    fn refuse(&self, e: ApiError) -> ApiError {
+        self.bad(e)
+    }
+
+    fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+        body_bytes(body, self)
+    }
+
+    /// `input` checked, run through the engine loop and counted for the
+    /// access log.
+    async fn embed_input(&self, conn: &Conn, input: Input) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+        let inputs = self.embedding_inputs(input).map_err(|e| self.bad(e))?;
+        let tokens: usize = inputs.iter().map(Vec::len).sum();
+        let vectors = self.embed(inputs).await?;
+        conn.record(Usage {
+            prompt: tokens,
+            completion: 0,
+            cached: 0,
+        });
+        Ok((vectors, tokens))
     }
 }
 
@@ -160,41 +206,41 @@ fn base64(v: &[f32]) -> String {
     out
 }
 
-async fn embeddings(
-    State(s): State<Arc<AppState>>,
+async fn embeddings<S: Embedder>(
+    State(s): State<Arc<S>>,
     ConnectInfo(conn): ConnectInfo<Conn>,
-    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    locked(&s.metrics).request("embeddings");
+    s.count_request("embeddings");
     match embeddings_inner(&s, &conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn embeddings_inner(
-    s: &Arc<AppState>,
+async fn embeddings_inner<S: Embedder>(
+    s: &Arc<S>,
     conn: &Conn,
-    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = body_bytes(body, s)?;
-    let req: EmbeddingsRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+    let body = s.body(body)?;
+    let req: EmbeddingsRequest = api::parse(&body).map_err(|e| s.refuse(e))?;
     if let Some(name) = req.rest.keys().next() {
-        return Err(s.bad(ApiError::bad(format!("unknown or unsupported field {name:?}"), None)));
+        return Err(s.refuse(ApiError::bad(format!("unknown or unsupported field {name:?}"), None)));
     }
     let base64_out = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
         Some(other) => {
-            return Err(s.bad(bad(
+            return Err(s.refuse(bad(
                 format!("encoding_format must be float or base64; got {other:?}"),
                 "encoding_format",
             )))
         }
     };
-    let dim = s.facts.embedding_length;
+    let dim = s.dim();
     if let Some(d) = req.dimensions.filter(|&d| d as usize != dim) {
-        return Err(s.bad(bad(
+        return Err(s.refuse(bad(
             format!("this model's embeddings have {dim} dimensions; dimensions {d} is not offered"),
             "dimensions",
         )));
@@ -212,7 +258,7 @@ async fn embeddings_inner(
     Ok(Json(json!({
         "object": "list",
         "data": data,
-        "model": s.model_id,
+        "model": s.model_id(),
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }))
     .into_response())
@@ -229,22 +275,22 @@ struct OllamaEmbed {
     keep_alive: Option<Value>,
 }
 
-async fn ollama_embed(
-    State(s): State<Arc<AppState>>,
+async fn ollama_embed<S: Embedder>(
+    State(s): State<Arc<S>>,
     ConnectInfo(conn): ConnectInfo<Conn>,
-    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    locked(&s.metrics).request("ollama_embed");
+    s.count_request("ollama_embed");
     let r: Result<Response, ApiError> = async {
-        let body = body_bytes(body, &s)?;
-        let req: OllamaEmbed = api::parse(&body).map_err(|e| s.bad(e))?;
+        let body = s.body(body)?;
+        let req: OllamaEmbed = api::parse(&body).map_err(|e| s.refuse(e))?;
         // Inputs over the context are refused, whatever `truncate` says:
         // a cut input's embedding would not be the text's.
         let _ = (&req.options, &req.keep_alive, req.truncate);
         let started = std::time::Instant::now();
         let (vectors, tokens) = s.embed_input(&conn, req.input).await?;
         Ok(Json(json!({
-            "model": s.model_id,
+            "model": s.model_id(),
             "embeddings": vectors,
             "total_duration": started.elapsed().as_nanos() as u64,
             "prompt_eval_count": tokens,

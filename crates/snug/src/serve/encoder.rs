@@ -1,6 +1,10 @@
-//! `snug serve DIR` for a Laya checkpoint directory: Laya's
-//! `/v1/systemone` and `/v1/systemone/batch` on the native encoder, with
-//! `/health`, `/v1/models` and `/metrics`.
+//! `snug serve DIR` for an encoder checkpoint directory, with `/health`,
+//! `/v1/models` and `/metrics`:
+//!
+//! - a Laya checkpoint: Laya's `/v1/systemone` and `/v1/systemone/batch`
+//!   on the native encoder;
+//! - a sentence-embedding checkpoint: `/v1/embeddings` and ollama's
+//!   `/api/embed` (the routes of [`super::embeddings`]).
 //!
 //! One thread owns the checkpoint. It takes a request off the queue, then
 //! every request already waiting (up to [`MAX_BATCH_ROWS`] rows), and
@@ -25,9 +29,11 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use snug_engine::decide::DecideError;
 use snug_engine::laya::{parse_request, LayaAgent, LayaRequest};
+use snug_model::sentence::SentenceModel;
 
 use super::api::ApiError;
-use super::{key_ok, locked, shutdown_signal, unauthorized, unix_now, ServeArgs};
+use super::embeddings::{Embedder, Input, MAX_INPUTS};
+use super::{key_ok, locked, shutdown_signal, unauthorized, unix_now, Conn, ServeArgs, Usage};
 
 /// Most rows (questions times states) one forward takes from the queue.
 pub const MAX_BATCH_ROWS: usize = 64;
@@ -35,11 +41,39 @@ pub const MAX_BATCH_ROWS: usize = 64;
 const MAX_BATCH_STATES: usize = 64;
 
 type Reply = tokio::sync::oneshot::Sender<Result<Vec<Value>, DecideError>>;
+type EmbedReply = tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, String>>;
 
-struct Job {
-    req: LayaRequest,
-    states: Vec<Value>,
-    reply: Reply,
+enum Job {
+    Decide {
+        req: LayaRequest,
+        states: Vec<Value>,
+        reply: Reply,
+    },
+    Embed {
+        inputs: Vec<Vec<u32>>,
+        reply: EmbedReply,
+    },
+}
+
+impl Job {
+    fn rows(&self) -> usize {
+        match self {
+            Job::Decide { req, states, .. } => req.questions.len() * states.len(),
+            Job::Embed { inputs, .. } => inputs.len(),
+        }
+    }
+}
+
+/// The checkpoint the worker owns.
+enum Checkpoint {
+    Laya(Box<LayaAgent>),
+    Sentence(Arc<SentenceModel>),
+}
+
+/// What the HTTP side knows of the checkpoint.
+enum Kind {
+    Laya { max_len: usize, head_max_len: usize },
+    Sentence(Arc<SentenceModel>),
 }
 
 /// Counters for /metrics.
@@ -60,13 +94,12 @@ struct Stats {
 
 const LATENCY_BOUNDS: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
 
-struct LayaState {
+pub(super) struct EncoderState {
     jobs: Mutex<mpsc::Sender<Job>>,
     model_id: String,
     api_key: Option<String>,
     started: u64,
-    max_len: usize,
-    head_max_len: usize,
+    kind: Kind,
     weight_bytes: usize,
     /// Activation bytes of the largest pass.
     scratch_bytes: usize,
@@ -76,32 +109,165 @@ struct LayaState {
     draining: AtomicBool,
 }
 
-impl LayaState {
+impl EncoderState {
     fn count_error(&self, e: ApiError) -> ApiError {
         *locked(&self.stats).errors.entry(e.status).or_default() += 1;
         e
     }
+
+    /// Puts a job on the worker's queue, or refuses it: 503 while draining
+    /// or when [`ServeArgs::max_queue`] requests already wait.
+    fn enqueue(&self, job: Job) -> Result<(), ApiError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(status(503, "the server is shutting down".into(), None));
+        }
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError {
+                retry_after: Some(1),
+                ..status(503, "server busy, try again later".into(), None)
+            });
+        }
+        if locked(&self.jobs).send(job).is_err() {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(status(503, "the server is shutting down".into(), None));
+        }
+        Ok(())
+    }
+}
+
+impl Embedder for EncoderState {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn dim(&self) -> usize {
+        match &self.kind {
+            Kind::Sentence(m) => m.dim(),
+            Kind::Laya { .. } => 0,
+        }
+    }
+
+    fn count_request(&self, route: &'static str) {
+        *locked(&self.stats).requests.entry(route).or_default() += 1;
+    }
+
+    fn refuse(&self, e: ApiError) -> ApiError {
+        self.count_error(e)
+    }
+
+    fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+        body.map_err(|e| self.count_error(rejected_body(e)))
+    }
+
+    async fn embed_input(&self, conn: &Conn, input: Input) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+        let Kind::Sentence(m) = &self.kind else {
+            return Err(self.count_error(status(404, "this checkpoint makes no embeddings".into(), None)));
+        };
+        let inputs = sentence_inputs(m, input).map_err(|e| self.count_error(e))?;
+        let tokens: usize = inputs.iter().map(Vec::len).sum();
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.enqueue(Job::Embed { inputs, reply })
+            .map_err(|e| self.count_error(e))?;
+        let vectors = match rx.await {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => return Err(self.count_error(status(500, e, None))),
+            Err(_) => return Err(self.count_error(status(503, "the server is shutting down".into(), None))),
+        };
+        conn.record(Usage {
+            prompt: tokens,
+            completion: 0,
+            cached: 0,
+        });
+        Ok((vectors, tokens))
+    }
+}
+
+/// Each input's tokens, checked against the vocabulary and the model's
+/// longest input. Nothing is cut: an over-long text is refused, naming
+/// its length, since a cut text's vector is not the text's.
+fn sentence_inputs(m: &SentenceModel, input: Input) -> Result<Vec<Vec<u32>>, ApiError> {
+    let bad = |message: String| ApiError::bad(message, Some("input"));
+    let inputs: Vec<Vec<u32>> = match input {
+        Input::Text(t) => vec![m.tokenize(&t).map_err(|e| bad(e.to_string()))?],
+        Input::Texts(v) => v
+            .iter()
+            .map(|t| m.tokenize(t).map_err(|e| bad(e.to_string())))
+            .collect::<Result<_, _>>()?,
+        Input::Tokens(v) => vec![super::embeddings::token_ids(v, m.vocab())?],
+        Input::TokenLists(v) => v
+            .into_iter()
+            .map(|t| super::embeddings::token_ids(t, m.vocab()))
+            .collect::<Result<_, _>>()?,
+    };
+    if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+        return Err(bad(format!("input takes 1 to {MAX_INPUTS} items")));
+    }
+    for (i, t) in inputs.iter().enumerate() {
+        if t.is_empty() {
+            return Err(bad(format!("input {i} is empty")));
+        }
+        if t.len() > m.max_tokens {
+            return Err(ApiError {
+                code: Some("context_length_exceeded"),
+                ..bad(format!(
+                    "input {i} has {} tokens; this model takes at most {} (its max_seq_length); split the text",
+                    t.len(),
+                    m.max_tokens
+                ))
+            });
+        }
+    }
+    Ok(inputs)
+}
+
+/// A body axum could not read, as an API error.
+fn rejected_body(e: BytesRejection) -> ApiError {
+    let code = e.status().as_u16();
+    status(
+        code,
+        if code == 413 {
+            "request body too large".into()
+        } else {
+            e.body_text()
+        },
+        None,
+    )
 }
 
 /// Serves the checkpoint in `dir` on `listener` until SIGINT or SIGTERM.
 pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) -> Result<()> {
-    let agent = crate::decide::laya_agent(dir, a.threads, None)?;
+    let (checkpoint, kind, weight_bytes, scratch_bytes) = if snug_model::laya::is_checkpoint(dir) {
+        let agent = crate::decide::laya_agent(dir, a.threads, None)?;
+        let m = &agent.model;
+        let kind = Kind::Laya {
+            max_len: m.config.max_len,
+            head_max_len: m.config.head_max_len,
+        };
+        let (w, sc) = (
+            m.weight_bytes(),
+            m.scratch_bytes(m.forward_tokens().max(m.config.max_len)),
+        );
+        (Checkpoint::Laya(Box::new(agent)), kind, w, sc)
+    } else {
+        let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
+        let m = Arc::new(SentenceModel::open(dir, threads).with_context(|| format!("{}", dir.display()))?);
+        let (w, sc) = (m.weight_bytes(), m.scratch_bytes());
+        (Checkpoint::Sentence(m.clone()), Kind::Sentence(m), w, sc)
+    };
     let stats = Arc::new(Mutex::new(Stats {
         latency: vec![0; LATENCY_BOUNDS.len() + 1],
         ..Stats::default()
     }));
     let (tx, rx) = mpsc::channel::<Job>();
-    let state = Arc::new(LayaState {
+    let state = Arc::new(EncoderState {
         jobs: Mutex::new(tx),
         model_id: a.alias.clone().unwrap_or_else(|| a.model.clone()),
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
         started: unix_now(),
-        max_len: agent.model.config.max_len,
-        head_max_len: agent.model.config.head_max_len,
-        weight_bytes: agent.model.weight_bytes(),
-        scratch_bytes: agent
-            .model
-            .scratch_bytes(agent.model.forward_tokens().max(agent.model.config.max_len)),
+        kind,
+        weight_bytes,
+        scratch_bytes,
         waiting: AtomicUsize::new(0),
         max_queue: a.max_queue,
         stats: stats.clone(),
@@ -110,12 +276,16 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
     let worker = {
         let state = state.clone();
         std::thread::Builder::new()
-            .name("snug-laya".into())
-            .spawn(move || work(agent, rx, &state))?
+            .name("snug-encoder".into())
+            .spawn(move || work(checkpoint, rx, &state))?
     };
-    let app = Router::new()
-        .route("/v1/systemone", post(systemone))
-        .route("/v1/systemone/batch", post(systemone_batch))
+    let routes = match state.kind {
+        Kind::Laya { .. } => Router::new()
+            .route("/v1/systemone", post(systemone))
+            .route("/v1/systemone/batch", post(systemone_batch)),
+        Kind::Sentence(_) => super::embeddings::routes(),
+    };
+    let app = routes
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -140,14 +310,26 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
             std::time::Duration::from_secs(a.read_timeout),
             a.max_connections,
         );
+        let what = match &http_state.kind {
+            Kind::Laya { max_len, head_max_len } => {
+                format!(
+                    "Laya checkpoint {} (max_len {max_len}, head_max_len {head_max_len}",
+                    http_state.model_id
+                )
+            }
+            Kind::Sentence(m) => format!(
+                "sentence embeddings {} ({} dimensions, {} pooling, inputs up to {} tokens",
+                http_state.model_id,
+                m.dim(),
+                m.pooling.name(),
+                m.max_tokens
+            ),
+        };
         eprintln!(
-            "snug serve: Laya checkpoint {} on http://{} (max_len {}, head_max_len {}; {} MiB of weights mapped, at most {} MiB of activations a pass)",
-            http_state.model_id,
-            axum::serve::Listener::local_addr(&listener)?,
-            http_state.max_len,
-            http_state.head_max_len,
+            "snug serve: {what}; {} MiB of weights mapped, at most {} MiB of activations a pass) on http://{}",
             http_state.weight_bytes >> 20,
-            http_state.scratch_bytes >> 20
+            http_state.scratch_bytes >> 20,
+            axum::serve::Listener::local_addr(&listener)?,
         );
         let s = http_state.clone();
         let signalled = Arc::new(tokio::sync::Notify::new());
@@ -179,15 +361,14 @@ pub fn serve(a: &ServeArgs, dir: &Path, listener: TcpListener, max_body: usize) 
 }
 
 /// The checkpoint's thread: batches waiting jobs into one forward.
-fn work(agent: LayaAgent, rx: mpsc::Receiver<Job>, state: &LayaState) {
+fn work(checkpoint: Checkpoint, rx: mpsc::Receiver<Job>, state: &EncoderState) {
     while let Ok(first) = rx.recv() {
-        let rows_of = |j: &Job| j.req.questions.len() * j.states.len();
-        let mut rows = rows_of(&first);
+        let mut rows = first.rows();
         let mut batch = vec![first];
         while rows < MAX_BATCH_ROWS {
             match rx.try_recv() {
                 Ok(j) => {
-                    rows += rows_of(&j);
+                    rows += j.rows();
                     batch.push(j);
                 }
                 Err(_) => break,
@@ -195,30 +376,79 @@ fn work(agent: LayaAgent, rx: mpsc::Receiver<Job>, state: &LayaState) {
         }
         state.waiting.fetch_sub(batch.len(), Ordering::SeqCst);
         let t0 = Instant::now();
-        let work: Vec<(&LayaRequest, &[Value])> = batch.iter().map(|j| (&j.req, j.states.as_slice())).collect();
-        let results = agent.answer_jobs(&work);
-        let secs = t0.elapsed().as_secs_f64();
-        {
-            let mut st = locked(&state.stats);
-            st.forwards += 1;
-            st.forward_seconds += secs;
-            st.rows += rows as u64;
+        match &checkpoint {
+            Checkpoint::Laya(agent) => decide(agent, batch, state),
+            Checkpoint::Sentence(model) => embed(model, batch, state),
         }
-        for (job, result) in batch.into_iter().zip(results) {
-            let result = result.map(|r| {
-                let mut st = locked(&state.stats);
-                for (v, answers) in &r {
-                    st.questions += answers.len() as u64;
-                    st.input_tokens += v["usage"]["input_tokens"].as_u64().unwrap_or(0);
-                }
-                r.into_iter().map(|(v, _)| v).collect()
-            });
-            let _ = job.reply.send(result);
+        let secs = t0.elapsed().as_secs_f64();
+        let mut st = locked(&state.stats);
+        st.forwards += 1;
+        st.forward_seconds += secs;
+        st.rows += rows as u64;
+    }
+}
+
+fn decide(agent: &LayaAgent, batch: Vec<Job>, state: &EncoderState) {
+    let mut jobs = Vec::new();
+    for job in batch {
+        match job {
+            Job::Decide { req, states, reply } => jobs.push((req, states, reply)),
+            Job::Embed { reply, .. } => {
+                let _ = reply.send(Err("this checkpoint answers decisions, not embeddings".into()));
+            }
+        }
+    }
+    let work: Vec<(&LayaRequest, &[Value])> = jobs.iter().map(|(r, s, _)| (r, s.as_slice())).collect();
+    let results = agent.answer_jobs(&work);
+    for ((_, _, reply), result) in jobs.into_iter().zip(results) {
+        let result = result.map(|r| {
+            let mut st = locked(&state.stats);
+            for (v, answers) in &r {
+                st.questions += answers.len() as u64;
+                st.input_tokens += v["usage"]["input_tokens"].as_u64().unwrap_or(0);
+            }
+            r.into_iter().map(|(v, _)| v).collect()
+        });
+        let _ = reply.send(result);
+    }
+}
+
+/// Every waiting request's inputs in one call; each input's vector is the
+/// same bits as alone.
+fn embed(model: &SentenceModel, batch: Vec<Job>, state: &EncoderState) {
+    let mut inputs = Vec::new();
+    let mut replies = Vec::new();
+    for job in batch {
+        match job {
+            Job::Embed { inputs: i, reply } => {
+                replies.push((reply, i.len()));
+                inputs.extend(i);
+            }
+            Job::Decide { reply, .. } => {
+                let _ = reply.send(Err(DecideError::Invalid(
+                    "this checkpoint makes embeddings; it answers no decisions".into(),
+                )));
+            }
+        }
+    }
+    let tokens: usize = inputs.iter().map(Vec::len).sum();
+    locked(&state.stats).input_tokens += tokens as u64;
+    match model.embed(&inputs) {
+        Ok(vectors) => {
+            let mut it = vectors.into_iter();
+            for (reply, n) in replies {
+                let _ = reply.send(Ok(it.by_ref().take(n).collect()));
+            }
+        }
+        Err(e) => {
+            for (reply, _) in replies {
+                let _ = reply.send(Err(e.to_string()));
+            }
         }
     }
 }
 
-async fn authorize(State(s): State<Arc<LayaState>>, req: Request, next: Next) -> Response {
+async fn authorize(State(s): State<Arc<EncoderState>>, req: Request, next: Next) -> Response {
     if !key_ok(&req, s.api_key.as_deref()) {
         return laya_error(s.count_error(unauthorized()));
     }
@@ -256,17 +486,17 @@ fn status(status: u16, message: String, code: Option<&'static str>) -> ApiError 
     }
 }
 
-async fn systemone(State(s): State<Arc<LayaState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn systemone(State(s): State<Arc<EncoderState>>, body: Result<Bytes, BytesRejection>) -> Response {
     *locked(&s.stats).requests.entry("systemone").or_default() += 1;
     respond(&s, body, false).await
 }
 
-async fn systemone_batch(State(s): State<Arc<LayaState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn systemone_batch(State(s): State<Arc<EncoderState>>, body: Result<Bytes, BytesRejection>) -> Response {
     *locked(&s.stats).requests.entry("systemone_batch").or_default() += 1;
     respond(&s, body, true).await
 }
 
-async fn respond(s: &Arc<LayaState>, body: Result<Bytes, BytesRejection>, batch: bool) -> Response {
+async fn respond(s: &Arc<EncoderState>, body: Result<Bytes, BytesRejection>, batch: bool) -> Response {
     let t0 = Instant::now();
     let r = answer(s, body, batch).await;
     let secs = t0.elapsed().as_secs_f64();
@@ -297,19 +527,8 @@ async fn respond(s: &Arc<LayaState>, body: Result<Bytes, BytesRejection>, batch:
     }
 }
 
-async fn answer(s: &Arc<LayaState>, body: Result<Bytes, BytesRejection>, batch: bool) -> Result<Value, ApiError> {
-    let body = body.map_err(|e| {
-        let code = e.status().as_u16();
-        status(
-            code,
-            if code == 413 {
-                "request body too large".into()
-            } else {
-                e.body_text()
-            },
-            None,
-        )
-    })?;
+async fn answer(s: &Arc<EncoderState>, body: Result<Bytes, BytesRejection>, batch: bool) -> Result<Value, ApiError> {
+    let body = body.map_err(rejected_body)?;
     let v: Value = super::api::parse(&body)?;
     let Some(obj) = v.as_object().filter(|o| o.contains_key("questions")) else {
         return Err(ApiError::bad(
@@ -341,21 +560,8 @@ async fn answer(s: &Arc<LayaState>, body: Result<Bytes, BytesRejection>, batch: 
         e => status(422, e.to_string(), None),
     })?;
     let states = if batch { states } else { vec![req.state.clone()] };
-    if s.draining.load(Ordering::SeqCst) {
-        return Err(status(503, "the server is shutting down".into(), None));
-    }
-    if s.waiting.fetch_add(1, Ordering::SeqCst) >= s.max_queue {
-        s.waiting.fetch_sub(1, Ordering::SeqCst);
-        return Err(ApiError {
-            retry_after: Some(1),
-            ..status(503, "server busy, try again later".into(), None)
-        });
-    }
     let (reply, rx) = tokio::sync::oneshot::channel();
-    if locked(&s.jobs).send(Job { req, states, reply }).is_err() {
-        s.waiting.fetch_sub(1, Ordering::SeqCst);
-        return Err(status(503, "the server is shutting down".into(), None));
-    }
+    s.enqueue(Job::Decide { req, states, reply })?;
     let results = match rx.await {
         Ok(Ok(r)) => r,
         Ok(Err(e @ DecideError::Capacity(_))) => {
@@ -375,16 +581,17 @@ async fn answer(s: &Arc<LayaState>, body: Result<Bytes, BytesRejection>, batch: 
     Ok(json!({"results": results, "total_usage": {"input_tokens": total, "output_tokens": 0}}))
 }
 
-async fn health(State(s): State<Arc<LayaState>>) -> Response {
+async fn health(State(s): State<Arc<EncoderState>>) -> Response {
     let draining = s.draining.load(Ordering::SeqCst);
-    let body = json!({
+    let mut body = json!({
         "status": if draining { "draining" } else { "ok" },
         "loaded": true,
         "model": s.model_id,
-        "max_len": s.max_len,
-        "head_max_len": s.head_max_len,
         "waiting": s.waiting.load(Ordering::SeqCst),
     });
+    if let Value::Object(facts) = s.meta() {
+        body.as_object_mut().expect("object").extend(facts);
+    }
     let code = if draining {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
@@ -393,7 +600,25 @@ async fn health(State(s): State<Arc<LayaState>>) -> Response {
     (code, Json(body)).into_response()
 }
 
-async fn models(State(s): State<Arc<LayaState>>) -> Json<Value> {
+impl EncoderState {
+    /// The checkpoint's facts for `/v1/models` and `/health`.
+    fn meta(&self) -> Value {
+        match &self.kind {
+            Kind::Laya { max_len, head_max_len } => {
+                json!({"kind": "laya", "max_len": max_len, "head_max_len": head_max_len})
+            }
+            Kind::Sentence(m) => json!({
+                "kind": "sentence_embeddings",
+                "dimensions": m.dim(),
+                "max_input_tokens": m.max_tokens,
+                "pooling": m.pooling.name(),
+                "normalized": m.normalize,
+            }),
+        }
+    }
+}
+
+async fn models(State(s): State<Arc<EncoderState>>) -> Json<Value> {
     *locked(&s.stats).requests.entry("models").or_default() += 1;
     Json(json!({
         "object": "list",
@@ -402,12 +627,12 @@ async fn models(State(s): State<Arc<LayaState>>) -> Json<Value> {
             "object": "model",
             "created": s.started,
             "owned_by": "snug",
-            "meta": {"kind": "laya", "max_len": s.max_len, "head_max_len": s.head_max_len},
+            "meta": s.meta(),
         }],
     }))
 }
 
-async fn metrics(State(s): State<Arc<LayaState>>) -> Response {
+async fn metrics(State(s): State<Arc<EncoderState>>) -> Response {
     use std::fmt::Write;
     let st = locked(&s.stats);
     let mut o = String::new();
@@ -425,40 +650,55 @@ async fn metrics(State(s): State<Arc<LayaState>>) -> Response {
     for (code, n) in &st.errors {
         let _ = writeln!(o, "snug_errors_total{{status=\"{code}\"}} {n}");
     }
-    let counters = [
+    // A decision checkpoint's counters are `snug_decide_*`; an embedding
+    // model's are `snug_embedding_*` (its rows are inputs).
+    let (p, rows_help) = match s.kind {
+        Kind::Laya { .. } => ("decide", "Encoder rows run (questions times states)."),
+        Kind::Sentence(_) => ("embedding", "Inputs embedded."),
+    };
+    let mut counters = vec![
         (
-            "snug_decide_questions_total",
-            "Questions answered.",
-            st.questions as f64,
-        ),
-        (
-            "snug_decide_rows_total",
-            "Encoder rows run (questions times states).",
+            format!("snug_{p}_{}_total", if p == "decide" { "rows" } else { "inputs" }),
+            rows_help,
             st.rows as f64,
         ),
         (
-            "snug_decide_input_tokens_total",
+            format!("snug_{p}_input_tokens_total"),
             "Encoder tokens run.",
             st.input_tokens as f64,
         ),
-        ("snug_decide_forwards_total", "Batched forwards.", st.forwards as f64),
         (
-            "snug_decide_forward_seconds_total",
+            format!("snug_{p}_forwards_total"),
+            "Batched forwards.",
+            st.forwards as f64,
+        ),
+        (
+            format!("snug_{p}_forward_seconds_total"),
             "Time in forwards.",
             st.forward_seconds,
         ),
     ];
+    if p == "decide" {
+        counters.insert(
+            0,
+            (
+                "snug_decide_questions_total".into(),
+                "Questions answered.",
+                st.questions as f64,
+            ),
+        );
+    }
     for (name, help, v) in counters {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
     }
     let _ = writeln!(
         o,
-        "# HELP snug_decide_waiting Requests waiting for the encoder.\n# TYPE snug_decide_waiting gauge\nsnug_decide_waiting {}",
+        "# HELP snug_{p}_waiting Requests waiting for the encoder.\n# TYPE snug_{p}_waiting gauge\nsnug_{p}_waiting {}",
         s.waiting.load(Ordering::SeqCst)
     );
     let _ = writeln!(
         o,
-        "# HELP snug_request_duration_seconds Decision request latency.\n# TYPE snug_request_duration_seconds histogram"
+        "# HELP snug_request_duration_seconds Request latency.\n# TYPE snug_request_duration_seconds histogram"
     );
     let mut cum = 0;
     for (i, b) in LATENCY_BOUNDS.iter().enumerate() {
@@ -476,7 +716,7 @@ async fn metrics(State(s): State<Arc<LayaState>>) -> Response {
     );
     let _ = writeln!(
         o,
-        "# HELP snug_decide_scratch_bytes Activation bytes of the largest encoder pass.\n# TYPE snug_decide_scratch_bytes gauge\nsnug_decide_scratch_bytes {}",
+        "# HELP snug_{p}_scratch_bytes Activation bytes of the largest encoder pass.\n# TYPE snug_{p}_scratch_bytes gauge\nsnug_{p}_scratch_bytes {}",
         s.scratch_bytes
     );
     let rss = crate::run::rss_bytes("VmRSS:");

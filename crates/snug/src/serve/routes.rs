@@ -17,6 +17,7 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> R
         .merge(super::ui::routes())
         .route("/v1/systemone", post(systemone))
         .route("/v1/systemone/batch", post(systemone_batch))
+        .route("/v1/decisions", post(super::decisions::decisions))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)

@@ -19,8 +19,8 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
     if a.parallel == 0 || a.prefill_chunk == 0 {
         bail!("--parallel and --prefill-chunk must be at least 1");
     }
-    let laya_dir = snug_model::laya::is_checkpoint(std::path::Path::new(&a.model));
-    let opened = if laya_dir {
+    let checkpoint = crate::encoder_checkpoint(&a.model)?;
+    let opened = if checkpoint.is_some() {
         None
     } else {
         Some(crate::open_model_at(&a.model)?)
@@ -37,7 +37,8 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
     let std_listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     std_listener.set_nonblocking(true)?;
     let Some((path, file)) = opened else {
-        return laya::serve(&a, std::path::Path::new(&a.model), std_listener, max_body);
+        let dir = checkpoint.expect("an encoder checkpoint when no model file was opened");
+        return encoder::serve(&a, &dir, std_listener, max_body);
     };
 
     let tok = Tokenizer::from_gguf(&file)?;
