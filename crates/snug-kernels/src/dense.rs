@@ -10,7 +10,8 @@
 //! multiply-add at a time. That order depends only on the output itself,
 //! so a row's results are bitwise the same whatever the batch width, the
 //! row's place in it, the tile it lands in, the thread count, or the SIMD
-//! level (the AVX2 path is tested bitwise against the scalar one).
+//! level (the AVX2 and AVX-512 paths are tested bitwise against the scalar
+//! one).
 
 use half::f16;
 
@@ -59,11 +60,14 @@ impl<'a> Dense<'a> {
 const FEATURES_PER_TASK: usize = 16;
 /// Activation rows a tile covers.
 const TILE_ROWS: usize = 4;
-/// Output features a tile covers.
+/// Output features a tile covers on AVX2 and the scalar path.
 const TILE_OUTS: usize = 3;
+/// Output features a tile covers on AVX-512 (four pairs, each pair's two
+/// eight-lane chains in the halves of one register).
+const TILE_OUTS_512: usize = 8;
 
 /// A tile's results: `[activation row][output]`.
-type Tile = [[f32; TILE_OUTS]; TILE_ROWS];
+type Tile = [[f32; TILE_OUTS_512]; TILE_ROWS];
 
 use crate::pool::SendPtr;
 
@@ -82,6 +86,11 @@ pub fn dense_matmul_with(level: Simd, pool: &ThreadPool, w: &Dense, x: &[f32], n
         DenseData::F32(d) => assert_eq!(d.len(), n * k, "dense_matmul: weight shape"),
     }
     let out_ptr = SendPtr(out.as_mut_ptr());
+    let tile_outs = if level >= Simd::Avx512Vnni {
+        TILE_OUTS_512
+    } else {
+        TILE_OUTS
+    };
     let tasks = n.div_ceil(FEATURES_PER_TASK);
     pool.run(tasks, &|t| {
         let op = &out_ptr;
@@ -90,8 +99,8 @@ pub fn dense_matmul_with(level: Simd, pool: &ThreadPool, w: &Dense, x: &[f32], n
             let nr = TILE_ROWS.min(n_rows - r0);
             let mut o = o0;
             while o < o1 {
-                let no = TILE_OUTS.min(o1 - o);
-                let mut res = [[0f32; TILE_OUTS]; TILE_ROWS];
+                let no = tile_outs.min(o1 - o);
+                let mut res = [[0f32; TILE_OUTS_512]; TILE_ROWS];
                 tile(level, w, o, no, x, r0, nr, &mut res);
                 for (r, row) in res.iter().enumerate().take(nr) {
                     for (j, &v) in row.iter().enumerate().take(no) {
@@ -110,6 +119,19 @@ pub fn dense_matmul_with(level: Simd, pool: &ThreadPool, w: &Dense, x: &[f32], n
 #[allow(clippy::too_many_arguments)]
 fn tile(level: Simd, w: &Dense, o: usize, no: usize, x: &[f32], r0: usize, nr: usize, res: &mut Tile) {
     let k = w.cols;
+    #[cfg(target_arch = "x86_64")]
+    if level >= Simd::Avx512Vnni {
+        // SAFETY: the level is only >= Avx512Vnni where the CPU has
+        // AVX-512 F/BW/VL on top of AVX2, FMA and F16C.
+        unsafe {
+            let xs = &x[r0 * k..(r0 + nr) * k];
+            match w.data {
+                DenseData::F16(d) => avx512::tile_f16(&d[o * k..(o + no) * k], xs, k, no, nr, res),
+                DenseData::F32(d) => avx512::tile_f32(&d[o * k..(o + no) * k], xs, k, no, nr, res),
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if level >= Simd::Avx2 {
         // SAFETY: the level is only >= Avx2 where the CPU has AVX2, FMA
@@ -179,7 +201,7 @@ pub fn dot_f32_scalar(w: &[f32], x: &[f32]) -> f32 {
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if simd() >= Simd::Avx2 {
-        let mut res = [[0f32; TILE_OUTS]; TILE_ROWS];
+        let mut res = [[0f32; TILE_OUTS_512]; TILE_ROWS];
         // SAFETY: AVX2/FMA present (see `tile`).
         unsafe { avx2::tile_f32(a, b, a.len(), 1, 1, &mut res) };
         return res[0][0];
@@ -362,7 +384,7 @@ mod avx2 {
     pub unsafe fn attend(q: &[f32], k: &[f32], v: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
         let hd = q.len();
         let n = scores.len();
-        let mut res: Tile = [[0.0; TILE_OUTS]; TILE_ROWS];
+        let mut res: Tile = [[0.0; super::TILE_OUTS_512]; TILE_ROWS];
         let mut m = f32::NEG_INFINITY;
         let mut j = 0;
         while j < n {
@@ -395,6 +417,145 @@ mod avx2 {
         for j in body..k {
             *yp.add(j) = a.mul_add(*xp.add(j), *yp.add(j));
         }
+    }
+}
+
+/// The AVX-512 tile: outputs in pairs, output `2p` in the low eight lanes
+/// of a register and `2p + 1` in the high eight, each activation block
+/// broadcast to both halves. Every lane does what the AVX2 lane does (the
+/// same elements, the same fused multiply-adds in the same order, the
+/// same reduction of eight lanes), so results are bitwise the AVX2 and
+/// scalar ones; a register does two outputs' work per instruction.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Tile, TILE_OUTS_512, TILE_ROWS};
+
+    /// The module's eight-lane reduction (as `avx2::hsum`).
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
+    }
+
+    /// Eight weights of row `a` in the low half and of row `b` in the high.
+    trait Weights: Copy {
+        unsafe fn load_pair(a: *const Self, b: *const Self) -> __m512;
+        unsafe fn get(p: *const Self) -> f32;
+    }
+
+    impl Weights for u16 {
+        #[inline(always)]
+        unsafe fn load_pair(a: *const u16, b: *const u16) -> __m512 {
+            let h = _mm256_set_m128i(
+                _mm_loadu_si128(b as *const __m128i),
+                _mm_loadu_si128(a as *const __m128i),
+            );
+            _mm512_cvtph_ps(h)
+        }
+        #[inline(always)]
+        unsafe fn get(p: *const u16) -> f32 {
+            half::f16::from_bits(*p).to_f32()
+        }
+    }
+
+    impl Weights for f32 {
+        #[inline(always)]
+        unsafe fn load_pair(a: *const f32, b: *const f32) -> __m512 {
+            let lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+            _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(b)), 1))
+        }
+        #[inline(always)]
+        unsafe fn get(p: *const f32) -> f32 {
+            *p
+        }
+    }
+
+    /// `R` rows times `P` pairs of outputs; `w[o]` points at output `o`'s
+    /// row (an odd count repeats the last row in the spare half, whose
+    /// result is dropped).
+    #[inline(always)]
+    unsafe fn block<W: Weights, const R: usize, const P: usize>(
+        w: &[*const W; TILE_OUTS_512],
+        x: *const f32,
+        k: usize,
+        no: usize,
+        res: &mut Tile,
+    ) {
+        let body = k - k % 8;
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let mut i = 0;
+        while i < body {
+            let mut wv = [_mm512_setzero_ps(); P];
+            for (p, v) in wv.iter_mut().enumerate() {
+                *v = W::load_pair(w[2 * p].add(i), w[2 * p + 1].add(i));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let x8 = _mm256_castps_pd(_mm256_loadu_ps(x.add(r * k + i)));
+                let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(x8));
+                for (a, v) in row.iter_mut().zip(&wv) {
+                    *a = _mm512_fmadd_ps(xv, *v, *a);
+                }
+            }
+            i += 8;
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (p, a) in row.iter().enumerate() {
+                let halves = [
+                    _mm512_castps512_ps256(*a),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(*a), 1)),
+                ];
+                for (h, half) in halves.iter().enumerate() {
+                    let o = 2 * p + h;
+                    if o >= no {
+                        break;
+                    }
+                    let mut s = hsum(*half);
+                    for j in body..k {
+                        s = (*x.add(r * k + j)).mul_add(W::get(w[o].add(j)), s);
+                    }
+                    res[r][o] = s;
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dispatch<W: Weights>(w: *const W, x: *const f32, k: usize, no: usize, nr: usize, res: &mut Tile) {
+        let rows: [*const W; TILE_OUTS_512] = std::array::from_fn(|o| w.add(o.min(no - 1) * k));
+        let w = &rows;
+        match (nr, no.div_ceil(2)) {
+            (4, 4) => block::<W, 4, 4>(w, x, k, no, res),
+            (4, 3) => block::<W, 4, 3>(w, x, k, no, res),
+            (4, 2) => block::<W, 4, 2>(w, x, k, no, res),
+            (4, _) => block::<W, 4, 1>(w, x, k, no, res),
+            (3, 4) => block::<W, 3, 4>(w, x, k, no, res),
+            (3, 3) => block::<W, 3, 3>(w, x, k, no, res),
+            (3, 2) => block::<W, 3, 2>(w, x, k, no, res),
+            (3, _) => block::<W, 3, 1>(w, x, k, no, res),
+            (2, 4) => block::<W, 2, 4>(w, x, k, no, res),
+            (2, 3) => block::<W, 2, 3>(w, x, k, no, res),
+            (2, 2) => block::<W, 2, 2>(w, x, k, no, res),
+            (2, _) => block::<W, 2, 1>(w, x, k, no, res),
+            (_, 4) => block::<W, 1, 4>(w, x, k, no, res),
+            (_, 3) => block::<W, 1, 3>(w, x, k, no, res),
+            (_, 2) => block::<W, 1, 2>(w, x, k, no, res),
+            _ => block::<W, 1, 1>(w, x, k, no, res),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn tile_f16(w: &[u16], x: &[f32], k: usize, no: usize, nr: usize, res: &mut Tile) {
+        debug_assert!(w.len() >= no * k && x.len() >= nr * k && (1..=TILE_OUTS_512).contains(&no) && nr <= TILE_ROWS);
+        dispatch(w.as_ptr(), x.as_ptr(), k, no, nr, res)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn tile_f32(w: &[f32], x: &[f32], k: usize, no: usize, nr: usize, res: &mut Tile) {
+        debug_assert!(w.len() >= no * k && x.len() >= nr * k && (1..=TILE_OUTS_512).contains(&no) && nr <= TILE_ROWS);
+        dispatch(w.as_ptr(), x.as_ptr(), k, no, nr, res)
     }
 }
 

@@ -590,6 +590,11 @@ fn open_model(name: &str) -> Result<ModelFiles> {
 /// [`open_model`], also returning the file's path.
 fn open_model_at(name: &str) -> Result<(PathBuf, ModelFiles)> {
     let path = resolve_model(name)?;
+    if snug_model::sentence::is_checkpoint(&path) {
+        bail!(
+            "{name} is a sentence-embedding model: it makes embeddings (snug embed, snug serve) and generates no text"
+        );
+    }
     let options = LoadOptions {
         pack: env::get().pack.clone(),
     };

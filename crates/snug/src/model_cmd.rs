@@ -67,6 +67,54 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 }
 
 /// `snug info DIR` for a Laya checkpoint directory.
+fn sentence_info(a: &InfoArgs, dir: &Path) -> Result<()> {
+    let m = snug_model::sentence::SentenceModel::open(dir, 1)?;
+    let c = &m.config;
+    let v = serde_json::json!({
+        "kind": "sentence_embeddings",
+        "file_bytes": m.weight_bytes(),
+        "layers": c.layers,
+        "hidden": c.hidden,
+        "heads": c.heads,
+        "intermediate": c.intermediate,
+        "vocab": c.vocab,
+        "max_positions": c.max_positions,
+        "max_input_tokens": m.max_tokens,
+        "dimensions": m.dim(),
+        "pooling": m.pooling.name(),
+        "normalized": m.normalize,
+        "scratch_bytes": m.scratch_bytes(),
+    });
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("kind:            sentence-embedding checkpoint (BERT)");
+    println!(
+        "file:            {} (safetensors)",
+        human_bytes(m.weight_bytes() as u64)
+    );
+    println!(
+        "encoder:         {} layers, {} wide, {} heads, MLP {}, vocabulary {}",
+        c.layers, c.hidden, c.heads, c.intermediate, c.vocab
+    );
+    println!(
+        "embeddings:      {} dimensions, {} pooling{}",
+        m.dim(),
+        m.pooling.name(),
+        if m.normalize { ", unit length" } else { "" }
+    );
+    println!(
+        "inputs:          up to {} tokens (positions {})",
+        m.max_tokens, c.max_positions
+    );
+    println!(
+        "scratch:         {} for the largest pass",
+        human_bytes(m.scratch_bytes() as u64)
+    );
+    Ok(())
+}
+
 fn laya_info(a: &InfoArgs) -> Result<()> {
     let dir = Path::new(&a.model);
     let agent = decide::laya_agent(dir, Some(1), None)?;
@@ -147,6 +195,15 @@ fn laya_info(a: &InfoArgs) -> Result<()> {
 pub fn cmd_info(a: InfoArgs) -> Result<()> {
     if snug_model::laya::is_checkpoint(Path::new(&a.model)) {
         return laya_info(&a);
+    }
+    if let Some(dir) = crate::encoder_checkpoint(&a.model)? {
+        if snug_model::sentence::is_checkpoint(&dir) {
+            return sentence_info(&a, &dir);
+        }
+        return laya_info(&InfoArgs {
+            model: dir.display().to_string(),
+            ..a
+        });
     }
     let file = open_model(&a.model)?;
     let info = ModelInfo::from_header(&file, file.file_size());

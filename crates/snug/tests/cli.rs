@@ -1441,6 +1441,18 @@ fn embed_prints_the_reference_vectors() {
         );
         let out = snug().arg("embed").arg(&dir).arg("word ".repeat(400)).output().unwrap();
         assert_clean_error(&out, "at most 256");
+        // `info` describes it; commands that generate say why they cannot.
+        let out = snug().args(["info", "all-minilm-l6-v2", "--json"]).output().unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            (v["layers"].as_u64(), v["dimensions"].as_u64()),
+            (Some(6), Some(384)),
+            "{v}"
+        );
+        assert_eq!(v["pooling"], "mean");
+        let out = snug().args(["run", "all-minilm-l6-v2", "-p", "hi"]).output().unwrap();
+        assert_clean_error(&out, "sentence-embedding model");
     }
     let Some(model) = model_path("smollm2-135m") else {
         return;
