@@ -7,7 +7,8 @@
 
 use super::anthropic_wire::*;
 use super::*;
-use crate::serve::routes::{body_bytes, stream_answer, tool_chat_prompt, whole_answer, Piece};
+use crate::serve::completions::{stream_answer, tool_chat_prompt, whole_answer, Piece};
+use crate::serve::routes::body_bytes;
 use crate::serve::tools::{self, Out};
 
 pub(super) fn routes() -> Router<Arc<AppState>> {

@@ -26,8 +26,10 @@ use snug_engine::decide::{self, Kind, MinConfidence, Question};
 use snug_engine::grammar::GrammarSpec;
 
 use super::api::{self, ApiError, Common};
-use super::routes::{body_bytes, chat_prompt_value, decide_one, unprocessable, usage, whole_answer};
+use super::completions::{chat_prompt_value, whole_answer};
+use super::routes::{body_bytes, usage};
 use super::structured::Structured;
+use super::systemone::{decide_one, unprocessable};
 use super::{locked, unix_now, AppState, Conn};
 
 /// The text the questions are about: one `input` string, or the messages

@@ -8,7 +8,8 @@
 
 use super::ollama_wire::*;
 use super::*;
-use crate::serve::routes::{body_bytes, chat_prompt, stream_answer, tool_chat_prompt, whole_answer, Piece, Prepared};
+use crate::serve::completions::{chat_prompt, stream_answer, tool_chat_prompt, whole_answer, Piece};
+use crate::serve::routes::{body_bytes, Prepared};
 
 /// What `/api/tags` and `/api/show` say of the model, read at start.
 pub(super) struct Facts {
