@@ -41,9 +41,15 @@ pub fn key_basis(model: &Model, tokens: &[u32], threads: usize) -> Result<Arc<Ke
             ..EngineOptions::default()
         },
     );
-    engine.scratch.probe = Some(KeyStats::new(c.layers, c.kv_heads, c.head_dim, c.heads / c.kv_heads));
+    let crate::device::Scratch::Cpu(ws) = &mut engine.scratch else {
+        unreachable!("made on the CPU above")
+    };
+    ws.probe = Some(KeyStats::new(c.layers, c.kv_heads, c.head_dim, c.heads / c.kv_heads));
     let seq = engine.create_sequence();
     engine.feed(seq, &tokens[..n])?;
-    let stats = engine.scratch.probe.take().expect("set above");
+    let crate::device::Scratch::Cpu(ws) = &mut engine.scratch else {
+        unreachable!("made on the CPU above")
+    };
+    let stats = ws.probe.take().expect("set above");
     Ok(Arc::new(KeyBasis::from_stats(&stats, model.layer_ropes())))
 }

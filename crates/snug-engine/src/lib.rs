@@ -5,6 +5,7 @@
 
 pub mod calibrate;
 pub mod decide;
+pub mod device;
 pub mod generate;
 pub mod grammar;
 pub mod laya;
@@ -20,7 +21,7 @@ use snug_core::{PagePool, PageTable, PagesError};
 use snug_kernels::kv::{KvFormat, KvShape, KvStorage, KvStore};
 use snug_kernels::kvbasis::KeyBasis;
 use snug_model::arch::{BatchRow, Head, KvView, Model};
-use snug_model::backend::{CpuWorkspace, WorkspaceSize};
+use snug_model::backend::WorkspaceSize;
 
 /// A sequence's handle, from [`Engine::create_sequence`]. Handles are
 /// reused after [`Engine::free_sequence`].
@@ -81,6 +82,8 @@ pub enum EngineError {
     EmptyPrompt,
     #[error(transparent)]
     Grammar(#[from] crate::grammar::GrammarError),
+    #[error("GPU: {0}")]
+    Device(String),
 }
 
 /// The mean of `n` hidden states (summed in order, in f64), scaled to
@@ -134,6 +137,10 @@ pub struct EngineOptions {
     /// Keep full pages in a prefix cache, keyed by their tokens, for new
     /// sequences that start the same way (see [`snug_core::prefix`]).
     pub prefix_cache: bool,
+    /// Run the forward passes on a GPU, with these weights (uploaded by
+    /// the caller after opening the device); KV pages are then in device
+    /// memory. See docs/CUDA.md.
+    pub gpu: Option<device::Gpu>,
 }
 
 impl Default for EngineOptions {
@@ -149,6 +156,7 @@ impl Default for EngineOptions {
             kv_budget: None,
             key_basis: None,
             prefix_cache: true,
+            gpu: None,
         }
     }
 }
@@ -207,8 +215,8 @@ pub struct Engine<'m> {
     pub options: EngineOptions,
     pages: PagePool,
     twin_pool: TwinPool,
-    storage: KvStorage,
-    scratch: CpuWorkspace,
+    storage: device::Kv,
+    scratch: device::Scratch,
     logits: Vec<f32>,
     seqs: Vec<Option<Sequence>>,
     /// Measured seconds per forward by row count, for speculation.
@@ -226,7 +234,18 @@ pub struct Engine<'m> {
 }
 
 impl<'m> Engine<'m> {
-    pub fn new(model: &'m Model<'m>, mut options: EngineOptions) -> Engine<'m> {
+    /// An engine on the CPU, or on the GPU `options.gpu` names.
+    ///
+    /// # Panics
+    /// Where `options.gpu` is set and the device cannot hold the KV pages
+    /// or buffers: use [`Engine::try_new`] there.
+    pub fn new(model: &'m Model<'m>, options: EngineOptions) -> Engine<'m> {
+        Engine::try_new(model, options).expect("an engine on the CPU is always made")
+    }
+
+    /// [`Engine::new`], with a GPU that cannot hold the engine's KV pages
+    /// or buffers (or a KV format it does not run) an error.
+    pub fn try_new(model: &'m Model<'m>, mut options: EngineOptions) -> Result<Engine<'m>, EngineError> {
         let c = &model.config;
         options.ctx = options.ctx.clamp(1, c.context_length.max(1));
         let context_limit = options.ctx;
@@ -251,27 +270,31 @@ impl<'m> Engine<'m> {
             }
         }
         let twins = if is_lossy(&options) { twin_pages(&options) } else { 0 };
-        let mut storage = KvStorage::with_formats(
-            shape,
-            options.kv_format,
-            options.kv_format_v.unwrap_or(options.kv_format),
-            n_pages,
-        )
-        .with_twins(twins);
-        if let Some(b) = &options.key_basis {
-            storage = storage.with_key_basis(b.clone());
-        }
-        Engine {
+        let formats = (options.kv_format, options.kv_format_v.unwrap_or(options.kv_format));
+        let size = WorkspaceSize {
+            rows: options.batch,
+            ctx: if is_lossy(&options) { 0 } else { options.ctx },
+            page_tokens: shape.page_tokens,
+            threads: options.threads,
+        };
+        let (storage, scratch) = if options.gpu.is_some() {
+            let kv = device::gpu_kv(shape, formats, n_pages).map_err(EngineError::Device)?;
+            let dev = snug_cuda::Device::current().ok_or(EngineError::Device("no CUDA device is open".into()))?;
+            let ws = snug_cuda::CudaWorkspace::new(&dev, c, size).map_err(|e| EngineError::Device(e.to_string()))?;
+            (device::Kv::Cuda(kv), device::Scratch::Cuda(ws))
+        } else {
+            let mut storage = KvStorage::with_formats(shape, formats.0, formats.1, n_pages).with_twins(twins);
+            if let Some(b) = &options.key_basis {
+                storage = storage.with_key_basis(b.clone());
+            }
+            (device::Kv::Cpu(storage), device::Scratch::Cpu(model.workspace(size)))
+        };
+        Ok(Engine {
             model,
             pages: PagePool::new(n_pages, shape.page_tokens),
             twin_pool: TwinPool::new(twins),
             storage,
-            scratch: model.workspace(WorkspaceSize {
-                rows: options.batch,
-                ctx: if is_lossy(&options) { 0 } else { options.ctx },
-                page_tokens: shape.page_tokens,
-                threads: options.threads,
-            }),
+            scratch,
             logits: Vec::new(),
             seqs: Vec::new(),
             spec_costs: None,
@@ -281,7 +304,7 @@ impl<'m> Engine<'m> {
             context_limit,
             decide_priors: std::collections::HashMap::new(),
             options,
-        }
+        })
     }
 
     /// The context asked for (within the model's), which
@@ -583,13 +606,36 @@ impl<'m> Engine<'m> {
                 .iter()
                 .map(|s| if lossy { s.twins.as_slice() } else { &[] })
                 .collect();
-            let mut view = KvView {
-                storage: &mut self.storage,
-                pages: &tables,
-                twins: &twins,
-            };
-            self.model
-                .forward_to(chunk, &mut view, &mut self.scratch, head, &mut self.logits);
+            match (&mut self.storage, &mut self.scratch) {
+                (device::Kv::Cpu(storage), device::Scratch::Cpu(ws)) => {
+                    let mut view = KvView {
+                        storage,
+                        pages: &tables,
+                        twins: &twins,
+                    };
+                    self.model.forward_to(chunk, &mut view, ws, head, &mut self.logits);
+                }
+                (device::Kv::Cuda(storage), device::Scratch::Cuda(ws)) => {
+                    let gpu = self.options.gpu.as_ref().expect("a GPU engine has its weights");
+                    let mut view = KvView {
+                        storage,
+                        pages: &tables,
+                        twins: &twins,
+                    };
+                    let c = &self.model.config;
+                    snug_model::arch::forward::<snug_cuda::Cuda>(
+                        c,
+                        &gpu.0.weights,
+                        chunk,
+                        &mut view,
+                        ws,
+                        head,
+                        &mut self.logits,
+                    );
+                    ws.check().map_err(|e| EngineError::Device(e.to_string()))?;
+                }
+                _ => unreachable!("an engine's pages and buffers are on one device"),
+            }
             if lossy {
                 for (si, span) in spans.iter().enumerate() {
                     if let Some((_, hi)) = *span {

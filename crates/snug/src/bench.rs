@@ -144,6 +144,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         Some(list) => list.split(',').map(|f| Some(f.trim().to_string())).collect(),
         None => vec![None],
     };
+    let gpu = crate::gpu_for(&a.cache, &model)?;
     let mut rows: Vec<Row> = Vec::new();
     for format in formats {
         let cache = crate::KvArgs {
@@ -164,7 +165,8 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         };
         crate::run::add_key_basis(&mut options, &model, &snug_model::Tokenizer::from_gguf(&file)?)?;
         let kv_name = crate::eval::kv_name(kv, kv_v);
-        let mut engine = Engine::new(&model, options);
+        options.gpu = gpu.clone();
+        let mut engine = Engine::try_new(&model, options)?;
         measure(&mut engine, &kv_name, &depths, &pp, &tg, a.reps, vocab, &mut rows)?;
     }
     let name = file.get_str("general.name").unwrap_or("model").to_string();

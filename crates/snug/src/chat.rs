@@ -57,7 +57,7 @@ pub fn cmd_chat(a: ChatArgs) -> Result<()> {
     let mut opts = engine_options(&a.gen, &model, &tok, resume.as_ref().zip(identity.as_ref()))?;
     // Measuring without reuse means without the prefix cache's too.
     opts.prefix_cache &= !a.no_cache_reuse;
-    let mut engine = Engine::new(&model, opts);
+    let mut engine = Engine::try_new(&model, opts)?;
     crate::run::enable_prefix_disk(&a.gen, &mut engine, identity.as_ref())?;
     let speculate = crate::run::speculate_mode(&a.gen, &model)?;
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)

@@ -154,6 +154,11 @@ struct KvArgs {
     /// SNUG_NUMERICS]
     #[arg(long, value_name = "NAME")]
     numerics: Option<String>,
+    /// Where the forward passes run: `cpu`, or `cuda` (the first NVIDIA
+    /// GPU: the weights uploaded once, F16 KV pages in device memory; the
+    /// driver and NVRTC are loaded then; see docs/CUDA.md). [default: cpu]
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<String>,
 }
 
 impl KvArgs {
@@ -166,6 +171,23 @@ impl KvArgs {
                     .with_context(|| format!("unknown --numerics {n:?} (native or llama.cpp)"))
             })
             .transpose()
+    }
+}
+
+/// The model's weights on the GPU `--device` names, if it names one.
+fn gpu_for(cache: &KvArgs, model: &Model) -> Result<Option<snug_engine::device::Gpu>> {
+    match cache.device.as_deref() {
+        None | Some("cpu") => Ok(None),
+        Some("cuda") => {
+            if model.numerics != snug_kernels::ggml::Numerics::Native {
+                bail!("--numerics llama.cpp runs on the CPU only; leave it out with --device cuda");
+            }
+            let dev = snug_cuda::Device::open(0).map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
+            let w = snug_cuda::CudaWeights::upload(&dev, model.weights())
+                .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
+            Ok(Some(snug_engine::device::Gpu(std::sync::Arc::new(w))))
+        }
+        Some(d) => bail!("unknown --device {d:?} (cpu or cuda)"),
     }
 }
 
@@ -576,7 +598,7 @@ fn encoder_checkpoint(name: &str) -> Result<Option<PathBuf>> {
     }
     if dir.is_dir() {
         bail!(
-            "{}: a directory, but neither a Laya checkpoint (rl_agent_config.json) nor a sentence-embedding checkpoint (config.json, model.safetensors and modules.json)",
+            "{}: not a regular file: a directory, but neither a Laya checkpoint (rl_agent_config.json) nor a sentence-embedding checkpoint (config.json, model.safetensors and modules.json)",
             dir.display()
         );
     }

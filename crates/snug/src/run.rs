@@ -172,6 +172,7 @@ pub fn engine_options(
         );
     }
     o.prefix_cache = !g.no_prefix_cache;
+    o.gpu = crate::gpu_for(&g.cache, model)?;
     if let Some((f, mid)) = resume {
         let id = &f.meta.identity;
         // Only the parts a flag names are compared.
@@ -338,7 +339,7 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
     };
     let open_s = opened.elapsed().as_secs_f64();
     let opts = engine_options(&a.gen, &model, &tok, resume.as_ref().zip(identity.as_ref()))?;
-    let mut engine = Engine::new(&model, opts);
+    let mut engine = Engine::try_new(&model, opts)?;
     enable_prefix_disk(&a.gen, &mut engine, identity.as_ref())?;
     let mut state = match (&resume, &identity) {
         (Some(f), Some(id)) => {

@@ -121,6 +121,30 @@ fn bad_files_get_one_line_errors() {
 }
 
 #[test]
+fn device_cuda_without_a_gpu_is_a_one_line_error() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let out = snug()
+        .arg("run")
+        .arg(&p)
+        .args(["-p", "Hello", "-n", "4", "--temperature", "0", "--device", "cuda"])
+        .output()
+        .unwrap();
+    if out.status.success() {
+        // A machine with a GPU: it generated there.
+        assert!(!text(&out.stdout).is_empty());
+    } else {
+        assert_clean_error(&out, "--device cuda: ");
+    }
+    let out = snug()
+        .arg("run")
+        .arg(&p)
+        .args(["-p", "Hello", "-n", "4", "--device", "tpu"])
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "unknown --device");
+}
+
+#[test]
 fn tokenize_json_gives_ids_and_pieces() {
     let Some(p) = model_path("smollm2-135m") else {
         return;

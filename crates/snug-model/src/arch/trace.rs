@@ -29,9 +29,15 @@ pub fn configure(t: Trace) -> bool {
     TRACE.set(t).is_ok()
 }
 
+/// Whether tracing is on (a backend whose buffers are elsewhere copies
+/// them to the host only then).
+pub fn enabled() -> bool {
+    TRACE.get().is_some()
+}
+
 /// Traces `v`, the intermediate `name` of `layer` (`usize::MAX`: the
 /// output's) of a model of `layers` layers.
-pub(crate) fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
+pub fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
     let Some(t) = TRACE.get() else {
         return;
     };

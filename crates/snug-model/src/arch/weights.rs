@@ -25,6 +25,12 @@ pub struct Model<'a> {
 }
 
 impl<'a> Model<'a> {
+    /// The weights as bound from the file, for a backend that keeps its
+    /// own copy (a GPU's).
+    pub fn weights(&self) -> &Weights<Weight<'a>, &'a [f32]> {
+        &self.weights
+    }
+
     /// The output head's bytes as compute reads them (its panels where
     /// packed), for leasing them out while no row wants logits.
     pub fn head_bytes(&self) -> &'a [u8] {

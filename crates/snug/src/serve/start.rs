@@ -227,6 +227,7 @@ impl From<&ServeArgs> for EngineArgs {
                     kv_v: a.cache.kv_v.clone(),
                     kv_page: a.cache.kv_page,
                     numerics: a.cache.numerics.clone(),
+                    device: a.cache.device.clone(),
                 },
                 kv_budget: None,
                 speculate: a.speculate.clone(),
@@ -303,7 +304,13 @@ pub(super) fn engine_main(
     // budget cannot hold is the scheduler's refusal (503), not a context
     // error.
     let ctx = opts.ctx.min(model.config.context_length);
-    let mut engine = Engine::new(&model, opts);
+    let mut engine = match Engine::try_new(&model, opts) {
+        Ok(e) => e,
+        Err(e) => {
+            let _ = ready.send(Err(e.into()));
+            return;
+        }
+    };
     if a.gen.prefix_cache_dir.is_some() {
         let identity = crate::session::model_identity(&path, &file, &a.model);
         let r = identity.and_then(|id| crate::run::enable_prefix_disk(&a.gen, &mut engine, Some(&id)));

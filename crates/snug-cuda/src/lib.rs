@@ -1,0 +1,829 @@
+//! snug's CUDA backend: the decoder's operations ([`Backend`]) on an NVIDIA
+//! GPU, over weights uploaded once in their GGUF block formats and KV pages
+//! in device memory.
+//!
+//! The kernels (`kernels.cu`) are CUDA C compiled at run time by NVRTC for
+//! the device's own architecture, and the driver and NVRTC are loaded when
+//! a device is opened: building snug needs no CUDA toolkit, and a machine
+//! without a GPU gets an error naming what is missing from
+//! [`Device::open`], never a crash. Every kernel computes a row's values in
+//! an order fixed by the row's shape alone, so a row's bits do not depend
+//! on its batch, as on the CPU.
+//!
+//! What runs here today: the whole decoder (every architecture the CPU
+//! runs, every weight type of the real models and F16/BF16/Q5_1/Q5_K) over
+//! F16 KV pages; see docs/CUDA.md for what does not yet.
+
+mod kv;
+mod weights;
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use snug_kernels::kv::{KvSlot, KvStore};
+use snug_kernels::GgmlType;
+use snug_model::arch::{Activation, BatchRow, Config, KvView};
+use snug_model::backend::{Backend, Buf, WorkspaceSize};
+
+pub use kv::CudaKv;
+pub use weights::{CudaMatrix, CudaVector, CudaWeights};
+
+/// Why the GPU cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver found (libcuda.so): this machine has no NVIDIA driver installed")]
+    NoDriver,
+    #[error(
+        "no NVRTC library found (libnvrtc.so): install the CUDA toolkit's NVRTC or put its folder in LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    #[error("no CUDA device {0} (the driver sees {1})")]
+    NoDevice(usize, i32),
+    #[error("CUDA: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("compiling the CUDA kernels failed: {0}")]
+    Compile(String),
+    #[error("too little device memory: {what} needs {need} bytes, {free} are free")]
+    OutOfMemory { what: String, need: usize, free: usize },
+    #[error("weight type {0} is not supported on CUDA")]
+    Unsupported(GgmlType),
+}
+
+const SOURCE: &str = include_str!("kernels.cu");
+
+/// The weight types the kernels read.
+pub const TYPES: [GgmlType; 11] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+fn type_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q5K => "q5_k",
+        GgmlType::Q6K => "q6_k",
+        _ => return None,
+    })
+}
+
+/// The kernels compiled by NVRTC to PTX for `arch` (`sm_90`, say). Needs
+/// NVRTC, not a GPU.
+pub fn compile(arch: &str) -> Result<String, CudaError> {
+    // SAFETY: only probes whether the library can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        // Only the multiply-adds the source writes: the compiler fuses
+        // nothing else, so the arithmetic is the source's.
+        fmad: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        ftz: Some(false),
+        options: vec![format!("--gpu-architecture={arch}")],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile(format!("{e:?}")))?;
+    Ok(ptx.to_src())
+}
+
+/// The kernels of one compiled module.
+struct Kernels {
+    matmul: Vec<(GgmlType, CudaFunction)>,
+    rows: Vec<(GgmlType, CudaFunction)>,
+    rms_norm: CudaFunction,
+    scale: CudaFunction,
+    add: CudaFunction,
+    add_bias: CudaFunction,
+    rope: CudaFunction,
+    write_kv_f16: CudaFunction,
+    attend_f16: CudaFunction,
+    gated: CudaFunction,
+    gather: CudaFunction,
+    _module: Arc<CudaModule>,
+}
+
+/// An opened GPU: its context, the stream every operation runs on, and the
+/// compiled kernels.
+pub struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    k: Kernels,
+    /// The device's name and compute capability.
+    pub name: String,
+    pub capability: (i32, i32),
+}
+
+static DEVICE: OnceLock<Arc<Device>> = OnceLock::new();
+
+impl Device {
+    /// Opens GPU `ordinal` and compiles the kernels for it (once per
+    /// process; later calls return the same device).
+    pub fn open(ordinal: usize) -> Result<Arc<Device>, CudaError> {
+        if let Some(d) = DEVICE.get() {
+            return Ok(d.clone());
+        }
+        // SAFETY: only probes whether the libraries can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(CudaError::NoNvrtc);
+        }
+        let count = CudaContext::device_count()?;
+        if ordinal as i32 >= count {
+            return Err(CudaError::NoDevice(ordinal, count));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream: orders every operation, so no events are needed.
+        // SAFETY: no slice is used on another stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let capability = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        let ptx = compile(&format!("sm_{}{}", capability.0, capability.1))?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+        let f = |n: &str| module.load_function(n);
+        let mut matmul = Vec::new();
+        let mut rows = Vec::new();
+        for ty in TYPES {
+            let s = type_suffix(ty).expect("listed");
+            matmul.push((ty, f(&format!("matmul_{s}"))?));
+            rows.push((ty, f(&format!("rows_{s}"))?));
+        }
+        let k = Kernels {
+            matmul,
+            rows,
+            rms_norm: f("rms_norm")?,
+            scale: f("scale")?,
+            add: f("add")?,
+            add_bias: f("add_bias")?,
+            rope: f("rope")?,
+            write_kv_f16: f("write_kv_f16")?,
+            attend_f16: f("attend_f16")?,
+            gated: f("gated")?,
+            gather: f("gather")?,
+            _module: module,
+        };
+        let dev = Arc::new(Device {
+            ctx,
+            stream,
+            k,
+            name,
+            capability,
+        });
+        Ok(DEVICE.get_or_init(|| dev).clone())
+    }
+
+    /// The device opened by [`Device::open`], if any.
+    pub fn current() -> Option<Arc<Device>> {
+        DEVICE.get().cloned()
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize), CudaError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// Allocates `n` zeroed elements, or says how short memory is.
+    pub(crate) fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &str,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| {
+            let free = self.ctx.mem_get_info().map(|m| m.0).unwrap_or(0);
+            if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                CudaError::OutOfMemory {
+                    what: what.to_string(),
+                    need: n * std::mem::size_of::<T>(),
+                    free,
+                }
+            } else {
+                CudaError::Driver(e)
+            }
+        })
+    }
+
+    /// Waits for every queued operation.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// Rows `rows` of `m` dequantized to f32 by the kernels that read
+    /// it (for checking them against the CPU's dequantizers).
+    pub fn dequantize_rows(&self, m: &CudaMatrix, rows: &[u32]) -> Result<Vec<f32>, CudaError> {
+        let s = &self.stream;
+        let t = s.clone_htod(rows)?;
+        let out = self.alloc::<f32>(rows.len() * m.cols, "dequantized rows")?;
+        let (w, rb, cols, tp, op) = (m.ptr, m.row_bytes as u64, m.cols as i32, ptr(&t, s), ptr(&out, s));
+        let mut b = s.launch_builder(self.rows_fn(m.ty));
+        b.arg(&w).arg(&rb).arg(&cols).arg(&tp).arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; the rows
+        // are the caller's, checked against the matrix here.
+        assert!(rows.iter().all(|&r| (r as usize) < m.rows), "row out of range");
+        unsafe { b.launch(cfg) }?;
+        Ok(s.clone_dtoh(&out)?)
+    }
+
+    fn matmul_fn(&self, ty: GgmlType) -> &CudaFunction {
+        &self
+            .k
+            .matmul
+            .iter()
+            .find(|(t, _)| *t == ty)
+            .expect("type checked at upload")
+            .1
+    }
+
+    fn rows_fn(&self, ty: GgmlType) -> &CudaFunction {
+        &self
+            .k
+            .rows
+            .iter()
+            .find(|(t, _)| *t == ty)
+            .expect("type checked at upload")
+            .1
+    }
+}
+
+/// The raw address of a device allocation (valid while it lives).
+pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+fn grid(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One engine's device buffers: a buffer per [`Buf`], the logits, the
+/// attention scores, and the small per-batch tables (tokens, positions,
+/// KV slots, page lists) uploaded once per forward pass.
+pub struct CudaWorkspace {
+    dev: Arc<Device>,
+    max_rows: usize,
+    ctx: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    layers: usize,
+    bufs: Vec<CudaSlice<f32>>,
+    buf_ptr: [u64; 10],
+    tmp: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    scores: CudaSlice<f32>,
+    /// Per row: token, position, KV page, slot; then the gathered rows.
+    tokens: CudaSlice<u32>,
+    pos: CudaSlice<u32>,
+    page: CudaSlice<u32>,
+    slot: CudaSlice<u32>,
+    which: CudaSlice<u32>,
+    /// The batch's page lists, each row's offset into them, and each row's
+    /// first (global and local layers) and last key positions.
+    table: CudaSlice<u32>,
+    row_table: CudaSlice<u32>,
+    row_start: [CudaSlice<u32>; 2],
+    row_end: CudaSlice<u32>,
+    /// RoPE pairs and frequencies of the global and local layers.
+    rope: [(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<f32>); 2],
+    pairs: usize,
+    /// The first device error of the pass, reported by [`CudaWorkspace::check`].
+    error: Option<cudarc::driver::DriverError>,
+}
+
+impl CudaWorkspace {
+    /// A workspace for `c` of `size` on `dev`.
+    pub fn new(dev: &Arc<Device>, c: &Config, size: WorkspaceSize) -> Result<CudaWorkspace, CudaError> {
+        let rows = size.rows.max(1);
+        let ctx = size.ctx.max(1);
+        let mut bufs = Vec::new();
+        for b in Buf::ALL {
+            bufs.push(dev.alloc::<f32>(rows * b.width(c), "activations")?);
+        }
+        let s = &dev.stream;
+        let mut buf_ptr = [0u64; 10];
+        for (i, b) in bufs.iter().enumerate() {
+            buf_ptr[i] = ptr(b, s);
+        }
+        let max_pages = ctx.div_ceil(size.page_tokens.max(1)) + 1;
+        let mut rope_tables = Vec::new();
+        let mut pairs = 0;
+        for base in [c.rope_base, c.rope_base_local] {
+            let r = snug_kernels::ops::Rope::new(c.rope_layout, c.rope_dim, base);
+            let p = r.pairs(c.head_dim);
+            pairs = p.len();
+            let pa: Vec<i32> = p.iter().map(|x| x.0 as i32).collect();
+            let pb: Vec<i32> = p.iter().map(|x| x.1 as i32).collect();
+            let f: Vec<f32> = p.iter().map(|x| x.2).collect();
+            rope_tables.push((s.clone_htod(&pa)?, s.clone_htod(&pb)?, s.clone_htod(&f)?));
+        }
+        let local = rope_tables.pop().expect("two");
+        let global = rope_tables.pop().expect("two");
+        Ok(CudaWorkspace {
+            dev: dev.clone(),
+            max_rows: rows,
+            ctx,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            layers: c.layers,
+            bufs,
+            buf_ptr,
+            tmp: dev.alloc(rows * c.dim.max(c.ff).max(c.heads * c.head_dim), "activations")?,
+            logits: dev.alloc(rows * c.vocab, "logits")?,
+            scores: dev.alloc(rows * c.heads * ctx, "attention scores")?,
+            tokens: dev.alloc(rows, "batch tables")?,
+            pos: dev.alloc(rows, "batch tables")?,
+            page: dev.alloc(rows, "batch tables")?,
+            slot: dev.alloc(rows, "batch tables")?,
+            which: dev.alloc(rows, "batch tables")?,
+            table: dev.alloc(rows * max_pages, "page tables")?,
+            row_table: dev.alloc(rows, "batch tables")?,
+            row_start: [dev.alloc(rows, "batch tables")?, dev.alloc(rows, "batch tables")?],
+            row_end: dev.alloc(rows, "batch tables")?,
+            rope: [global, local],
+            pairs,
+            error: None,
+        })
+    }
+
+    /// Bytes of device memory held.
+    pub fn bytes(&self) -> usize {
+        let f: usize = self.bufs.iter().map(|b| b.num_bytes()).sum();
+        f + self.tmp.num_bytes() + self.logits.num_bytes() + self.scores.num_bytes()
+    }
+
+    /// The first device error since the last check.
+    pub fn check(&mut self) -> Result<(), CudaError> {
+        match self.error.take() {
+            Some(e) => Err(CudaError::Driver(e)),
+            None => Ok(()),
+        }
+    }
+
+    fn note<T>(&mut self, r: Result<T, cudarc::driver::DriverError>) {
+        if let Err(e) = r {
+            self.error.get_or_insert(e);
+        }
+    }
+
+    fn p(&self, b: Buf) -> u64 {
+        self.buf_ptr[b as usize]
+    }
+
+    fn upload(&mut self, which: Which, data: &[u32]) {
+        let s = self.dev.stream.clone();
+        let dst = match which {
+            Which::Tokens => &mut self.tokens,
+            Which::Pos => &mut self.pos,
+            Which::Page => &mut self.page,
+            Which::Slot => &mut self.slot,
+            Which::Gather => &mut self.which,
+            Which::Table => &mut self.table,
+            Which::RowTable => &mut self.row_table,
+            Which::Start(i) => &mut self.row_start[i],
+            Which::End => &mut self.row_end,
+        };
+        if data.len() > dst.len() {
+            let r = s.alloc_zeros::<u32>(data.len()).map(|n| *dst = n);
+            self.note(r);
+            return self.upload(which, data);
+        }
+        let r = s.memcpy_htod(data, &mut dst.slice_mut(..data.len()));
+        self.note(r);
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Which {
+    Tokens,
+    Pos,
+    Page,
+    Slot,
+    Gather,
+    Table,
+    RowTable,
+    Start(usize),
+    End,
+}
+
+/// Launches an element-wise kernel over `len` elements with the
+/// arguments given (references to locals), noting a failure in `ws`.
+macro_rules! elementwise {
+    ($ws:expr, $f:expr, $len:expr, $($a:expr),*) => {{
+        if $len > 0 {
+            let s = $ws.dev.stream.clone();
+            let mut b = s.launch_builder($f);
+            $( b.arg($a); )*
+            // SAFETY: the arguments match the kernel's signature.
+            let r = unsafe { b.launch(grid($len, 256)) };
+            $ws.note(r);
+        }
+    }};
+}
+
+/// The CUDA backend.
+pub struct Cuda;
+
+impl Backend for Cuda {
+    type Matrix<'w> = CudaMatrix;
+    type Vector<'w> = CudaVector;
+    type Workspace = CudaWorkspace;
+    type Kv = CudaKv;
+
+    const LLAMA_CPP_GRAPH: bool = false;
+
+    fn workspace(c: &Config, size: WorkspaceSize) -> CudaWorkspace {
+        let dev = Device::current().expect("Device::open before a CUDA workspace");
+        CudaWorkspace::new(&dev, c, size).expect("device memory for the workspace")
+    }
+
+    fn max_rows(ws: &CudaWorkspace) -> usize {
+        ws.max_rows
+    }
+
+    fn embed(ws: &mut CudaWorkspace, table: &CudaMatrix, rows: &[BatchRow]) {
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let pos: Vec<u32> = rows.iter().map(|r| r.pos as u32).collect();
+        ws.upload(Which::Tokens, &tokens);
+        ws.upload(Which::Pos, &pos);
+        let dev = ws.dev.clone();
+        let (w, rb, cols) = (table.ptr, table.row_bytes as u64, table.cols as i32);
+        let (t, x) = (ptr(&ws.tokens, &dev.stream), ws.p(Buf::X));
+        let mut b = dev.stream.launch_builder(dev.rows_fn(table.ty));
+        b.arg(&w).arg(&rb).arg(&cols).arg(&t).arg(&x);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature.
+        let r = unsafe { b.launch(cfg) };
+        ws.note(r);
+    }
+
+    fn scale(ws: &mut CudaWorkspace, buf: Buf, len: usize, by: f32) {
+        let dev = ws.dev.clone();
+        let (x, n) = (ws.p(buf), len as u64);
+        elementwise!(ws, &dev.k.scale, len, &x, &n, &by);
+    }
+
+    fn copy(ws: &mut CudaWorkspace, from: Buf, to: Buf, len: usize) {
+        let s = ws.dev.stream.clone();
+        let (i, j) = (from as usize, to as usize);
+        let (a, b) = two(&mut ws.bufs, i, j);
+        let r = s.memcpy_dtod(&a.slice(..len), &mut b.slice_mut(..len));
+        ws.note(r);
+    }
+
+    fn rms_norm(ws: &mut CudaWorkspace, buf: Buf, len: usize, w: &CudaVector, eps: f32) {
+        let rows = len / w.len;
+        if rows == 0 {
+            return;
+        }
+        let dev = ws.dev.clone();
+        let (x, wp, dim) = (ws.p(buf), w.ptr, w.len as i32);
+        let mut b = dev.stream.launch_builder(&dev.k.rms_norm);
+        b.arg(&x).arg(&wp).arg(&dim).arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature.
+        let r = unsafe { b.launch(cfg) };
+        ws.note(r);
+    }
+
+    fn matmul(ws: &mut CudaWorkspace, w: &CudaMatrix, from: Buf, to: Buf, rows: usize) {
+        let (x, y) = (ws.p(from), ws.p(to));
+        matmul_into(ws, w, x, y, rows);
+    }
+
+    fn add_bias(ws: &mut CudaWorkspace, buf: Buf, rows: usize, bias: &CudaVector) {
+        let dev = ws.dev.clone();
+        let (x, bp, width, len) = (ws.p(buf), bias.ptr, bias.len as i32, (rows * bias.len) as u64);
+        elementwise!(ws, &dev.k.add_bias, rows * bias.len, &x, &bp, &width, &len);
+    }
+
+    fn add(ws: &mut CudaWorkspace, to: Buf, from: Buf, len: usize) {
+        let dev = ws.dev.clone();
+        let (t, f, n) = (ws.p(to), ws.p(from), len as u64);
+        elementwise!(ws, &dev.k.add, len, &t, &f, &n);
+    }
+
+    fn rope(ws: &mut CudaWorkspace, _layer: usize, rows: &[BatchRow], local: bool) {
+        if rows.is_empty() || ws.pairs == 0 {
+            return;
+        }
+        let dev = ws.dev.clone();
+        let s = &dev.stream;
+        let (q, k, pos) = (ws.p(Buf::Q), ws.p(Buf::K), ptr(&ws.pos, s));
+        let (heads, kvh, hd, pairs) = (ws.heads as i32, ws.kv_heads as i32, ws.head_dim as i32, ws.pairs as i32);
+        let t = &ws.rope[usize::from(local)];
+        let (pa, pb, f) = (ptr(&t.0, s), ptr(&t.1, s), ptr(&t.2, s));
+        let mut b = s.launch_builder(&dev.k.rope);
+        b.arg(&q)
+            .arg(&k)
+            .arg(&pos)
+            .arg(&heads)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&pa)
+            .arg(&pb)
+            .arg(&f)
+            .arg(&pairs);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature.
+        let r = unsafe { b.launch(cfg) };
+        ws.note(r);
+    }
+
+    fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut CudaKv) {
+        if slots.is_empty() {
+            return;
+        }
+        if layer == 0 {
+            let page: Vec<u32> = slots.iter().map(|s| s.page).collect();
+            let slot: Vec<u32> = slots.iter().map(|s| s.slot as u32).collect();
+            ws.upload(Which::Page, &page);
+            ws.upload(Which::Slot, &slot);
+        }
+        let dev = ws.dev.clone();
+        let s = &dev.stream;
+        let shape = kv.shape();
+        let (k, v, pg, sl) = (ws.p(Buf::K), ws.p(Buf::V), ptr(&ws.page, s), ptr(&ws.slot, s));
+        let (l, layers, kvh, pt, hd) = (
+            layer as i32,
+            shape.layers as i32,
+            shape.kv_heads as i32,
+            shape.page_tokens as i32,
+            shape.head_dim as i32,
+        );
+        let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
+        let mut b = s.launch_builder(&dev.k.write_kv_f16);
+        b.arg(&k)
+            .arg(&v)
+            .arg(&pg)
+            .arg(&sl)
+            .arg(&l)
+            .arg(&layers)
+            .arg(&kvh)
+            .arg(&pt)
+            .arg(&hd)
+            .arg(&kc)
+            .arg(&vc);
+        let cfg = LaunchConfig {
+            grid_dim: (slots.len() as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; every slot
+        // is inside the cache (the engine's pages).
+        let r = unsafe { b.launch(cfg) };
+        ws.note(r);
+    }
+
+    fn attention(ws: &mut CudaWorkspace, c: &Config, layer: usize, rows: &[BatchRow], kv: &KvView<CudaKv>, scale: f32) {
+        if rows.is_empty() {
+            return;
+        }
+        let local = c.is_local(layer);
+        if layer == 0 {
+            // The page lists of the batch's sequences, and each row's
+            // window in a global and in a local layer.
+            let mut table = Vec::new();
+            let mut offset = Vec::new();
+            for pages in kv.pages {
+                offset.push(table.len() as u32);
+                table.extend_from_slice(pages);
+            }
+            let row_table: Vec<u32> = rows.iter().map(|r| offset[r.seq]).collect();
+            let end: Vec<u32> = rows.iter().map(|r| r.pos as u32 + 1).collect();
+            let global: Vec<u32> = vec![0; rows.len()];
+            let local_layer = (0..c.layers).find(|&l| c.is_local(l));
+            let local_start: Vec<u32> = rows
+                .iter()
+                .map(|r| local_layer.map_or(0, |l| c.window_start(l, r.pos)) as u32)
+                .collect();
+            ws.upload(Which::Table, &table);
+            ws.upload(Which::RowTable, &row_table);
+            ws.upload(Which::End, &end);
+            ws.upload(Which::Start(0), &global);
+            ws.upload(Which::Start(1), &local_start);
+        }
+        let dev = ws.dev.clone();
+        let s = &dev.stream;
+        let shape = kv.storage.shape();
+        let (q, out) = (ws.p(Buf::Q), ws.p(Buf::Attn));
+        let (table, rt, st, en) = (
+            ptr(&ws.table, s),
+            ptr(&ws.row_table, s),
+            ptr(&ws.row_start[usize::from(local)], s),
+            ptr(&ws.row_end, s),
+        );
+        let (heads, kvh, hd, l, layers, pt) = (
+            ws.heads as i32,
+            ws.kv_heads as i32,
+            ws.head_dim as i32,
+            layer as i32,
+            ws.layers as i32,
+            shape.page_tokens as i32,
+        );
+        let (kc, vc, sc, ctx) = (
+            kv.storage.k_ptr(),
+            kv.storage.v_ptr(),
+            ptr(&ws.scores, s),
+            ws.ctx as i32,
+        );
+        let wpb = ws.heads.min(4);
+        let mut b = s.launch_builder(&dev.k.attend_f16);
+        b.arg(&q)
+            .arg(&table)
+            .arg(&rt)
+            .arg(&st)
+            .arg(&en)
+            .arg(&heads)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&l)
+            .arg(&layers)
+            .arg(&pt)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&scale)
+            .arg(&sc)
+            .arg(&ctx)
+            .arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, ws.heads.div_ceil(wpb) as u32, 1),
+            block_dim: (32 * wpb as u32, 1, 1),
+            shared_mem_bytes: (wpb * ws.head_dim * 4) as u32,
+        };
+        // SAFETY: the arguments match the kernel's signature; positions
+        // are under the workspace's context.
+        let r = unsafe { b.launch(cfg) };
+        ws.note(r);
+    }
+
+    fn gated(ws: &mut CudaWorkspace, act: Activation, rows: usize, width: usize) {
+        let dev = ws.dev.clone();
+        let (g, u, n) = (ws.p(Buf::Gate), ws.p(Buf::Up), (rows * width) as u64);
+        let gelu = i32::from(matches!(act, Activation::Gelu));
+        elementwise!(ws, &dev.k.gated, rows * width, &g, &u, &n, &gelu);
+    }
+
+    fn gather_rows(ws: &mut CudaWorkspace, from: Buf, to: Buf, width: usize, which: &[usize]) {
+        if which.is_empty() {
+            return;
+        }
+        let idx: Vec<u32> = which.iter().map(|&r| r as u32).collect();
+        ws.upload(Which::Gather, &idx);
+        let dev = ws.dev.clone();
+        let s = &dev.stream;
+        let (src, w, wi) = (ws.p(from), width as i32, ptr(&ws.which, s));
+        // In place, rows go through the spare buffer first.
+        let dst = if from == to { ptr(&ws.tmp, s) } else { ws.p(to) };
+        let mut b = s.launch_builder(&dev.k.gather);
+        b.arg(&src).arg(&dst).arg(&wi).arg(&w);
+        let cfg = LaunchConfig {
+            grid_dim: (which.len() as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature.
+        let r = unsafe { b.launch(cfg) };
+        ws.note(r);
+        if from == to {
+            let n = which.len() * width;
+            let i = to as usize;
+            let r = s.memcpy_dtod(&ws.tmp.slice(..n), &mut ws.bufs[i].slice_mut(..n));
+            ws.note(r);
+        }
+    }
+
+    fn logits(ws: &mut CudaWorkspace, head: &CudaMatrix, from: Buf, rows: usize, out: &mut [f32]) {
+        if rows == 0 {
+            return;
+        }
+        let s = ws.dev.stream.clone();
+        let (x, y) = (ws.p(from), ptr(&ws.logits, &s));
+        matmul_into(ws, head, x, y, rows);
+        let n = rows * head.rows;
+        let r = s.memcpy_dtoh(&ws.logits.slice(..n), &mut out[..n]);
+        ws.note(r);
+    }
+
+    fn read(ws: &CudaWorkspace, buf: Buf, out: &mut [f32]) {
+        let s = &ws.dev.stream;
+        let n = out.len();
+        // A failed copy leaves zeros; the next device call reports it.
+        if s.memcpy_dtoh(&ws.bufs[buf as usize].slice(..n), out).is_err() {
+            out.fill(0.0);
+        }
+    }
+
+    fn trace(ws: &CudaWorkspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize) {
+        if !snug_model::arch::trace::enabled() {
+            return;
+        }
+        let mut host = vec![0f32; len];
+        Self::read(ws, buf, &mut host);
+        snug_model::arch::trace::trace(name, layer, layers, &host);
+    }
+}
+
+/// `y[r] = w * x[r]` for `rows` rows, `x` and `y` device addresses.
+fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize) {
+    if rows == 0 {
+        return;
+    }
+    let dev = ws.dev.clone();
+    let (wp, rb, cols, outs, n) = (w.ptr, w.row_bytes as u64, w.cols as i32, w.rows as i32, rows as i32);
+    let mut b = dev.stream.launch_builder(dev.matmul_fn(w.ty));
+    b.arg(&wp).arg(&rb).arg(&cols).arg(&outs).arg(&x).arg(&n).arg(&y);
+    let cfg = LaunchConfig {
+        grid_dim: ((w.rows as u32).div_ceil(4), (rows as u32).div_ceil(4), 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's signature; the buffers hold
+    // `rows` rows of `cols` and `outs`.
+    let r = unsafe { b.launch(cfg) };
+    ws.note(r);
+}
+
+/// Buffer `i` to read and buffer `j` (another) to write.
+fn two(bufs: &mut [CudaSlice<f32>], i: usize, j: usize) -> (&CudaSlice<f32>, &mut CudaSlice<f32>) {
+    assert_ne!(i, j, "a buffer read and written at once");
+    if i < j {
+        let (a, b) = bufs.split_at_mut(j);
+        (&a[i], &mut b[0])
+    } else {
+        let (a, b) = bufs.split_at_mut(i);
+        (&b[0], &mut a[j])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernels_compile_for_hopper() {
+        match compile("sm_90") {
+            Ok(ptx) => {
+                for ty in TYPES {
+                    let s = type_suffix(ty).expect("listed");
+                    assert!(ptx.contains(&format!(".entry matmul_{s}(")), "matmul_{s} missing");
+                }
+                assert!(ptx.contains(".entry attend_f16("));
+            }
+            Err(CudaError::NoNvrtc) => eprintln!("skipping: no NVRTC library on this machine"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn no_driver_is_an_error_not_a_crash() {
+        // On a machine without a GPU this names what is missing; with one,
+        // it opens it.
+        match Device::open(0) {
+            Ok(d) => assert!(!d.name.is_empty()),
+            Err(e) => assert!(!e.to_string().is_empty(), "{e:?}"),
+        }
+    }
+}
