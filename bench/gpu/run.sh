@@ -2,9 +2,11 @@
 # The GPU run of SmolLM2 on a GPU machine (see check.sh for how the files
 # get there): gpucheck, `snug run` and `snug bench` on the GPU and on the
 # host's CPU cores, and a session saved on the CPU resumed on the GPU.
-# Writes JSON and text into OUT.
+# Writes results.tar.gz (JSON and logs) into DEST, and a summary to stdout.
 set -u
-out=${1:-.}
+dest=${1:-.}
+out=/tmp/gpuout
+rm -rf "$out"; mkdir -p "$out"
 model=.gpu/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -x .gpu/gpucheck ] || { gunzip -c .gpu/gpucheck.gz > .gpu/gpucheck; chmod +x .gpu/gpucheck; }
 [ -x .gpu/snug ] || { gunzip -c .gpu2/snug.gz > .gpu/snug; chmod +x .gpu/snug; }
@@ -31,4 +33,24 @@ rm -f /tmp/s.snug
   > "$out/session-gpu-rest.json" 2>> "$out/session.err"
 .gpu/snug bench "$model" -p 512 -n 128 -r 3 --device cuda -o json > "$out/bench-cuda.json" 2> "$out/bench.err"
 .gpu/snug bench "$model" -p 512 -n 128 -r 3 -t "$cores" -o json > "$out/bench-cpu.json" 2>> "$out/bench.err"
+# Synthesized 1.5B and 7B shapes (Q4_K, Q6_K head; SmolLM2's tokenizer).
+[ -x .gpu/synth ] || { gunzip -c .gpu/synth.gz > .gpu/synth; chmod +x .gpu/synth; }
+for s in 1.5b 7b; do
+  .gpu/synth --like "$model" --shape $s --out /tmp/synth-$s.gguf 2>> "$out/synth.err"
+  .gpu/gpucheck /tmp/synth-$s.gguf --prompt 32 --gen 8 --out "$out/gpucheck-$s.json" > /dev/null 2>> "$out/synth.err"
+done
 ls -la "$out"
+for f in "$out"/*.err; do echo "== $f"; tail -5 "$f"; done
+python3 - "$out" <<'PY'
+import json, sys, glob, os
+for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
+    try:
+        d = json.load(open(f))
+    except Exception as e:
+        print(os.path.basename(f), "unreadable", e); continue
+    if isinstance(d, dict):
+        d = {k: v for k, v in d.items() if k not in ("cpu_tokens", "gpu_tokens", "token_ids")}
+        if "text" in d: d["text"] = d["text"][:160]
+    print(os.path.basename(f), json.dumps(d)[:1500])
+PY
+tar czf "$dest/results.tar.gz" -C /tmp gpuout
