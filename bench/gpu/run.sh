@@ -33,6 +33,12 @@ rm -f /tmp/s.snug
   > "$out/session-gpu-rest.json" 2>> "$out/session.err"
 .gpu/snug bench "$model" -p 512 -n 128 -r 3 --device cuda -o json > "$out/bench-cuda.json" 2> "$out/bench.err"
 .gpu/snug bench "$model" -p 512 -n 128 -r 3 -t "$cores" -o json > "$out/bench-cpu.json" 2>> "$out/bench.err"
+# The engine's GPU test (crates/snug-engine/tests/gpu.rs, built with
+# `cargo test --release -p snug-engine --test gpu --no-run`, stripped).
+if [ -f .gpu/gputest.gz ]; then
+  gunzip -c .gpu/gputest.gz > .gpu/gputest; chmod +x .gpu/gputest
+  SNUG_TEST_MODELS=.gpu .gpu/gputest --nocapture > "$out/gputest.txt" 2>&1
+fi
 # Synthesized 1.5B and 7B shapes (Q4_K, Q6_K head; SmolLM2's tokenizer).
 [ -x .gpu/synth ] || { gunzip -c .gpu/synth.gz > .gpu/synth; chmod +x .gpu/synth; }
 for s in 1.5b 7b; do
@@ -40,7 +46,7 @@ for s in 1.5b 7b; do
   .gpu/gpucheck /tmp/synth-$s.gguf --prompt 32 --gen 8 --out "$out/gpucheck-$s.json" > /dev/null 2>> "$out/synth.err"
 done
 ls -la "$out"
-for f in "$out"/*.err; do echo "== $f"; tail -5 "$f"; done
+for f in "$out"/*.err "$out"/*.txt; do echo "== $f"; tail -8 "$f"; done
 python3 - "$out" <<'PY'
 import json, sys, glob, os
 for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
