@@ -277,6 +277,15 @@ pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     p
 }
 
+/// A block of `block` threads per row, `n` rows.
+fn per_row(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn grid(n: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
@@ -436,17 +445,26 @@ enum Which {
     End,
 }
 
-/// Launches an element-wise kernel over `len` elements with the
-/// arguments given (references to locals), noting a failure in `ws`.
+/// Launches kernel `f` in `cfg` with the arguments given (references to
+/// locals, in the kernel's order and types), noting a failure in `ws`.
+macro_rules! launch {
+    ($ws:expr, $f:expr, $cfg:expr, $($a:expr),*) => {{
+        let s = $ws.dev.stream.clone();
+        let mut b = s.launch_builder($f);
+        $( b.arg($a); )*
+        // SAFETY: each caller passes the kernel's arguments in its order
+        // and types, with buffers that hold what the launch reads and
+        // writes (the workspace is sized for its rows and context).
+        let r = unsafe { b.launch($cfg) };
+        $ws.note(r);
+    }};
+}
+
+/// Launches an element-wise kernel over `len` elements, 256 a block.
 macro_rules! elementwise {
     ($ws:expr, $f:expr, $len:expr, $($a:expr),*) => {{
         if $len > 0 {
-            let s = $ws.dev.stream.clone();
-            let mut b = s.launch_builder($f);
-            $( b.arg($a); )*
-            // SAFETY: the arguments match the kernel's signature.
-            let r = unsafe { b.launch(grid($len, 256)) };
-            $ws.note(r);
+            launch!($ws, $f, grid($len, 256), $($a),*);
         }
     }};
 }
@@ -479,16 +497,16 @@ impl Backend for Cuda {
         let dev = ws.dev.clone();
         let (w, rb, cols) = (table.ptr, table.row_bytes as u64, table.cols as i32);
         let (t, x) = (ptr(&ws.tokens, &dev.stream), ws.p(Buf::X));
-        let mut b = dev.stream.launch_builder(dev.rows_fn(table.ty));
-        b.arg(&w).arg(&rb).arg(&cols).arg(&t).arg(&x);
-        let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature.
-        let r = unsafe { b.launch(cfg) };
-        ws.note(r);
+        launch!(
+            ws,
+            dev.rows_fn(table.ty),
+            per_row(rows.len(), 128),
+            &w,
+            &rb,
+            &cols,
+            &t,
+            &x
+        );
     }
 
     fn scale(ws: &mut CudaWorkspace, buf: Buf, len: usize, by: f32) {
@@ -512,16 +530,7 @@ impl Backend for Cuda {
         }
         let dev = ws.dev.clone();
         let (x, wp, dim) = (ws.p(buf), w.ptr, w.len as i32);
-        let mut b = dev.stream.launch_builder(&dev.k.rms_norm);
-        b.arg(&x).arg(&wp).arg(&dim).arg(&eps);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature.
-        let r = unsafe { b.launch(cfg) };
-        ws.note(r);
+        launch!(ws, &dev.k.rms_norm, per_row(rows, 256), &x, &wp, &dim, &eps);
     }
 
     fn matmul(ws: &mut CudaWorkspace, w: &CudaMatrix, from: Buf, to: Buf, rows: usize) {
@@ -551,25 +560,21 @@ impl Backend for Cuda {
         let (heads, kvh, hd, pairs) = (ws.heads as i32, ws.kv_heads as i32, ws.head_dim as i32, ws.pairs as i32);
         let t = &ws.rope[usize::from(local)];
         let (pa, pb, f) = (ptr(&t.0, s), ptr(&t.1, s), ptr(&t.2, s));
-        let mut b = s.launch_builder(&dev.k.rope);
-        b.arg(&q)
-            .arg(&k)
-            .arg(&pos)
-            .arg(&heads)
-            .arg(&kvh)
-            .arg(&hd)
-            .arg(&pa)
-            .arg(&pb)
-            .arg(&f)
-            .arg(&pairs);
-        let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature.
-        let r = unsafe { b.launch(cfg) };
-        ws.note(r);
+        launch!(
+            ws,
+            &dev.k.rope,
+            per_row(rows.len(), 128),
+            &q,
+            &k,
+            &pos,
+            &heads,
+            &kvh,
+            &hd,
+            &pa,
+            &pb,
+            &f,
+            &pairs
+        );
     }
 
     fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut CudaKv) {
@@ -594,27 +599,22 @@ impl Backend for Cuda {
             shape.head_dim as i32,
         );
         let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
-        let mut b = s.launch_builder(&dev.k.write_kv_f16);
-        b.arg(&k)
-            .arg(&v)
-            .arg(&pg)
-            .arg(&sl)
-            .arg(&l)
-            .arg(&layers)
-            .arg(&kvh)
-            .arg(&pt)
-            .arg(&hd)
-            .arg(&kc)
-            .arg(&vc);
-        let cfg = LaunchConfig {
-            grid_dim: (slots.len() as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature; every slot
-        // is inside the cache (the engine's pages).
-        let r = unsafe { b.launch(cfg) };
-        ws.note(r);
+        launch!(
+            ws,
+            &dev.k.write_kv_f16,
+            per_row(slots.len(), 128),
+            &k,
+            &v,
+            &pg,
+            &sl,
+            &l,
+            &layers,
+            &kvh,
+            &pt,
+            &hd,
+            &kc,
+            &vc
+        );
     }
 
     fn attention(ws: &mut CudaWorkspace, c: &Config, layer: usize, rows: &[BatchRow], kv: &KvView<CudaKv>, scale: f32) {
@@ -670,33 +670,33 @@ impl Backend for Cuda {
             ws.ctx as i32,
         );
         let wpb = ws.heads.min(4);
-        let mut b = s.launch_builder(&dev.k.attend_f16);
-        b.arg(&q)
-            .arg(&table)
-            .arg(&rt)
-            .arg(&st)
-            .arg(&en)
-            .arg(&heads)
-            .arg(&kvh)
-            .arg(&hd)
-            .arg(&l)
-            .arg(&layers)
-            .arg(&pt)
-            .arg(&kc)
-            .arg(&vc)
-            .arg(&scale)
-            .arg(&sc)
-            .arg(&ctx)
-            .arg(&out);
         let cfg = LaunchConfig {
             grid_dim: (rows.len() as u32, ws.heads.div_ceil(wpb) as u32, 1),
             block_dim: (32 * wpb as u32, 1, 1),
             shared_mem_bytes: (wpb * ws.head_dim * 4) as u32,
         };
-        // SAFETY: the arguments match the kernel's signature; positions
-        // are under the workspace's context.
-        let r = unsafe { b.launch(cfg) };
-        ws.note(r);
+        launch!(
+            ws,
+            &dev.k.attend_f16,
+            cfg,
+            &q,
+            &table,
+            &rt,
+            &st,
+            &en,
+            &heads,
+            &kvh,
+            &hd,
+            &l,
+            &layers,
+            &pt,
+            &kc,
+            &vc,
+            &scale,
+            &sc,
+            &ctx,
+            &out
+        );
     }
 
     fn gated(ws: &mut CudaWorkspace, act: Activation, rows: usize, width: usize) {
@@ -717,16 +717,7 @@ impl Backend for Cuda {
         let (src, w, wi) = (ws.p(from), width as i32, ptr(&ws.which, s));
         // In place, rows go through the spare buffer first.
         let dst = if from == to { ptr(&ws.tmp, s) } else { ws.p(to) };
-        let mut b = s.launch_builder(&dev.k.gather);
-        b.arg(&src).arg(&dst).arg(&wi).arg(&w);
-        let cfg = LaunchConfig {
-            grid_dim: (which.len() as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's signature.
-        let r = unsafe { b.launch(cfg) };
-        ws.note(r);
+        launch!(ws, &dev.k.gather, per_row(which.len(), 256), &src, &dst, &wi, &w);
         if from == to {
             let n = which.len() * width;
             let i = to as usize;

@@ -79,7 +79,9 @@ fn the_gpu_engine_is_batch_invariant_and_speculation_changes_nothing() {
         let vocab = model.config.vocab;
         let mut paired = Vec::new();
         for (x, y) in ids.iter().zip(&other) {
-            let l = engine.step(&[StepRow::new(b, *y, true), StepRow::new(a, *x, true)]).unwrap();
+            let l = engine
+                .step(&[StepRow::new(b, *y, true), StepRow::new(a, *x, true)])
+                .unwrap();
             paired.push(bits(&l[vocab..2 * vocab]));
         }
         assert_eq!(whole, paired, "{alias}: beside another sequence");
