@@ -208,6 +208,7 @@ fn engine_options(
         o.threads = t;
     }
     crate::run::add_key_basis(&mut o, model, tok)?;
+    o.gpu = crate::gpu_for(cache, model)?;
     Ok(o)
 }
 
@@ -259,7 +260,7 @@ pub fn cmd_decide(a: DecideArgs) -> Result<()> {
     let template = crate::template_worker::for_model(l.file.get_str("tokenizer.chat_template"))?;
     let framing = Framing::new(Some(&template), &tok)?;
     let opts = engine_options(&model, &tok, a.threads, a.ctx, &a.cache, questions.len())?;
-    let mut engine = Engine::new(&model, opts);
+    let mut engine = Engine::try_new(&model, opts)?;
     let t0 = std::time::Instant::now();
     let (scored, usage) = engine.decide(&tok, &framing, &state, &questions, &temps)?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -459,7 +460,7 @@ fn score_file(input: &LabeledArgs, temps: Option<&Temperatures>) -> Result<(Path
     let framing = Framing::new(Some(&template), &tok)?;
     let most = items.iter().map(|i| i.1.len()).max().unwrap_or(1);
     let opts = engine_options(&model, &tok, input.threads, None, &crate::KvArgs::default(), most)?;
-    let mut engine = Engine::new(&model, opts);
+    let mut engine = Engine::try_new(&model, opts)?;
     let bar = crate::progress::bar(items.len() as u64, "scoring");
     let mut out = Vec::new();
     for (state, qs, truths, _) in &items {

@@ -103,7 +103,9 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
     }
     let threads = a.threads.unwrap_or_else(snug_kernels::pool::physical_cores);
     let page_tokens = crate::run::kv_page(&a.cache)?;
+    let gpu = crate::gpu_for(&a.cache, &model)?;
     let options = |k, v| EngineOptions {
+        gpu: gpu.clone(),
         threads,
         ctx: a.ctx,
         batch: a.batch.min(a.ctx),
@@ -115,9 +117,12 @@ pub fn cmd_eval_ppl(a: EvalPplArgs) -> Result<()> {
     };
     let mut tested = options(kv, kv_v);
     crate::run::add_key_basis(&mut tested, &model, &tok)?;
-    let mut engine = Engine::new(&model, tested);
+    let mut engine = Engine::try_new(&model, tested)?;
     let f16 = KvFormat::F16;
-    let mut reference = (kv != f16 || kv_v != f16).then(|| Engine::new(&model, options(f16, f16)));
+    let mut reference = match kv != f16 || kv_v != f16 {
+        true => Some(Engine::try_new(&model, options(f16, f16))?),
+        false => None,
+    };
     let vocab = model.config.vocab;
     let first = a.ctx / 2;
     let (mut nll, mut nll_f16, mut kl, mut agree, mut scored) = (0f64, 0f64, 0f64, 0usize, 0usize);
