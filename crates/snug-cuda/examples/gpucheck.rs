@@ -153,6 +153,53 @@ fn main() {
     dev.synchronize().unwrap();
     let upload_s = t.elapsed().as_secs_f64();
 
+    // `--profile-decode N`: a prefill of the prompt then N decode steps,
+    // each timed alone (for a profiler to look at; nothing else runs).
+    let profile = arg(&args, "--profile-decode", 0);
+    if profile > 0 {
+        let shape = KvShape {
+            layers: c.layers,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            page_tokens: PT,
+        };
+        let ctx = prompt.len() + profile + 8;
+        let size = WorkspaceSize {
+            rows: prompt.len().max(1),
+            ctx,
+            page_tokens: PT,
+            threads: 1,
+        };
+        let mut kv = CudaKv::new(&dev, shape, ctx.div_ceil(PT) + 1).unwrap();
+        let mut ws = CudaWorkspace::new(&dev, &c, size).unwrap();
+        let pages: Vec<u32> = (0..(ctx.div_ceil(PT) + 1) as u32).collect();
+        let tables: Vec<&[u32]> = vec![&pages];
+        let rows: Vec<BatchRow> = prompt
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| BatchRow { seq: 0, pos: i, token: t, logits: i + 1 == prompt.len() })
+            .collect();
+        let mut logits = Vec::new();
+        let mut view = KvView { storage: &mut kv, pages: &tables, twins: &[] };
+        forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
+        let mut next = argmax(&logits);
+        let mut ms = Vec::new();
+        for step in 0..profile {
+            dev.synchronize().unwrap();
+            let t = Instant::now();
+            let rows = [BatchRow { seq: 0, pos: prompt.len() + step, token: next, logits: true }];
+            logits.clear();
+            let mut view = KvView { storage: &mut kv, pages: &tables, twins: &[] };
+            forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
+            next = argmax(&logits);
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        ws.check().unwrap();
+        ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        println!("decode step: median {:.3} ms, min {:.3} ms over {profile} steps", ms[ms.len() / 2], ms[0]);
+        return;
+    }
+
     // The GPU's dequantizers against the CPU's, on every matrix type.
     let mut deq = serde_json::Map::new();
     {

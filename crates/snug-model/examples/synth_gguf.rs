@@ -6,6 +6,11 @@
 //!
 //!     synth_gguf --like REAL.gguf --shape 1.5b|7b|NAME=dim,layers,heads,kv_heads,ff
 //!         [--type q4_k] [--head-type q6_k] [--out FILE]
+//!     synth_gguf --like REAL.gguf --tokenizer-only --out FILE
+//!
+//! `--tokenizer-only` writes the tokenizer's metadata and no tensors: a
+//! few megabytes to carry where the real model cannot travel, to be the
+//! `--like` of files made there.
 //!
 //! Shapes: `1.5b` is Qwen2.5-1.5B's (1536, 28 layers, 12/2 heads, ff
 //! 8960), `7b` Llama-2-7B's (4096, 32, 32/32, 11008). The architecture is
@@ -200,7 +205,11 @@ fn main() {
     // (name, dims innermost first, type)
     let mut tensors: Vec<(String, Vec<u64>, GgmlType)> =
         vec![("token_embd.weight".into(), vec![dim as u64, vocab as u64], ty)];
-    for l in 0..layers {
+    if args.iter().any(|a| a == "--tokenizer-only") {
+        meta.retain(|(k, _)| k.starts_with("tokenizer.") || k == "general.alignment");
+        tensors.clear();
+    }
+    for l in 0..if tensors.is_empty() { 0 } else { layers } {
         let m = |n: &str, cols: usize, rows: usize| (format!("blk.{l}.{n}.weight"), vec![cols as u64, rows as u64], ty);
         tensors.push((format!("blk.{l}.attn_norm.weight"), vec![dim as u64], GgmlType::F32));
         tensors.push(m("attn_q", dim, heads * hd));
@@ -212,8 +221,10 @@ fn main() {
         tensors.push(m("ffn_up", dim, ff));
         tensors.push(m("ffn_down", ff, dim));
     }
-    tensors.push(("output_norm.weight".into(), vec![dim as u64], GgmlType::F32));
-    tensors.push(("output.weight".into(), vec![dim as u64, vocab as u64], head_ty));
+    if !tensors.is_empty() {
+        tensors.push(("output_norm.weight".into(), vec![dim as u64], GgmlType::F32));
+        tensors.push(("output.weight".into(), vec![dim as u64, vocab as u64], head_ty));
+    }
 
     let f = std::fs::File::create(&out).unwrap();
     let mut w = W(BufWriter::with_capacity(1 << 22, f));

@@ -1,0 +1,42 @@
+#!/bin/sh
+# One GPU call, no model to carry: a tokenizer-only GGUF (a couple of MB,
+# `synth_gguf --like MODEL --tokenizer-only`) goes in .gpu/tok.gguf with
+# gpucheck.gz and synth.gz; SmolLM2's and a 7B shape are synthesized there,
+# each decode step is timed, and Nsight Compute gives each kernel's GPU
+# time over three decode steps of SmolLM2's shape. Summary to stdout.
+set -u
+for f in gpucheck synth; do [ -x .gpu/$f ] || { gunzip -c .gpu/$f.gz > .gpu/$f; chmod +x .gpu/$f; }; done
+nvrtc=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -1)
+[ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+.gpu/synth --like .gpu/tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out /tmp/smol.gguf
+.gpu/synth --like .gpu/tok.gguf --shape 7b --out /tmp/7b.gguf
+echo "smol shape:"; .gpu/gpucheck /tmp/smol.gguf --prompt 64 --profile-decode 50 2>/dev/null
+echo "7b shape:"; .gpu/gpucheck /tmp/7b.gguf --prompt 64 --profile-decode 20 2>/dev/null
+ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+"$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+  .gpu/gpucheck /tmp/smol.gguf --prompt 64 --profile-decode 3 > /tmp/ncu.csv 2>/tmp/ncu.err
+tail -3 /tmp/ncu.err
+python3 - <<'PY'
+import csv, collections
+rows = [r for r in csv.DictReader(l for l in open("/tmp/ncu.csv") if l.startswith('"'))]
+ids = sorted({int(r["ID"]) for r in rows})
+n = len(ids)
+print("kernels profiled:", n)
+# The prefill and three decode steps launch about as many kernels each;
+# the last three quarters are the decode steps.
+cut = ids[n // 4] if n else 0
+by = collections.defaultdict(float)
+cnt = collections.Counter()
+for r in rows:
+    if int(r["ID"]) >= cut and r["Metric Name"] == "gpu__time_duration.sum":
+        v = float(r["Metric Value"].replace(",", ""))
+        unit = r.get("Metric Unit", "nsecond")
+        v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1e-3)
+        name = r["Kernel Name"].split("(")[0]
+        by[name] += v / 3
+        cnt[name] += 1
+print("GPU microseconds per decode step, by kernel (launches per step):")
+for k, v in sorted(by.items(), key=lambda x: -x[1]):
+    print(f"  {k:24s} {v:9.1f}  ({cnt[k] // 3})")
+print(f"  total                    {sum(by.values()):9.1f}")
+PY
