@@ -177,26 +177,48 @@ fn main() {
         let rows: Vec<BatchRow> = prompt
             .iter()
             .enumerate()
-            .map(|(i, &t)| BatchRow { seq: 0, pos: i, token: t, logits: i + 1 == prompt.len() })
+            .map(|(i, &t)| BatchRow {
+                seq: 0,
+                pos: i,
+                token: t,
+                logits: i + 1 == prompt.len(),
+            })
             .collect();
         let mut logits = Vec::new();
-        let mut view = KvView { storage: &mut kv, pages: &tables, twins: &[] };
+        let mut view = KvView {
+            storage: &mut kv,
+            pages: &tables,
+            twins: &[],
+        };
         forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
         let mut next = argmax(&logits);
         let mut ms = Vec::new();
         for step in 0..profile {
             dev.synchronize().unwrap();
             let t = Instant::now();
-            let rows = [BatchRow { seq: 0, pos: prompt.len() + step, token: next, logits: true }];
+            let rows = [BatchRow {
+                seq: 0,
+                pos: prompt.len() + step,
+                token: next,
+                logits: true,
+            }];
             logits.clear();
-            let mut view = KvView { storage: &mut kv, pages: &tables, twins: &[] };
+            let mut view = KvView {
+                storage: &mut kv,
+                pages: &tables,
+                twins: &[],
+            };
             forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
             next = argmax(&logits);
             ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
         ws.check().unwrap();
         ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        println!("decode step: median {:.3} ms, min {:.3} ms over {profile} steps", ms[ms.len() / 2], ms[0]);
+        println!(
+            "decode step: median {:.3} ms, min {:.3} ms over {profile} steps",
+            ms[ms.len() / 2],
+            ms[0]
+        );
         return;
     }
 

@@ -189,6 +189,44 @@ pub fn alias_list() -> String {
     catalog().iter().map(|e| e.alias).collect::<Vec<_>>().join(", ")
 }
 
+/// The aliases for a message about `name`, which is none of them: the list,
+/// and the alias `name` is likely a typo of, if one is close.
+pub fn aliases_for(name: &str) -> String {
+    match closest_alias(name) {
+        Some(a) => format!("{} (did you mean {a:?}?)", alias_list()),
+        None => alias_list(),
+    }
+}
+
+/// The alias within a few edits of `name` (a third of its length, at
+/// most 3), the nearest if several.
+pub fn closest_alias(name: &str) -> Option<&'static str> {
+    let name = name.to_ascii_lowercase();
+    let limit = (name.chars().count() / 3).clamp(1, 3);
+    catalog()
+        .iter()
+        .map(|e| (edit_distance(&name, e.alias), e.alias))
+        .filter(|&(d, _)| d <= limit)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, a)| a)
+}
+
+/// Levenshtein distance between `a` and `b`, in characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let here = (prev + usize::from(ca != cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            prev = row[j + 1];
+            row[j + 1] = here;
+        }
+    }
+    row[b.len()]
+}
+
 /// snug's cache directory, given the values of `SNUG_HOME`,
 /// `XDG_CACHE_HOME` and `HOME` (unset or empty: `None`): `$SNUG_HOME`, else
 /// `$XDG_CACHE_HOME/snug`, else `~/.cache/snug`.
@@ -248,6 +286,17 @@ impl CatalogEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_typo_of_an_alias_is_named() {
+        assert_eq!(closest_alias("smolm2-135m"), Some("smollm2-135m"));
+        assert_eq!(closest_alias("SmolLM2-135M"), Some("smollm2-135m"));
+        assert_eq!(closest_alias("gemma3-27m"), Some("gemma3-270m"));
+        assert_eq!(closest_alias("qwen2.5-coder-1.5"), Some("qwen2.5-coder-1.5b"));
+        assert_eq!(closest_alias("llama-3-8b"), None);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert!(aliases_for("smolm2-135m").ends_with("(did you mean \"smollm2-135m\"?)"));
+    }
 
     #[test]
     fn aliases_are_unique_and_parts_ordered() {

@@ -192,7 +192,7 @@ pub fn resolve(name: &str, cache: &Path, pip: &Pip, progress: &dyn PullProgress)
         return Ok(p.to_path_buf());
     }
     let entry =
-        catalog::lookup(name).ok_or_else(|| PullError::UnknownModel(name.to_string(), catalog::alias_list()))?;
+        catalog::lookup(name).ok_or_else(|| PullError::UnknownModel(name.to_string(), catalog::aliases_for(name)))?;
     Ok(pull(&entry, cache, pip, progress)?.path().to_path_buf())
 }
 

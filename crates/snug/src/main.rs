@@ -54,6 +54,11 @@ enum Command {
     Tokenize(TokenizeArgs),
     /// List the known model aliases and whether each is cached.
     List,
+    /// Remove pulled models from the cache.
+    #[command(after_help = r#"Examples:
+  snug rm qwen2.5-coder-1.5b
+  snug rm gemma3-270m all-minilm-l6-v2"#)]
+    Rm(RmArgs),
     /// Generate text from a prompt, streaming it to stdout.
     #[command(after_help = r#"Examples:
   snug run smollm2-135m -p "The capital of France is" -n 16
@@ -412,6 +417,13 @@ struct RunArgs {
 }
 
 #[derive(Args)]
+struct RmArgs {
+    /// Aliases of the models to remove (see `snug list`).
+    #[arg(required = true)]
+    models: Vec<String>,
+}
+
+#[derive(Args)]
 struct PullArgs {
     /// A model alias or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
@@ -481,6 +493,7 @@ fn main() -> ExitCode {
         Command::Info(a) => model_cmd::cmd_info(a),
         Command::Tokenize(a) => model_cmd::cmd_tokenize(a),
         Command::List => model_cmd::cmd_list(),
+        Command::Rm(a) => model_cmd::cmd_rm(a),
         Command::Run(mut a) => {
             if let Some(m) = a.model_flag.take() {
                 a.model = m;

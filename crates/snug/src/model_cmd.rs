@@ -31,7 +31,7 @@ fn pull_alias(alias: &str) -> Result<()> {
     let Some(entry) = catalog::lookup(alias) else {
         bail!(
             "unknown model {alias:?}: not a file, and not one of the aliases {}",
-            catalog::alias_list()
+            catalog::aliases_for(alias)
         );
     };
     let bar = progress::PullBar::new();
@@ -58,6 +58,43 @@ pub fn cmd_list() -> Result<()> {
             e.description,
             state
         );
+    }
+    Ok(())
+}
+
+/// `snug rm`: each alias's cached model and its checksum record. Every
+/// alias is checked before anything is removed.
+pub fn cmd_rm(a: crate::RmArgs) -> Result<()> {
+    let mut entries = Vec::new();
+    for alias in &a.models {
+        let Some(e) = catalog::lookup(alias) else {
+            bail!(
+                "unknown model {alias:?}: not one of the aliases {}",
+                catalog::aliases_for(alias)
+            );
+        };
+        entries.push(e);
+    }
+    let cache = env::get().cache.clone();
+    for e in entries {
+        let path = e.path_in(&cache);
+        if !path.exists() {
+            eprintln!("{} is not in the cache", e.alias);
+            continue;
+        }
+        // The record first: a model without it is not cached, so an
+        // interrupted removal never leaves a half-removed model in use.
+        let record = e.record_path_in(&cache);
+        if record.exists() {
+            std::fs::remove_file(&record).with_context(|| format!("removing {}", record.display()))?;
+        }
+        if e.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        }
+        .with_context(|| format!("removing {}", path.display()))?;
+        eprintln!("removed {} ({})", e.alias, path.display());
     }
     Ok(())
 }

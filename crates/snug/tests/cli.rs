@@ -121,6 +121,32 @@ fn bad_files_get_one_line_errors() {
 }
 
 #[test]
+fn rm_removes_a_pulled_model_and_names_a_typo() {
+    let home = tmpdir("rm");
+    let models = home.join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    let file = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let record = models.join("SmolLM2-135M-Instruct.Q4_1.gguf.sha256");
+    std::fs::write(&file, b"not really a model").unwrap();
+    std::fs::write(&record, b"0000").unwrap();
+    let rm = |args: &[&str]| snug().env("SNUG_HOME", &home).arg("rm").args(args).output().unwrap();
+    // A typo removes nothing, not even the models named beside it.
+    let out = rm(&["smollm2-135m", "smolm2-135m"]);
+    assert_clean_error(&out, "did you mean \"smollm2-135m\"?");
+    assert!(file.exists() && record.exists());
+    let out = rm(&["smollm2-135m", "gemma3-270m"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!file.exists() && !record.exists());
+    assert!(
+        text(&out.stderr).contains("gemma3-270m is not in the cache"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = snug().args(["run", "smolm2-135m", "-p", "hi"]).output().unwrap();
+    assert_clean_error(&out, "did you mean \"smollm2-135m\"?");
+}
+
+#[test]
 fn device_cuda_without_a_gpu_is_a_one_line_error() {
     let Some(p) = model_path("smollm2-135m") else { return };
     let out = snug()
