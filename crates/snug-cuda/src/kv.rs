@@ -104,13 +104,19 @@ impl KvStore for CudaKv {
         let h = self.half_page();
         let (f, t) = (from as usize * h, to as usize * h);
         let s = self.dev.stream.clone();
+        if f == t {
+            return;
+        }
         for part in [&mut self.k, &mut self.v] {
-            // Within one allocation: through a copy on the device.
-            let page = s
-                .clone_dtod(&part.slice(f..f + h))
-                .expect("device memory for a page copy");
-            s.memcpy_dtod(&page, &mut part.slice_mut(t..t + h))
-                .expect("device page copy");
+            // Two pages of one allocation never overlap: split it between
+            // them and copy from one half to the other.
+            let (mut lo, mut hi) = part.split_at_mut(f.max(t));
+            let (src, mut dst) = if f < t {
+                (lo.slice(f..f + h), hi.slice_mut(..h))
+            } else {
+                (hi.slice(..h), lo.slice_mut(t..t + h))
+            };
+            s.memcpy_dtod(&src, &mut dst).expect("device page copy");
         }
     }
 

@@ -518,7 +518,7 @@ impl Backend for Cuda {
     fn copy(ws: &mut CudaWorkspace, from: Buf, to: Buf, len: usize) {
         let s = ws.dev.stream.clone();
         let (i, j) = (from as usize, to as usize);
-        let (a, b) = two(&mut ws.bufs, i, j);
+        let (a, b) = snug_model::backend::read_and_write(&mut ws.bufs, i, j);
         let r = s.memcpy_dtod(&a.slice(..len), &mut b.slice_mut(..len));
         ws.note(r);
     }
@@ -775,18 +775,6 @@ fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usi
     // `rows` rows of `cols` and `outs`.
     let r = unsafe { b.launch(cfg) };
     ws.note(r);
-}
-
-/// Buffer `i` to read and buffer `j` (another) to write.
-fn two(bufs: &mut [CudaSlice<f32>], i: usize, j: usize) -> (&CudaSlice<f32>, &mut CudaSlice<f32>) {
-    assert_ne!(i, j, "a buffer read and written at once");
-    if i < j {
-        let (a, b) = bufs.split_at_mut(j);
-        (&a[i], &mut b[0])
-    } else {
-        let (a, b) = bufs.split_at_mut(i);
-        (&b[0], &mut a[j])
-    }
 }
 
 #[cfg(test)]

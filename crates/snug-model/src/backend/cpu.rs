@@ -345,13 +345,8 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
 
 /// Buffer `i` to read and buffer `j` (another) to write.
 fn split2(bufs: &mut [Vec<f32>; 10], i: usize, j: usize) -> (&[f32], &mut [f32]) {
-    if i < j {
-        let (a, b) = bufs.split_at_mut(j);
-        (&a[i], &mut b[0])
-    } else {
-        let (a, b) = bufs.split_at_mut(i);
-        (&b[0], &mut a[j])
-    }
+    let (a, b) = super::read_and_write(bufs, i, j);
+    (a, b)
 }
 
 /// Runs the element-wise `f` over matching chunks of `a` and `b`, on the

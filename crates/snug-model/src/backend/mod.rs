@@ -25,6 +25,22 @@ use snug_kernels::kv::KvSlot;
 
 use crate::arch::{Activation, BatchRow, Config, KvView};
 
+/// Element `i` to read and element `j` (another) to write, of one slice:
+/// how a backend reads one of its buffers while it writes another.
+///
+/// # Panics
+/// If `i == j`.
+pub fn read_and_write<T>(items: &mut [T], i: usize, j: usize) -> (&T, &mut T) {
+    assert_ne!(i, j, "a buffer read and written at once");
+    if i < j {
+        let (a, b) = items.split_at_mut(j);
+        (&a[i], &mut b[0])
+    } else {
+        let (a, b) = items.split_at_mut(i);
+        (&b[0], &mut a[j])
+    }
+}
+
 /// A buffer of one batch: `rows` rows of the width given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Buf {
