@@ -172,6 +172,7 @@ fn main() {
         };
         let mut kv = CudaKv::new(&dev, shape, ctx.div_ceil(PT) + 1).unwrap();
         let mut ws = CudaWorkspace::new(&dev, &c, size).unwrap();
+        ws.set_graphs(!args.iter().any(|a| a == "--no-graphs"));
         let pages: Vec<u32> = (0..(ctx.div_ceil(PT) + 1) as u32).collect();
         let tables: Vec<&[u32]> = vec![&pages];
         let rows: Vec<BatchRow> = prompt
@@ -387,6 +388,21 @@ fn main() {
         gen,
     );
     gws.check().unwrap();
+    // The same passes launched one by one instead of replayed as graphs.
+    gws.set_graphs(false);
+    let no_graphs = greedy::<snug_cuda::Cuda>(
+        &c,
+        gwt,
+        &mut gws,
+        &mut gkv,
+        &pages,
+        &[prompt.clone(), prompt2.clone()],
+        64,
+        gen,
+    );
+    gws.set_graphs(true);
+    gws.check().unwrap();
+    let graphs_same_bits = same_bits(&together[0].1, &no_graphs[0].1) && same_bits(&together[1].1, &no_graphs[1].1);
 
     let (ct, cl) = &cpu[0];
     let (gt, gl) = &gpu_whole[0];
@@ -397,6 +413,12 @@ fn main() {
         .take(agree.max(1))
         .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max))
         .collect();
+    // Steps whose logits are bitwise the CPU's.
+    let bitwise_steps = cl
+        .iter()
+        .zip(gl)
+        .take_while(|(a, b)| a.len() == b.len() && a.iter().zip(b.iter()).all(|(x, y)| x.to_bits() == y.to_bits()))
+        .count();
     let invariant_rows = same_bits(gl, &gpu_rows[0].1);
     let invariant_chunks = same_bits(gl, &gpu_chunks[0].1);
     let invariant_batch = same_bits(gl, &together[0].1) && same_bits(&alone2[0].1, &together[1].1);
@@ -406,7 +428,11 @@ fn main() {
     let tables: Vec<&[u32]> = vec![&pages[0]];
     let mut pp_s = Vec::new();
     let mut tg_s = Vec::new();
-    for _ in 0..3 {
+    let mut tg_direct_s = Vec::new();
+    for round in 0..6 {
+        // Rounds alternate decode steps as graphs and one by one.
+        let graphs = round % 2 == 0;
+        gws.set_graphs(graphs);
         let rows: Vec<BatchRow> = bench_prompt
             .iter()
             .enumerate()
@@ -446,14 +472,19 @@ fn main() {
             forward::<snug_cuda::Cuda>(&c, gwt, &rows, &mut view, &mut gws, Head::Logits, &mut logits);
             next = argmax(&logits);
         }
-        tg_s.push(t.elapsed().as_secs_f64());
+        if graphs {
+            tg_s.push(t.elapsed().as_secs_f64());
+        } else {
+            tg_direct_s.push(t.elapsed().as_secs_f64());
+        }
     }
+    gws.set_graphs(true);
     gws.check().unwrap();
     let med = |v: &mut Vec<f64>| {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
         v[v.len() / 2]
     };
-    let (pps, tgs) = (med(&mut pp_s), med(&mut tg_s));
+    let (pps, tgs, tgd) = (med(&mut pp_s), med(&mut tg_s), med(&mut tg_direct_s));
     let report = serde_json::json!({
         "model": path.file_name().map(|n| n.to_string_lossy().to_string()),
         "device": dev.name,
@@ -469,6 +500,7 @@ fn main() {
         "gpu_tokens": gt,
         "greedy_steps_equal_to_cpu": agree,
         "max_abs_logit_diff_per_step": max_diff,
+        "logits_bitwise_equal_to_cpu_steps": bitwise_steps,
         "cpu_seconds": cpu_s,
         "batch_invariant_prefill_row_by_row": invariant_rows,
         "batch_invariant_prefill_chunks_of_7": invariant_chunks,
@@ -477,6 +509,9 @@ fn main() {
         "pp_tok_s": pp as f64 / pps,
         "tg": tg,
         "tg_tok_s": tg as f64 / tgs,
+        "tg_tok_s_without_graphs": tg as f64 / tgd,
+        "graphs_same_bits_as_launches": graphs_same_bits,
+        "graphs_captured": gws.graph_count(),
     });
     let s = serde_json::to_string_pretty(&report).unwrap();
     println!("{s}");

@@ -158,63 +158,332 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// y[r][o] = sum_k w[o][k] x[r][k]. A warp per output and tile of RT rows;
-// lane l takes chunks l, l+32, ... of 32 weights, each chunk's products
-// summed in order into the lane's total, then the lanes' totals summed by
-// the butterfly. A row's value does not depend on the tile it is in.
-#define MM_WARPS 4
-#define MM_RT 4
-template <int TY>
-__device__ void matmul_body(const u8* w, u64 row_bytes, int cols, int outs, const float* x, int n, float* y) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.x * MM_WARPS + warp;
-    if (o >= outs) return;
-    int r0 = blockIdx.y * MM_RT;
-    int nr = min(MM_RT, n - r0);
-    const u8* row = w + row_bytes * (u64)o;
-    float acc[MM_RT];
-    for (int r = 0; r < MM_RT; r++) acc[r] = 0.0f;
-    int chunks = cols >> 5;
-    for (int c = lane; c < chunks; c += 32) {
-        float wv[32];
-        chunk<TY>(row, c, wv);
-        for (int r = 0; r < MM_RT; r++) {
-            if (r < nr) {
-                const float4* xp = (const float4*)(x + (u64)(r0 + r) * cols + 32 * c);
-                float s = 0.0f;
-                for (int i = 0; i < 8; i++) {
-                    float4 v = xp[i];
-                    s = fmaf(wv[4 * i], v.x, s);
-                    s = fmaf(wv[4 * i + 1], v.y, s);
-                    s = fmaf(wv[4 * i + 2], v.z, s);
-                    s = fmaf(wv[4 * i + 3], v.w, s);
-                }
-                acc[r] += s;
-            }
-        }
-    }
-    for (int r = 0; r < MM_RT; r++) {
-        float v = warp_sum(acc[r]);
-        if (lane == 0 && r < nr) y[(u64)(r0 + r) * outs + o] = v;
+// Activations quantized as the CPU quantizes them (snug_kernels::dot):
+// 32 int8 levels, the block's scale `d`, `s` (`d * sum`, rounded to f16
+// in the q8_1 format) and the levels' sum. 48 bytes, as the CPU's BlockQ8.
+struct Q8 {
+    int qs[8];
+    float d;
+    float s;
+    int sum;
+    int pad;
+};
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float f16_round(float x) { return h2f(f2h(x)); }
+
+// `round_even(y)` clamped to -128..127 (NaN to 0), as the CPU's cast.
+__device__ __forceinline__ int level(float y) { return min(127, max(-128, __float2int_rn(y))); }
+
+// q8_0 (q81 = 0) and q8_1 (q81 = 1): a warp per block of 32, `blocks` in all.
+extern "C" __global__ void quantize_q8(const float* x, u64 blocks, int q81, Q8* out) {
+    u64 blk = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= blocks) return;
+    int lane = threadIdx.x & 31;
+    float v = x[blk * 32 + lane];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int q = level(v * id);
+    ((i8*)out[blk].qs)[lane] = (i8)q;
+    int sum = warp_sum_int(q);
+    if (lane == 0) {
+        out[blk].d = f16_round(d);
+        out[blk].sum = sum;
+        out[blk].s = q81 ? f16_round(d * (float)sum) : 0.0f;
+        out[blk].pad = 0;
     }
 }
 
-#define MATMUL(NAME, TY)                                                                        \
-    extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int cols, int outs, const float* x, \
-                                    int n, float* y) {                                          \
-        matmul_body<TY>(w, row_bytes, cols, outs, x, n, y);                                     \
+// q8_K: a block of 256 threads per 256 elements. The scale comes from the
+// first element of largest magnitude, with its sign.
+extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
+    __shared__ float wmax[8];
+    __shared__ int widx[8];
+    int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    u64 sb = blockIdx.x;
+    float v = x[sb * 256 + t];
+    float a = fabsf(v);
+    float m = warp_max(a);
+    if (lane == 0) wmax[warp] = m;
+    __syncthreads();
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, wmax[i]);
+    unsigned hit = __ballot_sync(0xffffffffu, amax > 0.0f && a == amax);
+    if (lane == 0) widx[warp] = hit ? 32 * warp + __ffs(hit) - 1 : 1 << 30;
+    __syncthreads();
+    int first = 1 << 30;
+    for (int i = 0; i < 8; i++) first = min(first, widx[i]);
+    Q8* ob = out + sb * 8 + warp;
+    if (!(amax > 0.0f) || first >= 256) {
+        ((i8*)ob->qs)[lane] = 0;
+        if (lane == 0) {
+            ob->d = 0.0f;
+            ob->s = 0.0f;
+            ob->sum = 0;
+            ob->pad = 0;
+        }
+        return;
     }
-MATMUL(matmul_f32, T_F32)
-MATMUL(matmul_f16, T_F16)
-MATMUL(matmul_bf16, T_BF16)
-MATMUL(matmul_q4_0, T_Q4_0)
-MATMUL(matmul_q4_1, T_Q4_1)
-MATMUL(matmul_q5_0, T_Q5_0)
-MATMUL(matmul_q5_1, T_Q5_1)
-MATMUL(matmul_q8_0, T_Q8_0)
-MATMUL(matmul_q4_k, T_Q4_K)
-MATMUL(matmul_q5_k, T_Q5_K)
-MATMUL(matmul_q6_k, T_Q6_K)
+    float iscale = -127.0f / x[sb * 256 + first];
+    float d = 1.0f / iscale;
+    int q = level(iscale * v);
+    ((i8*)ob->qs)[lane] = (i8)q;
+    int sum = warp_sum_int(q);
+    if (lane == 0) {
+        ob->d = d;
+        ob->s = d * (float)sum;
+        ob->sum = sum;
+        ob->pad = 0;
+    }
+}
+
+// Quantized weights times quantized activations, in the CPU's order
+// (snug_kernels::dot): block b's exact integer dot goes, as a float, into
+// accumulator b % 8 (super-block sb % 8 for K-quants) with a fused
+// multiply-add, and the eight accumulators are summed as
+// ((0+1)+(2+3))+((4+5)+(6+7)). A warp per output and tile of QM_RT rows:
+// lanes 4g..4g+3 own accumulator g and split each of its blocks' integer
+// dot products (dp4a), whose parts add exactly.
+#define MM_WARPS 4
+#define QM_RT 4
+
+__device__ __forceinline__ int isum4(int v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float fold8(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    return v + __shfl_xor_sync(0xffffffffu, v, 16);
+}
+
+// The high bits of four consecutive elements, bit i of qh for element
+// i, moved to bit 4 of each byte.
+__device__ __forceinline__ u32 high4(u32 qh, int first) {
+    u32 r = 0;
+    for (int k = 0; k < 4; k++) r |= ((qh >> (first + k)) & 1u) << (8 * k + 4);
+    return r;
+}
+
+template <int TY>
+__device__ void matmul_q_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, int n,
+                              float* y) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.x * MM_WARPS + warp;
+    if (o >= outs) return;
+    int r0 = blockIdx.y * QM_RT;
+    int nr = min(QM_RT, n - r0);
+    const u8* row = w + row_bytes * (u64)o;
+    const Q8* ar = a + (u64)r0 * nab;
+    int g = lane >> 2, t = lane & 3;
+    float acc[QM_RT];
+    for (int r = 0; r < QM_RT; r++) acc[r] = 0.0f;
+    // Blocks of 32 and K-quant super-blocks of 256 run in the same order;
+    // an idle group (nblk < 8) still takes part in the shuffles.
+    for (int b0 = 0; b0 < nblk; b0 += 8) {
+        int b = b0 + g;
+        bool live = b < nblk;
+        if (TY == T_Q4_K || TY == T_Q5_K || TY == T_Q6_K) {
+            // Lane t: blocks 2t and 2t+1 of super-block b.
+            int wp[2][8];
+            int sc[2][2], mn[2];
+            float d = 0.0f, dmin = 0.0f;
+            if (live) {
+                if (TY == T_Q4_K || TY == T_Q5_K) {
+                    const u8* blk = row + (TY == T_Q4_K ? 144 : 176) * (u64)b;
+                    d = h2f(ld16(blk));
+                    dmin = h2f(ld16(blk + 2));
+                    for (int h = 0; h < 2; h++) {
+                        int s, m;
+                        scale_min_k4(2 * t + h, blk + 4, &s, &m);
+                        sc[h][0] = s;
+                        sc[h][1] = s;
+                        mn[h] = m;
+                    }
+                    const u32* q = (const u32*)(blk + (TY == T_Q4_K ? 16 : 48) + 32 * t);
+                    for (int k = 0; k < 8; k++) {
+                        u32 v = q[k];
+                        u32 lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+                        if (TY == T_Q5_K) {
+                            u32 qh = ((const u32*)(blk + 16))[k];
+                            lo |= ((qh >> (2 * t)) & 0x01010101u) << 4;
+                            hi |= ((qh >> (2 * t + 1)) & 0x01010101u) << 4;
+                        }
+                        wp[0][k] = (int)lo;
+                        wp[1][k] = (int)hi;
+                    }
+                } else {
+                    const u8* blk = row + 210 * (u64)b;
+                    d = h2f(ld16(blk + 208));
+                    int hh = t >> 1, k0 = 2 * (t & 1);
+                    const u8* ql = blk + 64 * hh;
+                    const u8* qh = blk + 128 + 32 * hh;
+                    const i8* s8 = (const i8*)(blk + 192);
+                    for (int h = 0; h < 2; h++) {
+                        sc[h][0] = s8[2 * (2 * t + h)];
+                        sc[h][1] = s8[2 * (2 * t + h) + 1];
+                        mn[h] = 0;
+                    }
+                    for (int k = 0; k < 8; k++) {
+                        u32 a0 = ld32(ql + 4 * k), a1 = ld32(ql + 32 + 4 * k), hb = ld32(qh + 4 * k);
+                        u32 l0 = (t & 1) ? (a0 >> 4) & 0x0F0F0F0Fu : a0 & 0x0F0F0F0Fu;
+                        u32 l1 = (t & 1) ? (a1 >> 4) & 0x0F0F0F0Fu : a1 & 0x0F0F0F0Fu;
+                        l0 |= ((hb >> (2 * k0)) & 0x03030303u) << 4;
+                        l1 |= ((hb >> (2 * (k0 + 1))) & 0x03030303u) << 4;
+                        wp[0][k] = (int)__vsub4(l0, 0x20202020u);
+                        wp[1][k] = (int)__vsub4(l1, 0x20202020u);
+                    }
+                }
+            }
+            for (int r = 0; r < QM_RT; r++) {
+                if (r >= nr) break;
+                int isum = 0, msum = 0;
+                float da = 0.0f;
+                if (live) {
+                    const Q8* ab = ar + (u64)r * nab + 8 * b;
+                    da = ab[0].d;
+                    for (int h = 0; h < 2; h++) {
+                        const Q8* q = ab + 2 * t + h;
+                        int p0 = 0, p1 = 0;
+                        for (int k = 0; k < 4; k++) p0 = __dp4a(wp[h][k], q->qs[k], p0);
+                        for (int k = 4; k < 8; k++) p1 = __dp4a(wp[h][k], q->qs[k], p1);
+                        isum += sc[h][0] * p0 + sc[h][1] * p1;
+                        msum += mn[h] * q->sum;
+                    }
+                }
+                isum = isum4(isum);
+                msum = isum4(msum);
+                if (live) {
+                    acc[r] = fmaf((float)isum, d * da, acc[r]);
+                    if (TY != T_Q6_K) acc[r] = fmaf(-(dmin * da), (float)msum, acc[r]);
+                }
+            }
+        } else {
+            // Lane t: elements 4t..4t+3 and 16+4t..16+4t+3 of block b.
+            int lo = 0, hi = 0;
+            float d = 0.0f, m = 0.0f;
+            if (live) {
+                if (TY == T_Q4_0) {
+                    const u8* blk = row + 18 * (u64)b;
+                    d = h2f(ld16(blk));
+                    u32 q = ld32(blk + 2 + 4 * t);
+                    lo = (int)__vsub4(q & 0x0F0F0F0Fu, 0x08080808u);
+                    hi = (int)__vsub4((q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+                } else if (TY == T_Q4_1) {
+                    const u8* blk = row + 20 * (u64)b;
+                    d = h2f(ld16(blk));
+                    m = h2f(ld16(blk + 2));
+                    u32 q = ld32(blk + 4 + 4 * t);
+                    lo = (int)(q & 0x0F0F0F0Fu);
+                    hi = (int)((q >> 4) & 0x0F0F0F0Fu);
+                } else if (TY == T_Q5_0) {
+                    const u8* blk = row + 22 * (u64)b;
+                    d = h2f(ld16(blk));
+                    u32 qh = ld32(blk + 2), q = ld32(blk + 6 + 4 * t);
+                    lo = (int)__vsub4((q & 0x0F0F0F0Fu) | high4(qh, 4 * t), 0x10101010u);
+                    hi = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t), 0x10101010u);
+                } else if (TY == T_Q5_1) {
+                    const u8* blk = row + 24 * (u64)b;
+                    d = h2f(ld16(blk));
+                    m = h2f(ld16(blk + 2));
+                    u32 qh = ld32(blk + 4), q = ld32(blk + 8 + 4 * t);
+                    lo = (int)((q & 0x0F0F0F0Fu) | high4(qh, 4 * t));
+                    hi = (int)(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t));
+                } else {
+                    const u8* blk = row + 34 * (u64)b;
+                    d = h2f(ld16(blk));
+                    lo = (int)ld32(blk + 2 + 4 * t);
+                    hi = (int)ld32(blk + 18 + 4 * t);
+                }
+            }
+            for (int r = 0; r < QM_RT; r++) {
+                if (r >= nr) break;
+                int s = 0;
+                float ad = 0.0f, as = 0.0f;
+                if (live) {
+                    const Q8* q = ar + (u64)r * nab + b;
+                    s = __dp4a(hi, q->qs[4 + t], __dp4a(lo, q->qs[t], 0));
+                    ad = q->d;
+                    as = q->s;
+                }
+                s = isum4(s);
+                if (live) {
+                    acc[r] = fmaf((float)s, d * ad, acc[r]);
+                    if (TY == T_Q4_1 || TY == T_Q5_1) acc[r] = fmaf(m, as, acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < QM_RT; r++) {
+        if (r >= nr) break;
+        float v = fold8(acc[r]);
+        if (lane == 0) y[(u64)(r0 + r) * outs + o] = v;
+    }
+}
+
+#define MATMUL_Q(NAME, TY)                                                                           \
+    extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, \
+                                    int n, float* y) {                                               \
+        matmul_q_body<TY>(w, row_bytes, nblk, outs, a, nab, n, y);                                   \
+    }
+MATMUL_Q(matmul_q4_0, T_Q4_0)
+MATMUL_Q(matmul_q4_1, T_Q4_1)
+MATMUL_Q(matmul_q5_0, T_Q5_0)
+MATMUL_Q(matmul_q5_1, T_Q5_1)
+MATMUL_Q(matmul_q8_0, T_Q8_0)
+MATMUL_Q(matmul_q4_k, T_Q4_K)
+MATMUL_Q(matmul_q5_k, T_Q5_K)
+MATMUL_Q(matmul_q6_k, T_Q6_K)
+
+// Float weights times f32 activations in the CPU's dot_f32 order: element
+// i into lane i % 16 (fused), the lanes folded as lane k plus lane k + 8,
+// then ((0+1)+(2+3))+((4+5)+(6+7)). A warp per output; each half-warp
+// takes every other row of the tile.
+template <int TY>
+__device__ __forceinline__ float wf(const u8* row, int i) {
+    if (TY == T_F32) return ((const float*)row)[i];
+    if (TY == T_F16) return h2f(((const u16*)row)[i]);
+    return __uint_as_float(((u32)((const u16*)row)[i]) << 16);
+}
+
+template <int TY>
+__device__ void matmul_f_body(const u8* w, u64 row_bytes, int cols, int outs, const float* x, int n, float* y) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.x * MM_WARPS + warp;
+    if (o >= outs) return;
+    int r0 = blockIdx.y * QM_RT;
+    int nr = min(QM_RT, n - r0);
+    const u8* row = w + row_bytes * (u64)o;
+    int l = lane & 15, half = lane >> 4;
+    for (int r = 0; r < QM_RT; r += 2) {
+        int rr = r + half;
+        float acc = 0.0f;
+        if (rr < nr) {
+            const float* xr = x + (u64)(r0 + rr) * cols;
+            for (int i = l; i < cols; i += 16) acc = fmaf(wf<TY>(row, i), xr[i], acc);
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 8);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+        if (l == 0 && rr < nr) y[(u64)(r0 + rr) * outs + o] = acc;
+    }
+}
+
+#define MATMUL_F(NAME, TY)                                                                       \
+    extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int cols, int outs, const float* x, \
+                                    int n, float* y) {                                           \
+        matmul_f_body<TY>(w, row_bytes, cols, outs, x, n, y);                                    \
+    }
+MATMUL_F(matmul_f32, T_F32)
+MATMUL_F(matmul_f16, T_F16)
+MATMUL_F(matmul_bf16, T_BF16)
 
 // Rows `tokens[r]` of a table of type TY, as f32: a block per row, a
 // thread per chunk of 32.
@@ -245,21 +514,20 @@ ROWS(rows_q4_k, T_Q4_K)
 ROWS(rows_q5_k, T_Q5_K)
 ROWS(rows_q6_k, T_Q6_K)
 
-// RMS norm of each row of `dim` (a block of 256 threads per row): thread t
-// sums the squares of elements t, t+256, ... in order, then a fixed tree.
+// RMS norm of each row of `dim`, a warp per row, in the CPU's order
+// (snug_kernels::vec::sum_squares): element i's square into lane i % 8
+// (fused), the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)).
 extern "C" __global__ void rms_norm(float* x, const float* w, int dim, float eps) {
-    __shared__ float part[256];
+    int lane = threadIdx.x;
     float* row = x + (u64)blockIdx.x * dim;
     float s = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += 256) s = fmaf(row[i], row[i], s);
-    part[threadIdx.x] = s;
-    __syncthreads();
-    for (int k = 128; k > 0; k >>= 1) {
-        if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
-        __syncthreads();
-    }
-    float scale = 1.0f / sqrtf(part[0] / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += 256) row[i] = row[i] * scale * w[i];
+    for (int i = lane & 7; i < dim; i += 8) s = fmaf(row[i], row[i], s);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    float scale = 1.0f / sqrtf(s / (float)dim + eps);
+    __syncwarp();
+    for (int i = lane; i < dim; i += 32) row[i] = row[i] * scale * w[i];
 }
 
 extern "C" __global__ void scale(float* x, u64 len, float by) {
@@ -277,18 +545,18 @@ extern "C" __global__ void add_bias(float* x, const float* b, int width, u64 len
     if (i < len) x[i] += b[i % width];
 }
 
-// Each row's query and key heads rotated to its position: pair p of a head
-// is (a[p], b[p]) turning by pos * freq[p].
-extern "C" __global__ void rope(float* q, float* k, const u32* pos, int heads, int kv_heads, int hd,
-                                const int* pa, const int* pb, const float* freq, int pairs) {
+// Each row's query and key heads rotated to its position: pair p of a
+// head is (a[p], b[p]), turned by the angle whose cosine and sine are
+// cs[2 (r pairs + p)] and the next (computed by the host as the CPU
+// computes them).
+extern "C" __global__ void rope(float* q, float* k, const float* cs, int heads, int kv_heads, int hd,
+                                const int* pa, const int* pb, int pairs) {
     int r = blockIdx.x;
-    float p = (float)pos[r];
     int total = (heads + kv_heads) * pairs;
     for (int t = threadIdx.x; t < total; t += blockDim.x) {
         int h = t / pairs, i = t % pairs;
         float* v = h < heads ? q + ((u64)r * heads + h) * hd : k + ((u64)r * kv_heads + (h - heads)) * hd;
-        float s, c;
-        sincosf(p * freq[i], &s, &c);
+        float c = cs[2 * ((u64)r * pairs + i)], s = cs[2 * ((u64)r * pairs + i) + 1];
         float x0 = v[pa[i]], x1 = v[pb[i]];
         v[pa[i]] = x0 * c - x1 * s;
         v[pb[i]] = x0 * s + x1 * c;
@@ -323,11 +591,15 @@ __device__ __forceinline__ float exp_fixed(float x) {
     return p * __int_as_float(((int)n + 127) << 23);
 }
 
-// Attention over f16 pages: a warp per (row, query head). Lane l scores
-// positions start+l, start+l+32, ... (each a dot product in order of
-// dimensions) into `scores`; the weights' sum is each lane's sum in order,
-// then the butterfly; lane l then owns dimensions l, l+32, ... and sums
-// the weighted values over the positions in order.
+// Attention over f16 pages in the CPU's order (snug_kernels::kv): a warp
+// per (row, query head). Lane l scores positions start+l, start+l+32, ...,
+// each `q . k` summed with element i in lane i % 16 and folded as the
+// CPU's dot_f32, times `scale`; the softmax takes exp_fixed(s - max),
+// sums the exponentials with score i into lane i % 16 (each in order) and
+// folds them, and multiplies each by the sum's reciprocal; lane l then
+// owns dimensions l, l+32, ... (head_dim <= 256) and sums the weighted
+// values over the positions in order with fused multiply-adds, in one
+// pass.
 extern "C" __global__ void attend_f16(const float* q, const u32* table, const u32* row_table,
                                       const u32* row_start, const u32* row_end, int heads, int kv_heads,
                                       int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
@@ -350,37 +622,58 @@ extern "C" __global__ void attend_f16(const float* q, const u32* table, const u3
     for (int p = start + lane; p < end; p += 32) {
         u64 base = ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd;
         const u16* kp = kc + base;
-        float s = 0.0f;
-        for (int d = 0; d < hd; d++) s = fmaf(qw[d], h2f(kp[d]), s);
-        s *= scale;
+        float l16[16];
+        for (int i = 0; i < 16; i++) l16[i] = 0.0f;
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            for (int i = 0; i < 16; i++) l16[i] = fmaf(qw[d0 + i], h2f(kp[d0 + i]), l16[i]);
+        }
+        float f[8];
+        for (int i = 0; i < 8; i++) f[i] = l16[i] + l16[i + 8];
+        float s = (((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]))) * scale;
         sc[p - start] = s;
         m = fmaxf(m, s);
     }
     m = warp_max(m);
-    float sum = 0.0f;
-    for (int p = start + lane; p < end; p += 32) {
-        float e = exp_fixed(sc[p - start] - m);
-        sc[p - start] = e;
-        sum += e;
-    }
-    sum = warp_sum(sum);
+    for (int p = start + lane; p < end; p += 32) sc[p - start] = exp_fixed(sc[p - start] - m);
     __syncwarp();
+    // Lane l (and l + 16, the same) sums exponentials l, l+16, ... in order.
+    float sum = 0.0f;
+    for (int i = lane & 15; i < end - start; i += 16) sum += sc[i];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+    float inv = 1.0f / sum;
     float* o = out + ((u64)r * heads + h) * hd;
-    for (int d0 = 0; d0 < hd; d0 += 32) {
-        int d = d0 + lane;
-        float acc = 0.0f;
-        for (int p = start; p < end; p++) {
-            u64 base = ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd;
-            if (d < hd) acc = fmaf(sc[p - start], h2f(vc[base + d]), acc);
+    float acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+    int p = start;
+    while (p < end) {
+        int first = p - p % pt;
+        int stop = min(end, first + pt);
+        const u16* vp = vc + ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt) * hd;
+#pragma unroll 4
+        for (; p < stop; p++) {
+            float wgt = sc[p - start] * inv;
+            const u16* row = vp + (u64)(p - first) * hd;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                int d = lane + 32 * j;
+                if (d < hd) acc[j] = fmaf(wgt, h2f(row[d]), acc[j]);
+            }
         }
-        if (d < hd) o[d] = acc / sum;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int d = lane + 32 * j;
+        if (d < hd) o[d] = acc[j];
     }
 }
 
 __device__ __forceinline__ float silu1(float x) { return x / (1.0f + exp_fixed(-x)); }
 
 __device__ __forceinline__ float gelu1(float x) {
-    float y = 0.7978845608f * x * (1.0f + 0.044715f * x * x);
+    float y = 0.7978846f * x * (1.0f + 0.044715f * x * x);
     return x / (1.0f + exp_fixed(-2.0f * y));
 }
 

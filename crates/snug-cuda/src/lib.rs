@@ -15,17 +15,20 @@
 //! F16 KV pages; see docs/CUDA.md for what does not yet.
 
 mod kv;
+mod stage;
 mod weights;
 
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use snug_kernels::kv::{KvSlot, KvStore};
 use snug_kernels::GgmlType;
-use snug_model::arch::{Activation, BatchRow, Config, KvView};
+use snug_model::arch::{Activation, BatchRow, Config, Head, KvView};
 use snug_model::backend::{Backend, Buf, WorkspaceSize};
+use stage::{Pinned, Staged};
 
 pub use kv::CudaKv;
 pub use weights::{CudaMatrix, CudaVector, CudaWeights};
@@ -49,6 +52,8 @@ pub enum CudaError {
     OutOfMemory { what: String, need: usize, free: usize },
     #[error("weight type {0} is not supported on CUDA")]
     Unsupported(GgmlType),
+    #[error("head dimension {0} is not supported on CUDA (a multiple of 16, at most 256)")]
+    HeadDim(usize),
 }
 
 const SOURCE: &str = include_str!("kernels.cu");
@@ -110,6 +115,8 @@ pub fn compile(arch: &str) -> Result<String, CudaError> {
 struct Kernels {
     matmul: Vec<(GgmlType, CudaFunction)>,
     rows: Vec<(GgmlType, CudaFunction)>,
+    quantize_q8: CudaFunction,
+    quantize_q8k: CudaFunction,
     rms_norm: CudaFunction,
     scale: CudaFunction,
     add: CudaFunction,
@@ -154,10 +161,11 @@ impl Device {
             return Err(CudaError::NoDevice(ordinal, count));
         }
         let ctx = CudaContext::new(ordinal)?;
-        // One stream: orders every operation, so no events are needed.
+        // One stream: orders every operation, so no events are needed. Not
+        // the legacy default stream, which a graph cannot be captured from.
         // SAFETY: no slice is used on another stream.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        let stream = ctx.new_stream()?;
         let capability = ctx.compute_capability()?;
         let name = ctx.name()?;
         let ptx = compile(&format!("sm_{}{}", capability.0, capability.1))?;
@@ -173,6 +181,8 @@ impl Device {
         let k = Kernels {
             matmul,
             rows,
+            quantize_q8: f("quantize_q8")?,
+            quantize_q8k: f("quantize_q8k")?,
             rms_norm: f("rms_norm")?,
             scale: f("scale")?,
             add: f("add")?,
@@ -308,22 +318,31 @@ pub struct CudaWorkspace {
     bufs: Vec<CudaSlice<f32>>,
     buf_ptr: [u64; 10],
     tmp: CudaSlice<f32>,
+    /// Activations quantized for an integer matrix product (48-byte blocks
+    /// of 32, the CPU's `BlockQ8`).
+    q8: CudaSlice<u8>,
     logits: CudaSlice<f32>,
     scores: CudaSlice<f32>,
-    /// Per row: token, position, KV page, slot; then the gathered rows.
-    tokens: CudaSlice<u32>,
-    pos: CudaSlice<u32>,
-    page: CudaSlice<u32>,
-    slot: CudaSlice<u32>,
-    which: CudaSlice<u32>,
-    /// The batch's page lists, each row's offset into them, and each row's
-    /// first (global and local layers) and last key positions.
-    table: CudaSlice<u32>,
-    row_table: CudaSlice<u32>,
-    row_start: [CudaSlice<u32>; 2],
-    row_end: CudaSlice<u32>,
-    /// RoPE pairs and frequencies of the global and local layers.
-    rope: [(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<f32>); 2],
+    /// The tables written every pass, in [`Which`]'s order: per row its
+    /// token, position, KV page, slot, then the gathered rows; the batch's
+    /// page lists, each row's offset into them, each row's first key
+    /// position (global and local layers) and last.
+    tables: Vec<Staged<u32>>,
+    /// RoPE pairs of a head, the rotations of the global and local layers,
+    /// and each row's cosines and sines for them (computed on the host,
+    /// as the CPU computes them).
+    rope_pairs: (CudaSlice<i32>, CudaSlice<i32>),
+    ropes: [snug_kernels::ops::Rope; 2],
+    rope_cs: [Staged<f32>; 2],
+    has_local: bool,
+    /// Where the logits come back to the host.
+    logits_host: Pinned<f32>,
+    /// Decode steps as CUDA graphs: one per (rows, KV store), captured on
+    /// its first pass and replayed after.
+    graphs: HashMap<(usize, u64), Graph>,
+    graphs_on: bool,
+    mode: Mode,
+    key: (usize, u64),
     pairs: usize,
     /// The first device error of the pass, reported by [`CudaWorkspace::check`].
     error: Option<cudarc::driver::DriverError>,
@@ -332,6 +351,9 @@ pub struct CudaWorkspace {
 impl CudaWorkspace {
     /// A workspace for `c` of `size` on `dev`.
     pub fn new(dev: &Arc<Device>, c: &Config, size: WorkspaceSize) -> Result<CudaWorkspace, CudaError> {
+        if c.head_dim > 256 || !c.head_dim.is_multiple_of(16) {
+            return Err(CudaError::HeadDim(c.head_dim));
+        }
         let rows = size.rows.max(1);
         let ctx = size.ctx.max(1);
         let mut bufs = Vec::new();
@@ -344,19 +366,14 @@ impl CudaWorkspace {
             buf_ptr[i] = ptr(b, s);
         }
         let max_pages = ctx.div_ceil(size.page_tokens.max(1)) + 1;
-        let mut rope_tables = Vec::new();
-        let mut pairs = 0;
-        for base in [c.rope_base, c.rope_base_local] {
-            let r = snug_kernels::ops::Rope::new(c.rope_layout, c.rope_dim, base);
-            let p = r.pairs(c.head_dim);
-            pairs = p.len();
-            let pa: Vec<i32> = p.iter().map(|x| x.0 as i32).collect();
-            let pb: Vec<i32> = p.iter().map(|x| x.1 as i32).collect();
-            let f: Vec<f32> = p.iter().map(|x| x.2).collect();
-            rope_tables.push((s.clone_htod(&pa)?, s.clone_htod(&pb)?, s.clone_htod(&f)?));
-        }
-        let local = rope_tables.pop().expect("two");
-        let global = rope_tables.pop().expect("two");
+        let ropes =
+            [c.rope_base, c.rope_base_local].map(|base| snug_kernels::ops::Rope::new(c.rope_layout, c.rope_dim, base));
+        let p = ropes[0].pairs(c.head_dim);
+        let pairs = p.len();
+        let pa: Vec<i32> = p.iter().map(|x| x.0 as i32).collect();
+        let pb: Vec<i32> = p.iter().map(|x| x.1 as i32).collect();
+        let rope_pairs = (s.clone_htod(&pa)?, s.clone_htod(&pb)?);
+        let widest = c.dim.max(c.ff).max(c.heads * c.head_dim);
         Ok(CudaWorkspace {
             dev: dev.clone(),
             max_rows: rows,
@@ -367,19 +384,32 @@ impl CudaWorkspace {
             layers: c.layers,
             bufs,
             buf_ptr,
-            tmp: dev.alloc(rows * c.dim.max(c.ff).max(c.heads * c.head_dim), "activations")?,
+            tmp: dev.alloc(rows * widest, "activations")?,
+            q8: dev.alloc(rows * widest.div_ceil(32) * 48, "quantized activations")?,
             logits: dev.alloc(rows * c.vocab, "logits")?,
             scores: dev.alloc(rows * c.heads * ctx, "attention scores")?,
-            tokens: dev.alloc(rows, "batch tables")?,
-            pos: dev.alloc(rows, "batch tables")?,
-            page: dev.alloc(rows, "batch tables")?,
-            slot: dev.alloc(rows, "batch tables")?,
-            which: dev.alloc(rows, "batch tables")?,
-            table: dev.alloc(rows * max_pages, "page tables")?,
-            row_table: dev.alloc(rows, "batch tables")?,
-            row_start: [dev.alloc(rows, "batch tables")?, dev.alloc(rows, "batch tables")?],
-            row_end: dev.alloc(rows, "batch tables")?,
-            rope: [global, local],
+            tables: Which::ALL
+                .iter()
+                .map(|w| {
+                    Staged::new(
+                        dev,
+                        if *w == Which::Table { rows * max_pages } else { rows },
+                        "batch tables",
+                    )
+                })
+                .collect::<Result<_, _>>()?,
+            rope_pairs,
+            ropes,
+            rope_cs: [
+                Staged::new(dev, rows * pairs.max(1) * 2, "rotations")?,
+                Staged::new(dev, rows * pairs.max(1) * 2, "rotations")?,
+            ],
+            has_local: (0..c.layers).any(|l| c.is_local(l)),
+            logits_host: Pinned::new(rows.min(GRAPH_ROWS) * c.vocab)?,
+            graphs: HashMap::new(),
+            graphs_on: true,
+            mode: Mode::Direct,
+            key: (0, 0),
             pairs,
             error: None,
         })
@@ -388,7 +418,12 @@ impl CudaWorkspace {
     /// Bytes of device memory held.
     pub fn bytes(&self) -> usize {
         let f: usize = self.bufs.iter().map(|b| b.num_bytes()).sum();
-        f + self.tmp.num_bytes() + self.logits.num_bytes() + self.scores.num_bytes()
+        f + self.tmp.num_bytes()
+            + self.q8.num_bytes()
+            + self.logits.num_bytes()
+            + self.scores.num_bytes()
+            + self.rope_cs.iter().map(|b| b.len() * 4).sum::<usize>()
+            + self.tables.iter().map(|b| b.len() * 4).sum::<usize>()
     }
 
     /// The first device error since the last check.
@@ -409,30 +444,118 @@ impl CudaWorkspace {
         self.buf_ptr[b as usize]
     }
 
+    /// Writes table `which` for this pass and, unless a graph replays the
+    /// pass, queues its copy (a captured copy takes the whole table, so a
+    /// replay copies whatever this pass wrote).
     fn upload(&mut self, which: Which, data: &[u32]) {
         let s = self.dev.stream.clone();
-        let dst = match which {
-            Which::Tokens => &mut self.tokens,
-            Which::Pos => &mut self.pos,
-            Which::Page => &mut self.page,
-            Which::Slot => &mut self.slot,
-            Which::Gather => &mut self.which,
-            Which::Table => &mut self.table,
-            Which::RowTable => &mut self.row_table,
-            Which::Start(i) => &mut self.row_start[i],
-            Which::End => &mut self.row_end,
+        let t = &mut self.tables[which as usize];
+        let r = t.write(&s, data);
+        let n = if self.mode == Mode::Capture {
+            t.len()
+        } else {
+            data.len()
         };
-        if data.len() > dst.len() {
-            let r = s.alloc_zeros::<u32>(data.len()).map(|n| *dst = n);
-            self.note(r);
-            return self.upload(which, data);
-        }
-        let r = s.memcpy_htod(data, &mut dst.slice_mut(..data.len()));
+        let mode = self.mode;
+        let r = r.and_then(|grew| {
+            if grew {
+                self.graphs.clear();
+                if mode != Mode::Direct {
+                    // Tables are sized for the workspace's rows: a pass
+                    // that outgrows them cannot be a graph's.
+                    return Err(cudarc::driver::DriverError(
+                        cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_STATE,
+                    ));
+                }
+            }
+            if self.mode == Mode::Replay {
+                Ok(())
+            } else {
+                self.tables[which as usize].copy(&s, n)
+            }
+        });
         self.note(r);
+    }
+
+    /// [`CudaWorkspace::upload`] of rotation table `i`.
+    fn upload_f32(&mut self, i: usize, data: &[f32]) {
+        let s = self.dev.stream.clone();
+        let t = &mut self.rope_cs[i];
+        let r = t.write(&s, data);
+        let n = if self.mode == Mode::Capture {
+            t.len()
+        } else {
+            data.len()
+        };
+        let mode = self.mode;
+        let r = r.and_then(|grew| {
+            if grew {
+                self.graphs.clear();
+                if mode != Mode::Direct {
+                    // Tables are sized for the workspace's rows: a pass
+                    // that outgrows them cannot be a graph's.
+                    return Err(cudarc::driver::DriverError(
+                        cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_STATE,
+                    ));
+                }
+            }
+            if self.mode == Mode::Replay {
+                Ok(())
+            } else {
+                self.rope_cs[i].copy(&s, n)
+            }
+        });
+        self.note(r);
+    }
+
+    fn table(&self, which: Which) -> u64 {
+        ptr(&self.tables[which as usize].dev, &self.dev.stream)
+    }
+
+    /// Whether decode steps run as CUDA graphs (on by default; the bits
+    /// are the same either way).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs_on = on;
+        if !on {
+            self.graphs.clear();
+        }
+    }
+
+    /// Graphs captured so far.
+    pub fn graph_count(&self) -> usize {
+        self.graphs.len()
     }
 }
 
-#[derive(Clone, Copy)]
+impl Drop for CudaWorkspace {
+    fn drop(&mut self) {
+        // No copy may still read the page-locked tables when they go.
+        let _ = self.dev.stream.synchronize();
+    }
+}
+
+/// A captured pass.
+struct Graph(CudaGraph);
+
+// SAFETY: launching a graph binds its context to the calling thread first;
+// the workspace that owns it is used by one thread at a time.
+unsafe impl Send for Graph {}
+
+/// Rows a pass may have to run as a graph.
+const GRAPH_ROWS: usize = 64;
+
+/// How the launches of the current pass are made.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Launched one by one.
+    Direct,
+    /// Recorded into a graph, which runs at the end of the pass.
+    Capture,
+    /// Not launched: the pass' graph runs at the end.
+    Replay,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Which {
     Tokens,
     Pos,
@@ -441,14 +564,31 @@ enum Which {
     Gather,
     Table,
     RowTable,
-    Start(usize),
+    StartGlobal,
+    StartLocal,
     End,
+}
+
+impl Which {
+    const ALL: [Which; 10] = [
+        Which::Tokens,
+        Which::Pos,
+        Which::Page,
+        Which::Slot,
+        Which::Gather,
+        Which::Table,
+        Which::RowTable,
+        Which::StartGlobal,
+        Which::StartLocal,
+        Which::End,
+    ];
 }
 
 /// Launches kernel `f` in `cfg` with the arguments given (references to
 /// locals, in the kernel's order and types), noting a failure in `ws`.
 macro_rules! launch {
     ($ws:expr, $f:expr, $cfg:expr, $($a:expr),*) => {{
+        if $ws.mode != Mode::Replay {
         let s = $ws.dev.stream.clone();
         let mut b = s.launch_builder($f);
         $( b.arg($a); )*
@@ -457,6 +597,7 @@ macro_rules! launch {
         // writes (the workspace is sized for its rows and context).
         let r = unsafe { b.launch($cfg) };
         $ws.note(r);
+        }
     }};
 }
 
@@ -489,6 +630,31 @@ impl Backend for Cuda {
         ws.max_rows
     }
 
+    fn begin(ws: &mut CudaWorkspace, rows: &[BatchRow], head: Head, kv: &KvView<CudaKv>) {
+        ws.mode = Mode::Direct;
+        // Decode steps and verifications (a few rows, every one wanting
+        // logits) run as graphs; prefill chunks pay for their launches.
+        let step = head == Head::Logits
+            && !rows.is_empty()
+            && rows.len() <= GRAPH_ROWS.min(ws.max_rows)
+            && rows.iter().all(|r| r.logits)
+            && !snug_model::arch::trace::enabled();
+        if !ws.graphs_on || !step || ws.error.is_some() {
+            return;
+        }
+        ws.key = (rows.len(), kv.storage.k_ptr());
+        if ws.graphs.contains_key(&ws.key) {
+            ws.mode = Mode::Replay;
+            return;
+        }
+        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        match ws.dev.stream.begin_capture(mode) {
+            Ok(()) => ws.mode = Mode::Capture,
+            // Launched one by one from now on.
+            Err(_) => ws.graphs_on = false,
+        }
+    }
+
     fn embed(ws: &mut CudaWorkspace, table: &CudaMatrix, rows: &[BatchRow]) {
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let pos: Vec<u32> = rows.iter().map(|r| r.pos as u32).collect();
@@ -496,7 +662,7 @@ impl Backend for Cuda {
         ws.upload(Which::Pos, &pos);
         let dev = ws.dev.clone();
         let (w, rb, cols) = (table.ptr, table.row_bytes as u64, table.cols as i32);
-        let (t, x) = (ptr(&ws.tokens, &dev.stream), ws.p(Buf::X));
+        let (t, x) = (ws.table(Which::Tokens), ws.p(Buf::X));
         launch!(
             ws,
             dev.rows_fn(table.ty),
@@ -516,6 +682,9 @@ impl Backend for Cuda {
     }
 
     fn copy(ws: &mut CudaWorkspace, from: Buf, to: Buf, len: usize) {
+        if ws.mode == Mode::Replay {
+            return;
+        }
         let s = ws.dev.stream.clone();
         let (i, j) = (from as usize, to as usize);
         let (a, b) = snug_model::backend::read_and_write(&mut ws.bufs, i, j);
@@ -530,7 +699,7 @@ impl Backend for Cuda {
         }
         let dev = ws.dev.clone();
         let (x, wp, dim) = (ws.p(buf), w.ptr, w.len as i32);
-        launch!(ws, &dev.k.rms_norm, per_row(rows, 256), &x, &wp, &dim, &eps);
+        launch!(ws, &dev.k.rms_norm, per_row(rows, 32), &x, &wp, &dim, &eps);
     }
 
     fn matmul(ws: &mut CudaWorkspace, w: &CudaMatrix, from: Buf, to: Buf, rows: usize) {
@@ -550,29 +719,44 @@ impl Backend for Cuda {
         elementwise!(ws, &dev.k.add, len, &t, &f, &n);
     }
 
-    fn rope(ws: &mut CudaWorkspace, _layer: usize, rows: &[BatchRow], local: bool) {
+    fn rope(ws: &mut CudaWorkspace, layer: usize, rows: &[BatchRow], local: bool) {
         if rows.is_empty() || ws.pairs == 0 {
             return;
         }
+        let which = usize::from(local);
+        if layer == 0 {
+            // Each row's cosines and sines, as the CPU's `Rope::apply`
+            // computes them (the same library calls on the same host).
+            for i in 0..1 + usize::from(ws.has_local) {
+                let pairs = ws.ropes[i].pairs(ws.head_dim);
+                let mut cs = Vec::with_capacity(rows.len() * pairs.len() * 2);
+                for r in rows {
+                    for &(_, _, f) in &pairs {
+                        let (sin, cos) = (r.pos as f32 * f).sin_cos();
+                        cs.push(cos);
+                        cs.push(sin);
+                    }
+                }
+                ws.upload_f32(i, &cs);
+            }
+        }
         let dev = ws.dev.clone();
         let s = &dev.stream;
-        let (q, k, pos) = (ws.p(Buf::Q), ws.p(Buf::K), ptr(&ws.pos, s));
+        let (q, k, cs) = (ws.p(Buf::Q), ws.p(Buf::K), ptr(&ws.rope_cs[which].dev, s));
         let (heads, kvh, hd, pairs) = (ws.heads as i32, ws.kv_heads as i32, ws.head_dim as i32, ws.pairs as i32);
-        let t = &ws.rope[usize::from(local)];
-        let (pa, pb, f) = (ptr(&t.0, s), ptr(&t.1, s), ptr(&t.2, s));
+        let (pa, pb) = (ptr(&ws.rope_pairs.0, s), ptr(&ws.rope_pairs.1, s));
         launch!(
             ws,
             &dev.k.rope,
             per_row(rows.len(), 128),
             &q,
             &k,
-            &pos,
+            &cs,
             &heads,
             &kvh,
             &hd,
             &pa,
             &pb,
-            &f,
             &pairs
         );
     }
@@ -588,9 +772,8 @@ impl Backend for Cuda {
             ws.upload(Which::Slot, &slot);
         }
         let dev = ws.dev.clone();
-        let s = &dev.stream;
         let shape = kv.shape();
-        let (k, v, pg, sl) = (ws.p(Buf::K), ws.p(Buf::V), ptr(&ws.page, s), ptr(&ws.slot, s));
+        let (k, v, pg, sl) = (ws.p(Buf::K), ws.p(Buf::V), ws.table(Which::Page), ws.table(Which::Slot));
         let (l, layers, kvh, pt, hd) = (
             layer as i32,
             shape.layers as i32,
@@ -642,18 +825,18 @@ impl Backend for Cuda {
             ws.upload(Which::Table, &table);
             ws.upload(Which::RowTable, &row_table);
             ws.upload(Which::End, &end);
-            ws.upload(Which::Start(0), &global);
-            ws.upload(Which::Start(1), &local_start);
+            ws.upload(Which::StartGlobal, &global);
+            ws.upload(Which::StartLocal, &local_start);
         }
         let dev = ws.dev.clone();
         let s = &dev.stream;
         let shape = kv.storage.shape();
         let (q, out) = (ws.p(Buf::Q), ws.p(Buf::Attn));
         let (table, rt, st, en) = (
-            ptr(&ws.table, s),
-            ptr(&ws.row_table, s),
-            ptr(&ws.row_start[usize::from(local)], s),
-            ptr(&ws.row_end, s),
+            ws.table(Which::Table),
+            ws.table(Which::RowTable),
+            ws.table(if local { Which::StartLocal } else { Which::StartGlobal }),
+            ws.table(Which::End),
         );
         let (heads, kvh, hd, l, layers, pt) = (
             ws.heads as i32,
@@ -714,11 +897,11 @@ impl Backend for Cuda {
         ws.upload(Which::Gather, &idx);
         let dev = ws.dev.clone();
         let s = &dev.stream;
-        let (src, w, wi) = (ws.p(from), width as i32, ptr(&ws.which, s));
+        let (src, w, wi) = (ws.p(from), width as i32, ws.table(Which::Gather));
         // In place, rows go through the spare buffer first.
         let dst = if from == to { ptr(&ws.tmp, s) } else { ws.p(to) };
         launch!(ws, &dev.k.gather, per_row(which.len(), 256), &src, &dst, &wi, &w);
-        if from == to {
+        if from == to && ws.mode != Mode::Replay {
             let n = which.len() * width;
             let i = to as usize;
             let r = s.memcpy_dtod(&ws.tmp.slice(..n), &mut ws.bufs[i].slice_mut(..n));
@@ -732,10 +915,47 @@ impl Backend for Cuda {
         }
         let s = ws.dev.stream.clone();
         let (x, y) = (ws.p(from), ptr(&ws.logits, &s));
-        matmul_into(ws, head, x, y, rows);
         let n = rows * head.rows;
-        let r = s.memcpy_dtoh(&ws.logits.slice(..n), &mut out[..n]);
+        let mode = std::mem::replace(&mut ws.mode, Mode::Direct);
+        if mode == Mode::Direct {
+            matmul_into(ws, head, x, y, rows);
+            let r = s.memcpy_dtoh(&ws.logits.slice(..n), &mut out[..n]);
+            return ws.note(r);
+        }
+        if mode == Mode::Capture {
+            ws.mode = Mode::Capture;
+            matmul_into(ws, head, x, y, rows);
+            ws.mode = Mode::Direct;
+            // SAFETY: the page-locked buffer holds `GRAPH_ROWS` rows of
+            // logits and lives as long as the graph (both are the
+            // workspace's).
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(&mut ws.logits_host.as_mut_slice()[..n], y, s.cu_stream())
+            };
+            ws.note(r);
+            let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+            match s.end_capture(flags) {
+                Ok(Some(g)) if ws.error.is_none() => {
+                    ws.graphs.insert(ws.key, Graph(g));
+                }
+                Ok(_) => {
+                    // A launch failed while capturing (noted): this pass
+                    // has no result, and later ones launch one by one.
+                    ws.graphs_on = false;
+                    return;
+                }
+                Err(e) => {
+                    ws.graphs_on = false;
+                    return ws.note::<()>(Err(e));
+                }
+            }
+        }
+        let r = match ws.graphs.get(&ws.key) {
+            Some(g) => g.0.launch().and_then(|()| s.synchronize()),
+            None => Ok(()),
+        };
         ws.note(r);
+        out[..n].copy_from_slice(&ws.logits_host.as_slice()[..n]);
     }
 
     fn read(ws: &CudaWorkspace, buf: Buf, out: &mut [f32]) {
@@ -757,24 +977,79 @@ impl Backend for Cuda {
     }
 }
 
-/// `y[r] = w * x[r]` for `rows` rows, `x` and `y` device addresses.
+/// `y[r] = w * x[r]` for `rows` rows, `x` and `y` device addresses: over
+/// quantized weights, the activations are quantized first (as the CPU
+/// quantizes them) and the products are integer dot products in the CPU's
+/// order; over float weights, f32 dot products in the CPU's order.
 fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize) {
-    if rows == 0 {
+    if rows == 0 || ws.mode == Mode::Replay {
         return;
     }
     let dev = ws.dev.clone();
-    let (wp, rb, cols, outs, n) = (w.ptr, w.row_bytes as u64, w.cols as i32, w.rows as i32, rows as i32);
-    let mut b = dev.stream.launch_builder(dev.matmul_fn(w.ty));
-    b.arg(&wp).arg(&rb).arg(&cols).arg(&outs).arg(&x).arg(&n).arg(&y);
+    let s = &dev.stream;
+    let (wp, rb, outs, n) = (w.ptr, w.row_bytes as u64, w.rows as i32, rows as i32);
+    let grid = ((w.rows as u32).div_ceil(4), (rows as u32).div_ceil(4), 1);
     let cfg = LaunchConfig {
-        grid_dim: ((w.rows as u32).div_ceil(4), (rows as u32).div_ceil(4), 1),
+        grid_dim: grid,
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match the kernel's signature; the buffers hold
-    // `rows` rows of `cols` and `outs`.
+    if matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+        let cols = w.cols as i32;
+        let mut b = s.launch_builder(dev.matmul_fn(w.ty));
+        b.arg(&wp).arg(&rb).arg(&cols).arg(&outs).arg(&x).arg(&n).arg(&y);
+        // SAFETY: the arguments match the kernel's signature; the buffers
+        // hold `rows` rows of `cols` and `outs`.
+        let r = unsafe { b.launch(cfg) };
+        return ws.note(r);
+    }
+    let blocks = (rows * w.cols / 32) as u64;
+    let q8 = ptr(&ws.q8, s);
+    match snug_kernels::dot::act_format(w.ty) {
+        snug_kernels::dot::ActFormat::Q8K => {
+            launch!(ws, &dev.k.quantize_q8k, per_row(rows * w.cols / 256, 256), &x, &q8);
+        }
+        f => {
+            let q81 = i32::from(f == snug_kernels::dot::ActFormat::Q8_1);
+            launch!(
+                ws,
+                &dev.k.quantize_q8,
+                grid_of(blocks as usize, 8),
+                &x,
+                &blocks,
+                &q81,
+                &q8
+            );
+        }
+    }
+    let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
+        256
+    } else {
+        32
+    };
+    let (nblk, nab) = ((w.cols / per_block) as i32, (w.cols / 32) as i32);
+    let mut b = s.launch_builder(dev.matmul_fn(w.ty));
+    b.arg(&wp)
+        .arg(&rb)
+        .arg(&nblk)
+        .arg(&outs)
+        .arg(&q8)
+        .arg(&nab)
+        .arg(&n)
+        .arg(&y);
+    // SAFETY: the arguments match the kernel's signature; the quantized
+    // activations hold `rows` rows of `cols / 32` blocks.
     let r = unsafe { b.launch(cfg) };
     ws.note(r);
+}
+
+/// `n` warps' work, 8 warps a block.
+fn grid_of(n: usize, warps: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(warps).max(1), 1, 1),
+        block_dim: (32 * warps, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 #[cfg(test)]
@@ -789,7 +1064,12 @@ mod tests {
                     let s = type_suffix(ty).expect("listed");
                     assert!(ptx.contains(&format!(".entry matmul_{s}(")), "matmul_{s} missing");
                 }
-                assert!(ptx.contains(".entry attend_f16("));
+                for k in ["attend_f16", "quantize_q8", "quantize_q8k", "rms_norm", "rope"] {
+                    assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing");
+                }
+                // Nothing spills to local memory: every kernel's state
+                // stays in registers.
+                assert!(!ptx.contains("ld.local"), "a kernel spills to local memory");
             }
             Err(CudaError::NoNvrtc) => eprintln!("skipping: no NVRTC library on this machine"),
             Err(e) => panic!("{e}"),

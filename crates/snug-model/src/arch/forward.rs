@@ -97,6 +97,7 @@ pub fn forward<'w, B: Backend>(
     let nl = c.layers;
     let trace = |ws: &B::Workspace, name: &str, l: usize, buf: Buf, len: usize| B::trace(ws, name, l, nl, buf, len);
 
+    B::begin(ws, rows, head, kv);
     B::embed(ws, &w.embed, rows);
     if c.embed_scale != 1.0 {
         B::scale(ws, Buf::X, n * dim, c.embed_scale);

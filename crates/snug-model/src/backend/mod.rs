@@ -23,7 +23,7 @@ pub use snug_kernels::kv::KvStore;
 
 use snug_kernels::kv::KvSlot;
 
-use crate::arch::{Activation, BatchRow, Config, KvView};
+use crate::arch::{Activation, BatchRow, Config, Head, KvView};
 
 /// Element `i` to read and element `j` (another) to write, of one slice:
 /// how a backend reads one of its buffers while it writes another.
@@ -135,6 +135,12 @@ pub trait Backend: Sync {
 
     /// Rows the workspace holds.
     fn max_rows(ws: &Self::Workspace) -> usize;
+
+    /// Called first in every forward pass with its rows and what it hands
+    /// back: a backend that records a pass' launches once and replays them
+    /// (the CUDA backend's graphs for decode steps) decides here. Nothing
+    /// by default.
+    fn begin(_ws: &mut Self::Workspace, _rows: &[BatchRow], _head: Head, _kv: &KvView<Self::Kv>) {}
 
     /// Writes each row's token's embedding into [`Buf::X`].
     fn embed(ws: &mut Self::Workspace, table: &Self::Matrix<'_>, rows: &[BatchRow]);
