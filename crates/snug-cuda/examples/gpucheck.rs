@@ -429,10 +429,13 @@ fn main() {
     let mut pp_s = Vec::new();
     let mut tg_s = Vec::new();
     let mut tg_direct_s = Vec::new();
+    let mut pp_cuda_cores_s = Vec::new();
     for round in 0..6 {
-        // Rounds alternate decode steps as graphs and one by one.
+        // Rounds alternate decode steps as graphs and one by one, and
+        // prefill on tensor cores and not.
         let graphs = round % 2 == 0;
         gws.set_graphs(graphs);
+        gws.set_tensor_cores(graphs);
         let rows: Vec<BatchRow> = bench_prompt
             .iter()
             .enumerate()
@@ -453,7 +456,11 @@ fn main() {
         };
         forward::<snug_cuda::Cuda>(&c, gwt, &rows, &mut view, &mut gws, Head::Logits, &mut logits);
         dev.synchronize().unwrap();
-        pp_s.push(t.elapsed().as_secs_f64());
+        if graphs {
+            pp_s.push(t.elapsed().as_secs_f64());
+        } else {
+            pp_cuda_cores_s.push(t.elapsed().as_secs_f64());
+        }
         let mut next = argmax(&logits);
         let t = Instant::now();
         for step in 0..tg {
@@ -479,6 +486,7 @@ fn main() {
         }
     }
     gws.set_graphs(true);
+    gws.set_tensor_cores(true);
     gws.check().unwrap();
     let med = |v: &mut Vec<f64>| {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -510,6 +518,7 @@ fn main() {
         "tg": tg,
         "tg_tok_s": tg as f64 / tgs,
         "tg_tok_s_without_graphs": tg as f64 / tgd,
+        "pp_tok_s_without_tensor_cores": pp as f64 / med(&mut pp_cuda_cores_s),
         "graphs_same_bits_as_launches": graphs_same_bits,
         "graphs_captured": gws.graph_count(),
     });

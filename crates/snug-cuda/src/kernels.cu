@@ -306,12 +306,22 @@ __device__ void matmul_q_body(const u8* w, u64 row_bytes, int nblk, int outs, co
                         sc[h][1] = s;
                         mn[h] = m;
                     }
-                    const u32* q = (const u32*)(blk + (TY == T_Q4_K ? 16 : 48) + 32 * t);
+                    // 16-byte aligned: super-blocks of 144 and 176 bytes.
+                    const uint4* q4 = (const uint4*)(blk + (TY == T_Q4_K ? 16 : 48) + 32 * t);
+                    uint4 qa = q4[0], qb = q4[1];
+                    u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+                    u32 qhv[8];
+                    if (TY == T_Q5_K) {
+                        const uint4* h4 = (const uint4*)(blk + 16);
+                        uint4 ha = h4[0], hb = h4[1];
+                        qhv[0] = ha.x; qhv[1] = ha.y; qhv[2] = ha.z; qhv[3] = ha.w;
+                        qhv[4] = hb.x; qhv[5] = hb.y; qhv[6] = hb.z; qhv[7] = hb.w;
+                    }
                     for (int k = 0; k < 8; k++) {
                         u32 v = q[k];
                         u32 lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
                         if (TY == T_Q5_K) {
-                            u32 qh = ((const u32*)(blk + 16))[k];
+                            u32 qh = qhv[k];
                             lo |= ((qh >> (2 * t)) & 0x01010101u) << 4;
                             hi |= ((qh >> (2 * t + 1)) & 0x01010101u) << 4;
                         }
@@ -350,9 +360,15 @@ __device__ void matmul_q_body(const u8* w, u64 row_bytes, int nblk, int outs, co
                     da = ab[0].d;
                     for (int h = 0; h < 2; h++) {
                         const Q8* q = ab + 2 * t + h;
-                        int p0 = 0, p1 = 0;
-                        for (int k = 0; k < 4; k++) p0 = __dp4a(wp[h][k], q->qs[k], p0);
-                        for (int k = 4; k < 8; k++) p1 = __dp4a(wp[h][k], q->qs[k], p1);
+                        int4 a0 = ((const int4*)q->qs)[0], a1 = ((const int4*)q->qs)[1];
+                        int p0 = __dp4a(wp[h][0], a0.x, 0);
+                        p0 = __dp4a(wp[h][1], a0.y, p0);
+                        p0 = __dp4a(wp[h][2], a0.z, p0);
+                        p0 = __dp4a(wp[h][3], a0.w, p0);
+                        int p1 = __dp4a(wp[h][4], a1.x, 0);
+                        p1 = __dp4a(wp[h][5], a1.y, p1);
+                        p1 = __dp4a(wp[h][6], a1.z, p1);
+                        p1 = __dp4a(wp[h][7], a1.w, p1);
                         isum += sc[h][0] * p0 + sc[h][1] * p1;
                         msum += mn[h] * q->sum;
                     }
@@ -440,6 +456,253 @@ MATMUL_Q(matmul_q8_0, T_Q8_0)
 MATMUL_Q(matmul_q4_k, T_Q4_K)
 MATMUL_Q(matmul_q5_k, T_Q5_K)
 MATMUL_Q(matmul_q6_k, T_Q6_K)
+
+// The same products for many rows, on tensor cores: each block's integer
+// dot products of a 16-row by 8-output tile are one int8 `mma` (exact
+// 32-bit sums, 16 elements at a time where a K-quant scales halves of a
+// block apart), then every (row, output) takes exactly the steps of
+// matmul_q_body with them. A warp computes 16 rows by 16 outputs; a block
+// of 4 warps, 16 rows by 64 outputs.
+__device__ __forceinline__ void mma32(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+__device__ __forceinline__ void mma16(int* d, int a0, int a1, int b0) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+
+// A weight row's elements 4t..4t+3 (lo) and 16+4t..16+4t+3 (hi) of
+// block b (a 32-element type), with its scale and minimum.
+template <int TY>
+__device__ __forceinline__ void wblock(const u8* row, int b, int t, int* lo, int* hi, float* d, float* m) {
+    if (TY == T_Q4_0) {
+        const u8* blk = row + 18 * (u64)b;
+        *d = h2f(ld16(blk));
+        u32 q = ld32(blk + 2 + 4 * t);
+        *lo = (int)__vsub4(q & 0x0F0F0F0Fu, 0x08080808u);
+        *hi = (int)__vsub4((q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+    } else if (TY == T_Q4_1) {
+        const u8* blk = row + 20 * (u64)b;
+        *d = h2f(ld16(blk));
+        *m = h2f(ld16(blk + 2));
+        u32 q = ld32(blk + 4 + 4 * t);
+        *lo = (int)(q & 0x0F0F0F0Fu);
+        *hi = (int)((q >> 4) & 0x0F0F0F0Fu);
+    } else if (TY == T_Q5_0) {
+        const u8* blk = row + 22 * (u64)b;
+        *d = h2f(ld16(blk));
+        u32 qh = ld32(blk + 2), q = ld32(blk + 6 + 4 * t);
+        *lo = (int)__vsub4((q & 0x0F0F0F0Fu) | high4(qh, 4 * t), 0x10101010u);
+        *hi = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t), 0x10101010u);
+    } else if (TY == T_Q5_1) {
+        const u8* blk = row + 24 * (u64)b;
+        *d = h2f(ld16(blk));
+        *m = h2f(ld16(blk + 2));
+        u32 qh = ld32(blk + 4), q = ld32(blk + 8 + 4 * t);
+        *lo = (int)((q & 0x0F0F0F0Fu) | high4(qh, 4 * t));
+        *hi = (int)(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t));
+    } else {
+        const u8* blk = row + 34 * (u64)b;
+        *d = h2f(ld16(blk));
+        *lo = (int)ld32(blk + 2 + 4 * t);
+        *hi = (int)ld32(blk + 18 + 4 * t);
+    }
+}
+
+// The scale and minimum of block b of a 32-element type.
+template <int TY>
+__device__ __forceinline__ void wscale(const u8* row, int b, float* d, float* m) {
+    int ts = TY == T_Q4_0 ? 18 : TY == T_Q4_1 ? 20 : TY == T_Q5_0 ? 22 : TY == T_Q5_1 ? 24 : 34;
+    const u8* blk = row + ts * (u64)b;
+    *d = h2f(ld16(blk));
+    if (TY == T_Q4_1 || TY == T_Q5_1) *m = h2f(ld16(blk + 2));
+}
+
+// Elements 4t..4t+3 (lo) and 16+4t..16+4t+3 (hi) of block j of a K-quant
+// super-block.
+template <int TY>
+__device__ __forceinline__ void kblock(const u8* sb, int j, int t, int* lo, int* hi) {
+    if (TY == T_Q4_K || TY == T_Q5_K) {
+        const u8* q = sb + (TY == T_Q4_K ? 16 : 48) + 32 * (j >> 1);
+        int sh = 4 * (j & 1);
+        u32 a = (ld32(q + 4 * t) >> sh) & 0x0F0F0F0Fu, b = (ld32(q + 16 + 4 * t) >> sh) & 0x0F0F0F0Fu;
+        if (TY == T_Q5_K) {
+            a |= ((ld32(sb + 16 + 4 * t) >> j) & 0x01010101u) << 4;
+            b |= ((ld32(sb + 32 + 4 * t) >> j) & 0x01010101u) << 4;
+        }
+        *lo = (int)a;
+        *hi = (int)b;
+    } else {
+        int h = j >> 2, k = j & 3;
+        const u8* ql = sb + 64 * h + ((k & 1) ? 32 : 0);
+        const u8* qh = sb + 128 + 32 * h;
+        int sh = (k & 2) ? 4 : 0;
+        u32 a = (ld32(ql + 4 * t) >> sh) & 0x0F0F0F0Fu, b = (ld32(ql + 16 + 4 * t) >> sh) & 0x0F0F0F0Fu;
+        a |= ((ld32(qh + 4 * t) >> (2 * k)) & 0x03030303u) << 4;
+        b |= ((ld32(qh + 16 + 4 * t) >> (2 * k)) & 0x03030303u) << 4;
+        *lo = (int)__vsub4(a, 0x20202020u);
+        *hi = (int)__vsub4(b, 0x20202020u);
+    }
+}
+
+__device__ __forceinline__ int kscale(int ty, const u8* sb, int j, int half, int* m) {
+    if (ty == T_Q6_K) {
+        *m = 0;
+        return ((const i8*)(sb + 192))[2 * j + half];
+    }
+    int sc, mn;
+    scale_min_k4(j, sb + 4, &sc, &mn);
+    *m = mn;
+    return sc;
+}
+
+template <int TY>
+__device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, int n,
+                                float* y) {
+    const bool K = TY == T_Q4_K || TY == T_Q5_K || TY == T_Q6_K;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, t = lane & 3;
+    int o0 = (blockIdx.x * 4 + warp) * 16;
+    if (o0 >= outs) return;
+    int r0 = blockIdx.y * 16;
+    // Rows this lane loads (A) and owns in the results (C): r0+g, r0+g+8.
+    int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
+    const Q8* aa = a + (u64)ra * nab;
+    const Q8* ab = a + (u64)rb * nab;
+    // Weight rows this lane loads (B): o0+g and o0+8+g; results' outputs:
+    // o0 + 8s + 2t + c.
+    const u8* wl[2] = {w + row_bytes * (u64)min(o0 + g, outs - 1), w + row_bytes * (u64)min(o0 + 8 + g, outs - 1)};
+    const u8* wc[2][2];
+    #pragma unroll
+    for (int s2 = 0; s2 < 2; s2++)
+        #pragma unroll
+        for (int c = 0; c < 2; c++) wc[s2][c] = w + row_bytes * (u64)min(o0 + 8 * s2 + 2 * t + c, outs - 1);
+    // acc[s][e][k]: subtile s, element e (c0..c3), accumulator k.
+    float acc[2][4][8];
+    #pragma unroll
+    for (int s2 = 0; s2 < 2; s2++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++)
+            for (int k = 0; k < 8; k++) acc[s2][e][k] = 0.0f;
+    for (int b0 = 0; b0 < nblk; b0 += 8) {
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int b = b0 + u;
+            if (b >= nblk) break;
+            if (!K) {
+                int lo[2], hi[2];
+                float dd, mm;
+                #pragma unroll
+                for (int s2 = 0; s2 < 2; s2++) wblock<TY>(wl[s2], b, t, &lo[s2], &hi[s2], &dd, &mm);
+                const Q8* qa = aa + b;
+                const Q8* qb = ab + b;
+                int a0 = qa->qs[t], a1 = qb->qs[t], a2 = qa->qs[4 + t], a3 = qb->qs[4 + t];
+                float da[2] = {qa->d, qb->d}, sa[2] = {qa->s, qb->s};
+                #pragma unroll
+                for (int s2 = 0; s2 < 2; s2++) {
+                    int dv[4];
+                    mma32(dv, a0, a1, a2, a3, lo[s2], hi[s2]);
+#pragma unroll
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float dw, mw = 0.0f;
+                        wscale<TY>(wc[s2][e & 1], b, &dw, &mw);
+                        int r = e >> 1;
+                        acc[s2][e][u] = fmaf((float)dv[e], dw * da[r], acc[s2][e][u]);
+                        if (TY == T_Q4_1 || TY == T_Q5_1) acc[s2][e][u] = fmaf(mw, sa[r], acc[s2][e][u]);
+                    }
+                }
+            } else {
+                int ts = TY == T_Q4_K ? 144 : TY == T_Q5_K ? 176 : 210;
+                int isum[2][4], msum[2][4];
+                #pragma unroll
+                for (int s2 = 0; s2 < 2; s2++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) isum[s2][e] = msum[s2][e] = 0;
+                const Q8* qa = aa + 8 * b;
+                const Q8* qb = ab + 8 * b;
+                for (int j = 0; j < 8; j++) {
+                    int lo[2], hi[2];
+                    #pragma unroll
+                    for (int s2 = 0; s2 < 2; s2++) kblock<TY>(wl[s2] + (u64)ts * b, j, t, &lo[s2], &hi[s2]);
+                    int a0 = qa[j].qs[t], a1 = qb[j].qs[t], a2 = qa[j].qs[4 + t], a3 = qb[j].qs[4 + t];
+                    int sums[2] = {qa[j].sum, qb[j].sum};
+                    #pragma unroll
+                    for (int s2 = 0; s2 < 2; s2++) {
+                        int d0[4], d1[4];
+                        if (TY == T_Q6_K) {
+                            mma16(d0, a0, a1, lo[s2]);
+                            mma16(d1, a2, a3, hi[s2]);
+                        } else {
+                            mma32(d0, a0, a1, a2, a3, lo[s2], hi[s2]);
+                        }
+                        #pragma unroll
+                        for (int c = 0; c < 2; c++) {
+                            const u8* sbw = wc[s2][c] + (u64)ts * b;
+                            int m0, m1;
+                            int sc0 = kscale(TY, sbw, j, 0, &m0);
+                            int sc1 = TY == T_Q6_K ? kscale(TY, sbw, j, 1, &m1) : sc0;
+                            #pragma unroll
+                            for (int r = 0; r < 2; r++) {
+                                int e = 2 * r + c;
+                                if (TY == T_Q6_K) isum[s2][e] += sc0 * d0[e] + sc1 * d1[e];
+                                else isum[s2][e] += sc0 * d0[e];
+                                msum[s2][e] += m0 * sums[r];
+                            }
+                        }
+                    }
+                }
+                float da[2] = {qa[0].d, qb[0].d};
+                #pragma unroll
+                for (int s2 = 0; s2 < 2; s2++) {
+                    #pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const u8* sbw = wc[s2][c] + (u64)ts * b;
+                        float d = h2f(ld16(sbw + (TY == T_Q6_K ? 208 : 0)));
+                        float dmin = TY == T_Q6_K ? 0.0f : h2f(ld16(sbw + 2));
+                        #pragma unroll
+                        for (int r = 0; r < 2; r++) {
+                            int e = 2 * r + c;
+                            acc[s2][e][u] = fmaf((float)isum[s2][e], d * da[r], acc[s2][e][u]);
+                            if (TY != T_Q6_K) acc[s2][e][u] = fmaf(-(dmin * da[r]), (float)msum[s2][e], acc[s2][e][u]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int s2 = 0; s2 < 2; s2++) {
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int r = r0 + g + 8 * (e >> 1), o = o0 + 8 * s2 + 2 * t + (e & 1);
+            const float* v = acc[s2][e];
+            float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+            if (r < n && o < outs) y[(u64)r * outs + o] = sum;
+        }
+    }
+}
+
+#define MATMUL_MMA(NAME, TY)                                                                          \
+    extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, \
+                                    int n, float* y) {                                                \
+        matmul_mma_body<TY>(w, row_bytes, nblk, outs, a, nab, n, y);                                  \
+    }
+MATMUL_MMA(mma_q4_0, T_Q4_0)
+MATMUL_MMA(mma_q4_1, T_Q4_1)
+MATMUL_MMA(mma_q5_0, T_Q5_0)
+MATMUL_MMA(mma_q5_1, T_Q5_1)
+MATMUL_MMA(mma_q8_0, T_Q8_0)
+MATMUL_MMA(mma_q4_k, T_Q4_K)
+MATMUL_MMA(mma_q5_k, T_Q5_K)
+MATMUL_MMA(mma_q6_k, T_Q6_K)
 
 // Float weights times f32 activations in the CPU's dot_f32 order: element
 // i into lane i % 16 (fused), the lanes folded as lane k plus lane k + 8,
@@ -624,8 +887,16 @@ extern "C" __global__ void attend_f16(const float* q, const u32* table, const u3
         const u16* kp = kc + base;
         float l16[16];
         for (int i = 0; i < 16; i++) l16[i] = 0.0f;
+        // A key row is 16-byte aligned (head_dim a multiple of 16).
+        const uint4* k4 = (const uint4*)kp;
         for (int d0 = 0; d0 < hd; d0 += 16) {
-            for (int i = 0; i < 16; i++) l16[i] = fmaf(qw[d0 + i], h2f(kp[d0 + i]), l16[i]);
+            uint4 a = k4[d0 / 8], b = k4[d0 / 8 + 1];
+            u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                u16 h = (u16)(w[i >> 1] >> (16 * (i & 1)));
+                l16[i] = fmaf(qw[d0 + i], h2f(h), l16[i]);
+            }
         }
         float f[8];
         for (int i = 0; i < 8; i++) f[i] = l16[i] + l16[i + 8];

@@ -114,6 +114,8 @@ pub fn compile(arch: &str) -> Result<String, CudaError> {
 /// The kernels of one compiled module.
 struct Kernels {
     matmul: Vec<(GgmlType, CudaFunction)>,
+    /// Quantized products on tensor cores (many rows).
+    mma: Vec<(GgmlType, CudaFunction)>,
     rows: Vec<(GgmlType, CudaFunction)>,
     quantize_q8: CudaFunction,
     quantize_q8k: CudaFunction,
@@ -172,14 +174,19 @@ impl Device {
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
         let f = |n: &str| module.load_function(n);
         let mut matmul = Vec::new();
+        let mut mma = Vec::new();
         let mut rows = Vec::new();
         for ty in TYPES {
             let s = type_suffix(ty).expect("listed");
             matmul.push((ty, f(&format!("matmul_{s}"))?));
             rows.push((ty, f(&format!("rows_{s}"))?));
+            if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+                mma.push((ty, f(&format!("mma_{s}"))?));
+            }
         }
         let k = Kernels {
             matmul,
+            mma,
             rows,
             quantize_q8: f("quantize_q8")?,
             quantize_q8k: f("quantize_q8k")?,
@@ -270,6 +277,10 @@ impl Device {
             .1
     }
 
+    fn mma_fn(&self, ty: GgmlType) -> Option<&CudaFunction> {
+        self.k.mma.iter().find(|(t, _)| *t == ty).map(|x| &x.1)
+    }
+
     fn rows_fn(&self, ty: GgmlType) -> &CudaFunction {
         &self
             .k
@@ -341,6 +352,9 @@ pub struct CudaWorkspace {
     /// its first pass and replayed after.
     graphs: HashMap<(usize, u64), Graph>,
     graphs_on: bool,
+    /// Whether products of many rows use tensor cores (the same bits
+    /// either way).
+    tensor_cores: bool,
     mode: Mode,
     key: (usize, u64),
     pairs: usize,
@@ -408,6 +422,7 @@ impl CudaWorkspace {
             logits_host: Pinned::new(rows.min(GRAPH_ROWS) * c.vocab)?,
             graphs: HashMap::new(),
             graphs_on: true,
+            tensor_cores: true,
             mode: Mode::Direct,
             key: (0, 0),
             pairs,
@@ -519,6 +534,12 @@ impl CudaWorkspace {
         if !on {
             self.graphs.clear();
         }
+    }
+
+    /// Whether products of 16 rows or more run on tensor cores (on by
+    /// default; the bits are the same either way).
+    pub fn set_tensor_cores(&mut self, on: bool) {
+        self.tensor_cores = on;
     }
 
     /// Graphs captured so far.
@@ -1028,6 +1049,28 @@ fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usi
         32
     };
     let (nblk, nab) = ((w.cols / per_block) as i32, (w.cols / 32) as i32);
+    // Many rows: tensor cores (the same operations on each product).
+    if rows >= MMA_ROWS && ws.tensor_cores {
+        if let Some(f) = dev.mma_fn(w.ty) {
+            let cfg = LaunchConfig {
+                grid_dim: ((w.rows as u32).div_ceil(64), (rows as u32).div_ceil(16), 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = s.launch_builder(f);
+            b.arg(&wp)
+                .arg(&rb)
+                .arg(&nblk)
+                .arg(&outs)
+                .arg(&q8)
+                .arg(&nab)
+                .arg(&n)
+                .arg(&y);
+            // SAFETY: as below.
+            let r = unsafe { b.launch(cfg) };
+            return ws.note(r);
+        }
+    }
     let mut b = s.launch_builder(dev.matmul_fn(w.ty));
     b.arg(&wp)
         .arg(&rb)
@@ -1042,6 +1085,9 @@ fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usi
     let r = unsafe { b.launch(cfg) };
     ws.note(r);
 }
+
+/// Rows from which a quantized product runs on tensor cores.
+const MMA_ROWS: usize = 16;
 
 /// `n` warps' work, 8 warps a block.
 fn grid_of(n: usize, warps: u32) -> LaunchConfig {
@@ -1064,7 +1110,15 @@ mod tests {
                     let s = type_suffix(ty).expect("listed");
                     assert!(ptx.contains(&format!(".entry matmul_{s}(")), "matmul_{s} missing");
                 }
-                for k in ["attend_f16", "quantize_q8", "quantize_q8k", "rms_norm", "rope"] {
+                for k in [
+                    "attend_f16",
+                    "quantize_q8",
+                    "quantize_q8k",
+                    "rms_norm",
+                    "rope",
+                    "mma_q4_k",
+                    "mma_q6_k",
+                ] {
                     assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing");
                 }
                 // Nothing spills to local memory: every kernel's state

@@ -4,8 +4,8 @@
 //! speed at sizes no real file here has; the values do not matter to
 //! speed, and the output is gibberish.
 //!
-//!     synth_gguf --like REAL.gguf --shape 1.5b|7b|NAME=dim,layers,heads,kv_heads,ff
-//!         [--type q4_k] [--head-type q6_k] [--out FILE]
+//!     synth_gguf --like REAL.gguf --shape 1.5b|7b|NAME=dim,layers,heads,kv_heads,ff[,head_dim]
+//!         [--arch llama|qwen2|gemma3] [--window N] [--type q4_k] [--head-type q6_k] [--out FILE]
 //!     synth_gguf --like REAL.gguf --tokenizer-only --out FILE
 //!
 //! `--tokenizer-only` writes the tokenizer's metadata and no tensors: a
@@ -14,7 +14,11 @@
 //!
 //! Shapes: `1.5b` is Qwen2.5-1.5B's (1536, 28 layers, 12/2 heads, ff
 //! 8960), `7b` Llama-2-7B's (4096, 32, 32/32, 11008). The architecture is
-//! `llama` (no biases). The vocabulary is the `--like` model's.
+//! `llama` unless `--arch` names another: `qwen2` adds query, key and
+//! value biases (small random values); `gemma3` adds the query and key
+//! norms, the post-attention and post-feed-forward norms, a tied output
+//! head and a sliding window of `--window` positions (512 unless given)
+//! on five layers of six. The vocabulary is the `--like` model's.
 //!
 //! (An example: it unwraps and exits on failure.)
 #![allow(clippy::unwrap_used)]
@@ -162,9 +166,9 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let like = GgufFile::open(std::path::Path::new(arg(&args, "--like").unwrap())).unwrap();
     let shape = arg(&args, "--shape").unwrap_or("1.5b");
-    let (dim, layers, heads, kv_heads, ff) = match shape {
-        "1.5b" => (1536, 28, 12, 2, 8960),
-        "7b" => (4096, 32, 32, 32, 11008),
+    let (dim, layers, heads, kv_heads, ff, hd) = match shape {
+        "1.5b" => (1536, 28, 12, 2, 8960, 128),
+        "7b" => (4096, 32, 32, 32, 11008, 128),
         s => {
             let v: Vec<usize> = s
                 .split('=')
@@ -173,30 +177,46 @@ fn main() {
                 .split(',')
                 .map(|x| x.parse().unwrap())
                 .collect();
-            (v[0], v[1], v[2], v[3], v[4])
+            (v[0], v[1], v[2], v[3], v[4], v.get(5).copied().unwrap_or(v[0] / v[2]))
         }
     };
+    let arch = arg(&args, "--arch").unwrap_or("llama");
+    assert!(
+        matches!(arch, "llama" | "qwen2" | "gemma3"),
+        "--arch: llama, qwen2 or gemma3"
+    );
     let ty = parse_type(arg(&args, "--type").unwrap_or("q4_K"));
     let head_ty = parse_type(arg(&args, "--head-type").unwrap_or("q6_K"));
     let out = arg(&args, "--out").map_or(format!("synth-{shape}.gguf"), str::to_string);
     let vocab = like.header.get_array("tokenizer.ggml.tokens").map(|a| a.len()).unwrap();
-    let hd = dim / heads;
-
+    let k = |name: &str| format!("{arch}.{name}");
     let mut meta: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("llama".into())),
-        ("general.name".into(), Value::String(format!("synthetic {shape}"))),
+        ("general.architecture".into(), Value::String(arch.into())),
+        (
+            "general.name".into(),
+            Value::String(format!("synthetic {arch} {shape}")),
+        ),
         ("general.alignment".into(), Value::U32(32)),
-        ("llama.block_count".into(), Value::U32(layers as u32)),
-        ("llama.context_length".into(), Value::U32(8192)),
-        ("llama.embedding_length".into(), Value::U32(dim as u32)),
-        ("llama.feed_forward_length".into(), Value::U32(ff as u32)),
-        ("llama.attention.head_count".into(), Value::U32(heads as u32)),
-        ("llama.attention.head_count_kv".into(), Value::U32(kv_heads as u32)),
-        ("llama.rope.dimension_count".into(), Value::U32(hd as u32)),
-        ("llama.rope.freq_base".into(), Value::F32(10000.0)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
-        ("llama.vocab_size".into(), Value::U32(vocab as u32)),
+        (k("block_count"), Value::U32(layers as u32)),
+        (k("context_length"), Value::U32(8192)),
+        (k("embedding_length"), Value::U32(dim as u32)),
+        (k("feed_forward_length"), Value::U32(ff as u32)),
+        (k("attention.head_count"), Value::U32(heads as u32)),
+        (k("attention.head_count_kv"), Value::U32(kv_heads as u32)),
+        (k("attention.key_length"), Value::U32(hd as u32)),
+        (k("attention.value_length"), Value::U32(hd as u32)),
+        (k("rope.dimension_count"), Value::U32(hd as u32)),
+        (
+            k("rope.freq_base"),
+            Value::F32(if arch == "llama" { 10000.0 } else { 1_000_000.0 }),
+        ),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (k("vocab_size"), Value::U32(vocab as u32)),
     ];
+    if arch == "gemma3" {
+        let window: u32 = arg(&args, "--window").map_or(512, |w| w.parse().unwrap());
+        meta.push((k("attention.sliding_window"), Value::U32(window)));
+    }
     for (k, v) in &like.header.metadata {
         if k.starts_with("tokenizer.") {
             meta.push((k.clone(), v.clone()));
@@ -212,9 +232,21 @@ fn main() {
     for l in 0..if tensors.is_empty() { 0 } else { layers } {
         let m = |n: &str, cols: usize, rows: usize| (format!("blk.{l}.{n}.weight"), vec![cols as u64, rows as u64], ty);
         tensors.push((format!("blk.{l}.attn_norm.weight"), vec![dim as u64], GgmlType::F32));
+        let v = |n: &str, len: usize| (format!("blk.{l}.{n}"), vec![len as u64], GgmlType::F32);
         tensors.push(m("attn_q", dim, heads * hd));
         tensors.push(m("attn_k", dim, kv_heads * hd));
         tensors.push(m("attn_v", dim, kv_heads * hd));
+        if arch == "qwen2" {
+            tensors.push(v("attn_q.bias", heads * hd));
+            tensors.push(v("attn_k.bias", kv_heads * hd));
+            tensors.push(v("attn_v.bias", kv_heads * hd));
+        }
+        if arch == "gemma3" {
+            tensors.push(v("attn_q_norm.weight", hd));
+            tensors.push(v("attn_k_norm.weight", hd));
+            tensors.push(v("post_attention_norm.weight", dim));
+            tensors.push(v("post_ffw_norm.weight", dim));
+        }
         tensors.push(m("attn_output", heads * hd, dim));
         tensors.push((format!("blk.{l}.ffn_norm.weight"), vec![dim as u64], GgmlType::F32));
         tensors.push(m("ffn_gate", dim, ff));
@@ -223,7 +255,9 @@ fn main() {
     }
     if !tensors.is_empty() {
         tensors.push(("output_norm.weight".into(), vec![dim as u64], GgmlType::F32));
-        tensors.push(("output.weight".into(), vec![dim as u64, vocab as u64], head_ty));
+        if arch != "gemma3" {
+            tensors.push(("output.weight".into(), vec![dim as u64, vocab as u64], head_ty));
+        }
     }
 
     let f = std::fs::File::create(&out).unwrap();

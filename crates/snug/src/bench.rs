@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use snug_engine::{Engine, EngineOptions};
+use snug_engine::{Engine, EngineOptions, StepRow};
 use snug_kernels::cpu::simd;
 
 use crate::{open_model, BenchArgs};
@@ -120,6 +120,55 @@ fn measure(
     Ok(())
 }
 
+/// `n` sequences decoding together: each prefilled with `pp` tokens (one
+/// forward pass per sequence), then `tg` steps of one pass over a row of
+/// every sequence. Aggregate tokens per second.
+fn measure_parallel(
+    engine: &mut Engine,
+    kv_name: &str,
+    n: usize,
+    (pp, tg): (usize, usize),
+    reps: usize,
+    vocab: usize,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let (mut pps, mut tgs) = (Vec::new(), Vec::new());
+    for rep in 0..=reps {
+        let seqs: Vec<_> = (0..n).map(|_| engine.create_sequence()).collect();
+        let t = Instant::now();
+        for (i, &s) in seqs.iter().enumerate() {
+            engine.feed(s, &tokens(pp, vocab, 10 + i))?;
+        }
+        let pp_secs = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        for step in 0..tg {
+            let batch: Vec<StepRow> = seqs
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| StepRow::new(s, tokens(1, vocab, 1000 + step * n + i)[0], true))
+                .collect();
+            engine.step(&batch)?;
+        }
+        let tg_secs = t.elapsed().as_secs_f64();
+        for s in seqs {
+            engine.free_sequence(s);
+        }
+        if rep > 0 {
+            pps.push((n * pp) as f64 / pp_secs);
+            tgs.push((n * tg) as f64 / tg_secs);
+        }
+    }
+    for (test, samples) in [(format!("pp{pp} x{n}"), pps), (format!("tg{tg} x{n}"), tgs)] {
+        rows.push(Row {
+            test,
+            kv: kv_name.to_string(),
+            depth: 0,
+            samples,
+        });
+    }
+    Ok(())
+}
+
 pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     // Zero-length tests are skipped, as llama-bench does with `-p 0`.
     let pp: Vec<usize> = parse_list(&a.prompt)?.into_iter().filter(|&n| n > 0).collect();
@@ -131,6 +180,12 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     let file = open_model(&a.model)?;
     let model = crate::load_model(&file, &a.cache)?;
     let vocab = model.config.vocab;
+    let parallel = match &a.parallel {
+        Some(p) => parse_list(p)?.into_iter().filter(|&n| n > 0).collect(),
+        None => Vec::new(),
+    };
+    let max_par = parallel.iter().copied().max().unwrap_or(0);
+    let par_shape = (pp.first().copied().unwrap_or(0), tg.first().copied().unwrap_or(0));
     let max_need = pp.iter().chain(tg.iter()).copied().max().unwrap_or(0) + depths.iter().copied().max().unwrap_or(0);
     if max_need > model.config.context_length {
         bail!(
@@ -154,10 +209,11 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let (kv, kv_v) = crate::run::kv_formats(&cache, &model)?;
         let mut options = EngineOptions {
             threads,
-            ctx: max_need.max(1),
-            batch: a.batch,
-            // A base context and one fork of it.
-            max_seqs: 2,
+            // With `--parallel`, every sequence's positions share the pool.
+            ctx: max_need.max(1).max(max_par * (par_shape.0 + par_shape.1)),
+            batch: a.batch.max(max_par),
+            // A base context and one fork of it, or the parallel ones.
+            max_seqs: max_par.max(2),
             kv_format: kv,
             kv_format_v: Some(kv_v),
             page_tokens: crate::run::kv_page(&cache)?,
@@ -167,7 +223,12 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let kv_name = crate::eval::kv_name(kv, kv_v);
         options.gpu = gpu.clone();
         let mut engine = Engine::try_new(&model, options)?;
-        measure(&mut engine, &kv_name, &depths, &pp, &tg, a.reps, vocab, &mut rows)?;
+        if parallel.is_empty() {
+            measure(&mut engine, &kv_name, &depths, &pp, &tg, a.reps, vocab, &mut rows)?;
+        }
+        for &n in &parallel {
+            measure_parallel(&mut engine, &kv_name, n, par_shape, a.reps, vocab, &mut rows)?;
+        }
     }
     let name = file.get_str("general.name").unwrap_or("model").to_string();
     if a.output == "json" {

@@ -290,6 +290,14 @@ struct BenchArgs {
     /// Output: md or json.
     #[arg(short = 'o', long, default_value = "md")]
     output: String,
+    /// Sequences decoding together, comma-separated (as llama-batched-bench's
+    /// `-npl`): each count prefills that many sequences of the first `-p`
+    /// length, then generates the first `-n` tokens in each, every step one
+    /// forward pass over all of them; reported as `ppP xN` and `tgT xN`,
+    /// tokens per second summed over the sequences (instead of the
+    /// single-sequence tests).
+    #[arg(long, value_name = "N,...")]
+    parallel: Option<String>,
     // `--kv` takes a comma-separated list here, each format run in turn
     // (as llama-bench's `-ctk`/`-ctv` lists).
     #[command(flatten)]
