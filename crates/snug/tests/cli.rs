@@ -1528,3 +1528,41 @@ fn embed_prints_the_reference_vectors() {
     let norm = both[0].iter().map(|x| x * x).sum::<f64>().sqrt();
     assert!((norm - 1.0).abs() < 1e-4, "{norm}");
 }
+
+#[test]
+fn bench_parallel_reports_aggregate_rows() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let out = snug()
+        .args(["bench", "-m"])
+        .arg(&p)
+        .args([
+            "-p",
+            "8",
+            "-n",
+            "4",
+            "-r",
+            "1",
+            "-t",
+            "2",
+            "--parallel",
+            "1,3",
+            "-o",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tests: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["test"].as_str().unwrap())
+        .collect();
+    assert_eq!(tests, ["pp8 x1", "tg4 x1", "pp8 x3", "tg4 x3"]);
+    assert!(v
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["tok_s_median"].as_f64().unwrap() > 0.0));
+}
