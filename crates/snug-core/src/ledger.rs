@@ -13,6 +13,10 @@
 //! speculation state is the drafter's n-gram index at its largest; "other
 //! heap" is the rest of the counted heap's peak (tokenizer, logits, token
 //! lists). The total is checked against the measured peak resident size.
+//!
+//! A run on a GPU keeps its weights, KV pages and scratch in device memory:
+//! those are the [`Device`] lines, outside the host total (the host then
+//! holds the mapped file, the tokenizer and the step's tables).
 
 /// One run's memory, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,6 +32,23 @@ pub struct Ledger {
     /// The drafter's index (speculative decoding).
     pub speculation: u64,
     pub heap_other: u64,
+    /// Device memory, where the forward passes run on a GPU.
+    pub device: Option<Device>,
+}
+
+/// A GPU run's device memory, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Device {
+    pub weights: u64,
+    pub kv_reserved: u64,
+    pub kv_used: u64,
+    pub scratch: u64,
+}
+
+impl Device {
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv_reserved + self.scratch
+    }
 }
 
 impl Ledger {
@@ -52,6 +73,22 @@ impl Ledger {
             kv_exact: 0,
             speculation: 0,
             heap_other: heap_peak.saturating_sub(kv_reserved + scratch),
+            device: None,
+        }
+    }
+
+    /// A GPU run's ledger: the KV pages and scratch are in device memory
+    /// (`device`), so the host's heap peak is all "other heap".
+    pub fn on_device(
+        runtime: u64,
+        weights_mapped: u64,
+        weights_resident: u64,
+        heap_peak: u64,
+        device: Device,
+    ) -> Ledger {
+        Ledger {
+            device: Some(device),
+            ..Ledger::from_heap_peak(runtime, weights_mapped, weights_resident, 0, 0, 0, heap_peak)
         }
     }
 
@@ -103,5 +140,19 @@ mod tests {
         let m = l.with_exact_and_speculation(7, 3);
         assert_eq!((m.heap_other, m.kv_exact, m.speculation), (2, 7, 3));
         assert_eq!(m.total(), l.total());
+    }
+
+    #[test]
+    fn device_memory_stays_out_of_the_host_total() {
+        let d = Device {
+            weights: 1000,
+            kv_reserved: 400,
+            kv_used: 100,
+            scratch: 50,
+        };
+        let l = Ledger::on_device(5, 100, 90, 60, d);
+        assert_eq!((l.kv_reserved, l.scratch, l.heap_other), (0, 0, 60));
+        assert_eq!(l.total(), 5 + 90 + 60);
+        assert_eq!(l.device.unwrap().total(), 1450);
     }
 }

@@ -473,6 +473,12 @@ impl<'m> Engine<'m> {
         self.scratch.bytes()
     }
 
+    /// Bytes of weights in device memory, where the forward passes run on
+    /// a GPU (whose KV pages and scratch are then device memory too).
+    pub fn device_weights_bytes(&self) -> Option<usize> {
+        self.options.gpu.as_ref().map(|g| g.0.bytes)
+    }
+
     /// Runs one forward pass over `rows`: each token is appended to its
     /// sequence. Returns the logits of the rows
     /// that want them, in order (`vocab` floats each).

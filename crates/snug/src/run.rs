@@ -529,6 +529,22 @@ pub fn cmd_run(a: RunArgs) -> Result<()> {
 pub fn ledger(file: &snug_model::ModelFiles, engine: &Engine, speculation_bytes: usize) -> Ledger {
     let (kv_reserved, kv_used) = engine.kv_bytes();
     let (kv_exact, _) = engine.kv_exact_window_bytes();
+    if let Some(weights) = engine.device_weights_bytes() {
+        let device = snug_core::ledger::Device {
+            weights: weights as u64,
+            kv_reserved: kv_reserved as u64,
+            kv_used: kv_used as u64,
+            scratch: engine.scratch_bytes() as u64,
+        };
+        return Ledger::on_device(
+            *crate::RUNTIME_RSS.get().unwrap_or(&0),
+            file.mapped_bytes(),
+            file.weights_resident_bytes().unwrap_or(0),
+            crate::HEAP.peak() as u64,
+            device,
+        )
+        .with_exact_and_speculation(0, speculation_bytes as u64);
+    }
     Ledger::from_heap_peak(
         *crate::RUNTIME_RSS.get().unwrap_or(&0),
         file.mapped_bytes(),
@@ -556,13 +572,31 @@ pub fn ledger_json(l: &Ledger, peak_rss: u64) -> serde_json::Value {
         "heap_other_bytes": l.heap_other,
         "total_bytes": l.total(),
         "ratio_to_peak_rss": l.ratio_to(peak_rss),
+        "device": l.device.map(|d| serde_json::json!({
+            "weights_bytes": d.weights,
+            "kv_reserved_bytes": d.kv_reserved,
+            "kv_used_bytes": d.kv_used,
+            "scratch_bytes": d.scratch,
+            "total_bytes": d.total(),
+        })),
     })
 }
 
 /// The ledger as lines for `--stats` and `/stats`.
 pub fn ledger_text(l: &Ledger, peak_rss: u64) -> String {
     let h = crate::human_bytes;
-    format!(
+    let device = l.device.map_or(String::new(), |d| {
+        format!(
+            "device memory: weights {}; KV {} reserved, {} used; scratch {}; total {}\n",
+            h(d.weights),
+            h(d.kv_reserved),
+            h(d.kv_used),
+            h(d.scratch),
+            h(d.total())
+        )
+    });
+    device
+        + &format!(
         "memory: weights {} resident of {} mapped; KV {} reserved, {} used, exact window {}; speculation state {}; scratch {}; other heap {}; runtime {}\n\
          memory: ledger total {}, measured peak RSS {} ({:+.1}%)\n",
         h(l.weights_resident),

@@ -323,6 +323,17 @@ impl Metrics {
             ] {
                 let _ = writeln!(o, "snug_memory_bytes{{part=\"{k}\"}} {v}");
             }
+            if let Some(d) = &l.device {
+                for (k, v) in [
+                    ("device_weights", d.weights),
+                    ("device_kv_reserved", d.kv_reserved),
+                    ("device_kv_used", d.kv_used),
+                    ("device_scratch", d.scratch),
+                    ("device_total", d.total()),
+                ] {
+                    let _ = writeln!(o, "snug_memory_bytes{{part=\"{k}\"}} {v}");
+                }
+            }
         }
         let _ = writeln!(o, "snug_memory_bytes{{part=\"rss\"}} {rss}");
         let _ = writeln!(o, "snug_memory_bytes{{part=\"peak_rss\"}} {peak_rss}");
