@@ -122,6 +122,54 @@ fn main() {
     let tg = arg(&args, "--tg", 128);
     let out_file = args.iter().position(|a| a == "--out").map(|i| args[i + 1].clone());
 
+    // `--cpu-only`: the CPU backend's own batch invariance on this file
+    // (whole prompt, a row at a time, chunks of 7), no GPU needed.
+    if args.iter().any(|a| a == "--cpu-only") {
+        let files = ModelFiles::open(&path, &LoadOptions { pack: PackMode::Off }).unwrap();
+        let model = Model::load(&files).unwrap();
+        let c = model.config.clone();
+        let tok = Tokenizer::from_gguf(&files.gguf.header).unwrap();
+        let text = "The river flows through the old town, past the mill and the bridge, \
+                    and on to the sea where the boats wait for the tide. ";
+        let mut prompt = tok.encode(&text.repeat(64), EncodeOptions::default());
+        prompt.truncate(n_prompt);
+        let shape = KvShape {
+            layers: c.layers,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            page_tokens: PT,
+        };
+        let ctx = n_prompt + gen + 8;
+        let pages: Vec<Vec<u32>> = vec![(0..(ctx.div_ceil(PT) + 1) as u32).collect()];
+        let size = WorkspaceSize {
+            rows: 64,
+            ctx,
+            page_tokens: PT,
+            threads: 2,
+        };
+        let mut kv = KvStorage::new(shape, KvFormat::F16, ctx.div_ceil(PT) + 1);
+        let mut ws = <Cpu<Native> as Backend>::workspace(&c, size);
+        let w = model.weights();
+        let mut runs = Vec::new();
+        for chunk in [64, 1, 7] {
+            runs.push(greedy::<Cpu<Native>>(
+                &c,
+                w,
+                &mut ws,
+                &mut kv,
+                &pages,
+                &[prompt.clone()],
+                chunk,
+                gen,
+            ));
+        }
+        println!(
+            "cpu: row by row {}, chunks of 7 {}",
+            same_bits(&runs[0][0].1, &runs[1][0].1),
+            same_bits(&runs[0][0].1, &runs[2][0].1)
+        );
+        return;
+    }
     let dev = match Device::open(0) {
         Ok(d) => d,
         Err(e) => {
@@ -419,6 +467,30 @@ fn main() {
         .zip(gl)
         .take_while(|(a, b)| a.len() == b.len() && a.iter().zip(b.iter()).all(|(x, y)| x.to_bits() == y.to_bits()))
         .count();
+    // The first step whose logits differ, where any does.
+    let first_diff = |a: &[Vec<f32>], b: &[Vec<f32>]| -> Option<usize> {
+        a.iter()
+            .zip(b)
+            .position(|(x, y)| x.iter().zip(y.iter()).any(|(p, q)| p.to_bits() != q.to_bits()))
+    };
+    gws.set_tensor_cores(false);
+    let gpu_whole_cuda_cores = greedy::<snug_cuda::Cuda>(
+        &c,
+        gwt,
+        &mut gws,
+        &mut gkv,
+        &pages[..1],
+        &[prompt.clone()],
+        rows_max,
+        gen,
+    );
+    gws.set_tensor_cores(true);
+    let diff_detail = serde_json::json!({
+        "rows_first_diff_step": first_diff(gl, &gpu_rows[0].1),
+        "chunks_first_diff_step": first_diff(gl, &gpu_chunks[0].1),
+        "whole_without_tensor_cores_first_diff_step": first_diff(gl, &gpu_whole_cuda_cores[0].1),
+        "rows_vs_cpu_first_diff_step": first_diff(cl, &gpu_rows[0].1),
+    });
     let invariant_rows = same_bits(gl, &gpu_rows[0].1);
     let invariant_chunks = same_bits(gl, &gpu_chunks[0].1);
     let invariant_batch = same_bits(gl, &together[0].1) && same_bits(&alone2[0].1, &together[1].1);
@@ -521,6 +593,7 @@ fn main() {
         "pp_tok_s_without_tensor_cores": pp as f64 / med(&mut pp_cuda_cores_s),
         "graphs_same_bits_as_launches": graphs_same_bits,
         "graphs_captured": gws.graph_count(),
+        "first_differences": diff_detail,
     });
     let s = serde_json::to_string_pretty(&report).unwrap();
     println!("{s}");
