@@ -77,6 +77,16 @@ pub const QWEN2: Description = Description {
     ..LLAMA
 };
 
+/// Qwen3: as Qwen2 without biases, with RMS norms of each head's queries
+/// and keys before RoPE (and a head dimension of its own,
+/// `attention.key_length`, which may differ from width / heads).
+pub const QWEN3: Description = Description {
+    name: "qwen3",
+    rope_layout: RopeLayout::Halves,
+    qk_norms: true,
+    ..LLAMA
+};
+
 /// Gemma 3: scaled embedding, q/k norms, post-block norms, GELU gate, five
 /// sliding-window layers to one global.
 pub const GEMMA3: Description = Description {
@@ -95,7 +105,7 @@ pub const GEMMA3: Description = Description {
 };
 
 /// Every supported architecture.
-pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &GEMMA3];
+pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &QWEN3, &GEMMA3];
 
 /// The description named `name`, if snug supports it.
 pub fn describe(name: &str) -> Option<&'static Description> {

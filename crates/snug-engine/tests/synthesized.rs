@@ -1,0 +1,215 @@
+//! Every architecture snug describes, on a small synthesized model
+//! (random weights and a real model's tokenizer,
+//! `snug_model::testing::synth`): it loads, a row's logits are the same
+//! bits whole, a row at a time and in uneven chunks, and where llama.cpp's
+//! greedy reference for the same file is present (`tests/data/synth-llama-cpp.json`,
+//! written by `scripts/make_synth_fixtures.py`), snug's tokens under
+//! llama.cpp's numerics are llama.cpp's, and under its own they agree with
+//! llama.cpp's wherever llama.cpp's top-2 margin is clear.
+#![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
+
+use std::path::PathBuf;
+
+use snug_engine::sampling::argmax;
+use snug_engine::{Engine, EngineOptions, StepRow};
+use snug_kernels::GgmlType;
+use snug_model::testing::synth::{self, Shape, Spec};
+use snug_model::testing::{model_path, TestBackend, LLAMA_CPP, NATIVE};
+use snug_model::{LoadOptions, ModelFiles};
+
+/// The blocks' scale: larger than a real model's, for sharp logits (and
+/// so fewer near-ties).
+const SCALE: f32 = 0.02;
+
+/// llama.cpp top-2 margin (nats) above which the top-1 tokens must agree.
+const CLEAR_MARGIN: f64 = 0.5;
+
+/// The files: (name, architecture, the real model whose tokenizer it
+/// takes, shape, matrix type, head type). The same specs are written by
+/// `scripts/make_synth_fixtures.py` (through `synth_gguf`) for llama.cpp.
+/// Types whose codes are centred on zero: random K-quant blocks (whose
+/// minimums are random too) give every output row one common offset, so
+/// one token wins every step; the K-quants are checked on the real models.
+fn specs() -> Vec<(&'static str, &'static str, &'static str, Shape, GgmlType, GgmlType)> {
+    let s = |dim, layers, heads, kv_heads, ff, head_dim| Shape {
+        dim,
+        layers,
+        heads,
+        kv_heads,
+        ff,
+        head_dim,
+    };
+    vec![
+        (
+            "llama",
+            "llama",
+            "smollm2-135m",
+            s(256, 2, 4, 2, 512, 64),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
+        (
+            "qwen2",
+            "qwen2",
+            "qwen2.5-coder-0.5b",
+            s(256, 2, 4, 2, 512, 64),
+            GgmlType::Q4_0,
+            GgmlType::Q8_0,
+        ),
+        // A head width (8 x 64) other than the model's width, as Qwen3's.
+        (
+            "qwen3",
+            "qwen3",
+            "qwen2.5-coder-0.5b",
+            s(256, 2, 8, 2, 768, 64),
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+        ),
+        (
+            "gemma3",
+            "gemma3",
+            "gemma3-270m",
+            s(256, 6, 4, 1, 512, 128),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
+    ]
+}
+
+/// Writes spec `name` into the temporary folder (once per process).
+fn file(name: &str) -> Option<PathBuf> {
+    let (_, arch, like, shape, ty, head_ty) = specs().into_iter().find(|s| s.0 == name).unwrap();
+    let like = model_path(like)?;
+    let dir = std::env::temp_dir().join(format!("snug-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join(format!("{name}.gguf"));
+    if !out.exists() {
+        let like = snug_model::gguf::GgufFile::open(&like).unwrap();
+        let spec = Spec {
+            arch: arch.into(),
+            shape,
+            ty,
+            head_ty,
+            window: 8,
+            scale: SCALE,
+            name: format!("synthetic {name}"),
+            tokenizer_only: false,
+        };
+        // Tests run in threads of one process: each writes its own copy
+        // and renames it into place (the bytes are the same).
+        let tmp = dir.join(format!("{name}.{:?}.part", std::thread::current().id()));
+        synth::write(&like.header, &spec, &tmp).unwrap();
+        std::fs::rename(&tmp, &out).unwrap();
+    }
+    Some(out)
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn engine<'m>(model: &'m snug_model::arch::Model<'m>) -> Engine<'m> {
+    Engine::new(
+        model,
+        EngineOptions {
+            threads: 2,
+            ctx: 128,
+            batch: 32,
+            page_tokens: 16,
+            ..Default::default()
+        },
+    )
+}
+
+fn by_chunks(engine: &mut Engine, tokens: &[u32], chunk: usize) -> Vec<Vec<u32>> {
+    let seq = engine.create_sequence();
+    let vocab = engine.model.config.vocab;
+    let mut out = Vec::new();
+    for part in tokens.chunks(chunk) {
+        let rows: Vec<StepRow> = part.iter().map(|&t| StepRow::new(seq, t, true)).collect();
+        out.extend(engine.step(&rows).unwrap().chunks_exact(vocab).map(bits));
+    }
+    engine.free_sequence(seq);
+    out
+}
+
+/// Stand-in prompt tokens (any ids of the vocabulary do).
+fn prompt(vocab: usize) -> Vec<u32> {
+    (0..40).map(|i| ((i * 7919 + 13) % (vocab - 1) + 1) as u32).collect()
+}
+
+#[test]
+fn every_architecture_loads_and_keeps_a_rows_bits_in_any_batch() {
+    for (name, arch, ..) in specs() {
+        let Some(path) = file(name) else { continue };
+        let files = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+        let model = NATIVE.load(&files).unwrap();
+        assert_eq!(model.config.arch.name, arch);
+        let mut e = engine(&model);
+        let ids = prompt(model.config.vocab);
+        let whole = by_chunks(&mut e, &ids, 32);
+        assert_eq!(whole, by_chunks(&mut e, &ids, 1), "{name}: a row at a time");
+        assert_eq!(whole, by_chunks(&mut e, &ids, 7), "{name}: chunks of 7");
+        // Not degenerate: the rows' logits differ from one another.
+        assert!(whole.windows(2).any(|w| w[0] != w[1]), "{name}: every row alike");
+    }
+}
+
+/// llama.cpp's greedy reference for the synthesized files, where present.
+fn reference() -> Option<serde_json::Value> {
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/synth-llama-cpp.json"));
+    Some(serde_json::from_str(&std::fs::read_to_string(p).ok()?).unwrap())
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn greedy_against_llama_cpp(backend: TestBackend) {
+    let Some(fx) = reference() else { return };
+    for (name, ..) in specs() {
+        let Some(case) = fx["models"].get(name) else { continue };
+        let Some(path) = file(name) else { continue };
+        let files = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+        let model = backend.load(&files).unwrap();
+        let mut e = engine(&model);
+        let prompt = ids(&case["prompt_ids"]);
+        let reference = ids(&case["ids"]);
+        let seq = e.create_sequence();
+        let mut top1 = argmax(e.feed(seq, &prompt).unwrap());
+        let mut checked = 0;
+        for (i, step) in case["steps"].as_array().unwrap().iter().enumerate() {
+            let top = step["top"].as_array().unwrap();
+            let margin = top[0]["logprob"].as_f64().unwrap() - top[1]["logprob"].as_f64().unwrap();
+            if backend.name == "llama_cpp" || margin > CLEAR_MARGIN {
+                assert_eq!(
+                    top1, reference[i],
+                    "{name} ({}): step {i}, margin {margin:.3}",
+                    backend.name
+                );
+                checked += 1;
+            }
+            // Teacher-forced along llama.cpp's tokens.
+            top1 = argmax(e.feed(seq, &[reference[i]]).unwrap());
+        }
+        eprintln!(
+            "{name} ({}): {checked} of {} steps checked",
+            backend.name,
+            reference.len()
+        );
+    }
+}
+
+#[test]
+fn llama_cpp_numerics_give_llama_cpps_tokens() {
+    greedy_against_llama_cpp(LLAMA_CPP);
+}
+
+#[test]
+fn native_numerics_agree_with_llama_cpp_where_the_margin_is_clear() {
+    greedy_against_llama_cpp(NATIVE);
+}
