@@ -76,32 +76,43 @@ fn specs() -> Vec<(&'static str, &'static str, &'static str, Shape, GgmlType, Gg
     ]
 }
 
-/// Writes spec `name` into the temporary folder (once per process).
-fn file(name: &str) -> Option<PathBuf> {
-    let (_, arch, like, shape, ty, head_ty) = specs().into_iter().find(|s| s.0 == name).unwrap();
-    let like = model_path(like)?;
-    let dir = std::env::temp_dir().join(format!("snug-synth-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join(format!("{name}.gguf"));
-    if !out.exists() {
-        let like = snug_model::gguf::GgufFile::open(&like).unwrap();
-        let spec = Spec {
-            arch: arch.into(),
-            shape,
-            ty,
-            head_ty,
-            window: 8,
-            scale: SCALE,
-            name: format!("synthetic {name}"),
-            tokenizer_only: false,
-        };
-        // Tests run in threads of one process: each writes its own copy
-        // and renames it into place (the bytes are the same).
-        let tmp = dir.join(format!("{name}.{:?}.part", std::thread::current().id()));
-        synth::write(&like.header, &spec, &tmp).unwrap();
-        std::fs::rename(&tmp, &out).unwrap();
+/// A test's own folder of synthesized files, removed when it ends.
+struct Folder(PathBuf);
+
+impl Folder {
+    fn new(test: &str) -> Folder {
+        let dir = std::env::temp_dir().join(format!("snug-synth-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Folder(dir)
     }
-    Some(out)
+
+    /// Writes spec `name` here (once).
+    fn file(&self, name: &str) -> Option<PathBuf> {
+        let (_, arch, like, shape, ty, head_ty) = specs().into_iter().find(|s| s.0 == name).unwrap();
+        let like = model_path(like)?;
+        let out = self.0.join(format!("{name}.gguf"));
+        if !out.exists() {
+            let like = snug_model::gguf::GgufFile::open(&like).unwrap();
+            let spec = Spec {
+                arch: arch.into(),
+                shape,
+                ty,
+                head_ty,
+                window: 8,
+                scale: SCALE,
+                name: format!("synthetic {name}"),
+                tokenizer_only: false,
+            };
+            synth::write(&like.header, &spec, &out).unwrap();
+        }
+        Some(out)
+    }
+}
+
+impl Drop for Folder {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -140,8 +151,9 @@ fn prompt(vocab: usize) -> Vec<u32> {
 
 #[test]
 fn every_architecture_loads_and_keeps_a_rows_bits_in_any_batch() {
+    let folder = Folder::new("batches");
     for (name, arch, ..) in specs() {
-        let Some(path) = file(name) else { continue };
+        let Some(path) = folder.file(name) else { continue };
         let files = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
         let model = NATIVE.load(&files).unwrap();
         assert_eq!(model.config.arch.name, arch);
@@ -171,9 +183,10 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 fn greedy_against_llama_cpp(backend: TestBackend) {
     let Some(fx) = reference() else { return };
+    let folder = Folder::new(backend.name);
     for (name, ..) in specs() {
         let Some(case) = fx["models"].get(name) else { continue };
-        let Some(path) = file(name) else { continue };
+        let Some(path) = folder.file(name) else { continue };
         let files = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
         let model = backend.load(&files).unwrap();
         let mut e = engine(&model);
