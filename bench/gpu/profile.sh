@@ -30,27 +30,4 @@ ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*
 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
   .gpu/gpucheck /tmp/smol.gguf --prompt 64 --profile-decode 3 > /tmp/ncu.csv 2>/tmp/ncu.err
 tail -3 /tmp/ncu.err
-python3 - <<'PY'
-import csv, collections
-rows = [r for r in csv.DictReader(l for l in open("/tmp/ncu.csv") if l.startswith('"'))]
-ids = sorted({int(r["ID"]) for r in rows})
-n = len(ids)
-print("kernels profiled:", n)
-# The prefill and three decode steps launch about as many kernels each;
-# the last three quarters are the decode steps.
-cut = ids[n // 4] if n else 0
-by = collections.defaultdict(float)
-cnt = collections.Counter()
-for r in rows:
-    if int(r["ID"]) >= cut and r["Metric Name"] == "gpu__time_duration.sum":
-        v = float(r["Metric Value"].replace(",", ""))
-        unit = r.get("Metric Unit", "nsecond")
-        v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1e-3)
-        name = r["Kernel Name"].split("(")[0]
-        by[name] += v / 3
-        cnt[name] += 1
-print("GPU microseconds per decode step, by kernel (launches per step):")
-for k, v in sorted(by.items(), key=lambda x: -x[1]):
-    print(f"  {k:24s} {v:9.1f}  ({cnt[k] // 3})")
-print(f"  total                    {sum(by.values()):9.1f}")
-PY
+python3 "$(dirname "$0")/ncusum.py" /tmp/ncu.csv

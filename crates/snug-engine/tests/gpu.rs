@@ -6,6 +6,9 @@
 //! saying why, elsewhere.
 #![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
+mod common;
+use common::{bits, by_chunks};
+
 use std::sync::Arc;
 
 use snug_core::speculate::Mode;
@@ -30,22 +33,6 @@ fn options(gpu: Option<Gpu>) -> EngineOptions {
         gpu,
         ..Default::default()
     }
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn by_chunks(engine: &mut Engine, tokens: &[u32], chunk: usize) -> Vec<Vec<u32>> {
-    let seq = engine.create_sequence();
-    let vocab = engine.model.config.vocab;
-    let mut out = Vec::new();
-    for part in tokens.chunks(chunk) {
-        let rows: Vec<StepRow> = part.iter().map(|&t| StepRow::new(seq, t, true)).collect();
-        out.extend(engine.step(&rows).unwrap().chunks_exact(vocab).map(bits));
-    }
-    engine.free_sequence(seq);
-    out
 }
 
 #[test]

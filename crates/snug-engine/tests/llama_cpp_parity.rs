@@ -17,6 +17,9 @@
 //! must equal the fixture's outright.
 #![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
+mod common;
+use common::ids;
+
 use snug_engine::sampling::argmax;
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::ggml::Numerics;
@@ -34,14 +37,6 @@ const CLEAR_MARGIN: f64 = 0.5;
 ///   same build, with its weight repacking off (`--no-repack`, which only
 ///   changes the order of its float sums), chooses snug's token there.
 const EXPLAINED: &[(&str, &str, usize)] = &[("qwen2.5-coder-0.5b", "Water boils at", 13)];
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// The shared llama.cpp reference, where the fixtures are present.
 fn fixture() -> Option<serde_json::Value> {

@@ -8,10 +8,13 @@
 //! llama.cpp's wherever llama.cpp's top-2 margin is clear.
 #![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
+mod common;
+use common::{by_chunks, ids};
+
 use std::path::PathBuf;
 
 use snug_engine::sampling::argmax;
-use snug_engine::{Engine, EngineOptions, StepRow};
+use snug_engine::{Engine, EngineOptions};
 use snug_kernels::GgmlType;
 use snug_model::testing::synth::{self, Shape, Spec};
 use snug_model::testing::{model_path, TestBackend, LLAMA_CPP, NATIVE};
@@ -115,10 +118,6 @@ impl Drop for Folder {
     }
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 fn engine<'m>(model: &'m snug_model::arch::Model<'m>) -> Engine<'m> {
     Engine::new(
         model,
@@ -130,18 +129,6 @@ fn engine<'m>(model: &'m snug_model::arch::Model<'m>) -> Engine<'m> {
             ..Default::default()
         },
     )
-}
-
-fn by_chunks(engine: &mut Engine, tokens: &[u32], chunk: usize) -> Vec<Vec<u32>> {
-    let seq = engine.create_sequence();
-    let vocab = engine.model.config.vocab;
-    let mut out = Vec::new();
-    for part in tokens.chunks(chunk) {
-        let rows: Vec<StepRow> = part.iter().map(|&t| StepRow::new(seq, t, true)).collect();
-        out.extend(engine.step(&rows).unwrap().chunks_exact(vocab).map(bits));
-    }
-    engine.free_sequence(seq);
-    out
 }
 
 /// Stand-in prompt tokens (any ids of the vocabulary do).
@@ -171,14 +158,6 @@ fn every_architecture_loads_and_keeps_a_rows_bits_in_any_batch() {
 fn reference() -> Option<serde_json::Value> {
     let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/synth-llama-cpp.json"));
     Some(serde_json::from_str(&std::fs::read_to_string(p).ok()?).unwrap())
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 fn greedy_against_llama_cpp(backend: TestBackend) {
