@@ -271,6 +271,44 @@ __device__ __forceinline__ u32 high4(u32 qh, int first) {
     return r;
 }
 
+// A weight row's elements 4t..4t+3 (lo) and 16+4t..16+4t+3 (hi) of
+// block b (a 32-element type), with its scale and minimum.
+template <int TY>
+__device__ __forceinline__ void wblock(const u8* row, int b, int t, int* lo, int* hi, float* d, float* m) {
+    if (TY == T_Q4_0) {
+        const u8* blk = row + 18 * (u64)b;
+        *d = h2f(ld16(blk));
+        u32 q = ld32(blk + 2 + 4 * t);
+        *lo = (int)__vsub4(q & 0x0F0F0F0Fu, 0x08080808u);
+        *hi = (int)__vsub4((q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+    } else if (TY == T_Q4_1) {
+        const u8* blk = row + 20 * (u64)b;
+        *d = h2f(ld16(blk));
+        *m = h2f(ld16(blk + 2));
+        u32 q = ld32(blk + 4 + 4 * t);
+        *lo = (int)(q & 0x0F0F0F0Fu);
+        *hi = (int)((q >> 4) & 0x0F0F0F0Fu);
+    } else if (TY == T_Q5_0) {
+        const u8* blk = row + 22 * (u64)b;
+        *d = h2f(ld16(blk));
+        u32 qh = ld32(blk + 2), q = ld32(blk + 6 + 4 * t);
+        *lo = (int)__vsub4((q & 0x0F0F0F0Fu) | high4(qh, 4 * t), 0x10101010u);
+        *hi = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t), 0x10101010u);
+    } else if (TY == T_Q5_1) {
+        const u8* blk = row + 24 * (u64)b;
+        *d = h2f(ld16(blk));
+        *m = h2f(ld16(blk + 2));
+        u32 qh = ld32(blk + 4), q = ld32(blk + 8 + 4 * t);
+        *lo = (int)((q & 0x0F0F0F0Fu) | high4(qh, 4 * t));
+        *hi = (int)(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t));
+    } else {
+        const u8* blk = row + 34 * (u64)b;
+        *d = h2f(ld16(blk));
+        *lo = (int)ld32(blk + 2 + 4 * t);
+        *hi = (int)ld32(blk + 18 + 4 * t);
+    }
+}
+
 template <int TY>
 __device__ void matmul_q_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, int n,
                               float* y) {
@@ -384,40 +422,7 @@ __device__ void matmul_q_body(const u8* w, u64 row_bytes, int nblk, int outs, co
             // Lane t: elements 4t..4t+3 and 16+4t..16+4t+3 of block b.
             int lo = 0, hi = 0;
             float d = 0.0f, m = 0.0f;
-            if (live) {
-                if (TY == T_Q4_0) {
-                    const u8* blk = row + 18 * (u64)b;
-                    d = h2f(ld16(blk));
-                    u32 q = ld32(blk + 2 + 4 * t);
-                    lo = (int)__vsub4(q & 0x0F0F0F0Fu, 0x08080808u);
-                    hi = (int)__vsub4((q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
-                } else if (TY == T_Q4_1) {
-                    const u8* blk = row + 20 * (u64)b;
-                    d = h2f(ld16(blk));
-                    m = h2f(ld16(blk + 2));
-                    u32 q = ld32(blk + 4 + 4 * t);
-                    lo = (int)(q & 0x0F0F0F0Fu);
-                    hi = (int)((q >> 4) & 0x0F0F0F0Fu);
-                } else if (TY == T_Q5_0) {
-                    const u8* blk = row + 22 * (u64)b;
-                    d = h2f(ld16(blk));
-                    u32 qh = ld32(blk + 2), q = ld32(blk + 6 + 4 * t);
-                    lo = (int)__vsub4((q & 0x0F0F0F0Fu) | high4(qh, 4 * t), 0x10101010u);
-                    hi = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t), 0x10101010u);
-                } else if (TY == T_Q5_1) {
-                    const u8* blk = row + 24 * (u64)b;
-                    d = h2f(ld16(blk));
-                    m = h2f(ld16(blk + 2));
-                    u32 qh = ld32(blk + 4), q = ld32(blk + 8 + 4 * t);
-                    lo = (int)((q & 0x0F0F0F0Fu) | high4(qh, 4 * t));
-                    hi = (int)(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t));
-                } else {
-                    const u8* blk = row + 34 * (u64)b;
-                    d = h2f(ld16(blk));
-                    lo = (int)ld32(blk + 2 + 4 * t);
-                    hi = (int)ld32(blk + 18 + 4 * t);
-                }
-            }
+            if (live) wblock<TY>(row, b, t, &lo, &hi, &d, &m);
             for (int r = 0; r < QM_RT; r++) {
                 if (r >= nr) break;
                 int s = 0;
@@ -476,44 +481,6 @@ __device__ __forceinline__ void mma16(int* d, int a0, int a1, int b0) {
         "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a0), "r"(a1), "r"(b0), "r"(0));
-}
-
-// A weight row's elements 4t..4t+3 (lo) and 16+4t..16+4t+3 (hi) of
-// block b (a 32-element type), with its scale and minimum.
-template <int TY>
-__device__ __forceinline__ void wblock(const u8* row, int b, int t, int* lo, int* hi, float* d, float* m) {
-    if (TY == T_Q4_0) {
-        const u8* blk = row + 18 * (u64)b;
-        *d = h2f(ld16(blk));
-        u32 q = ld32(blk + 2 + 4 * t);
-        *lo = (int)__vsub4(q & 0x0F0F0F0Fu, 0x08080808u);
-        *hi = (int)__vsub4((q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
-    } else if (TY == T_Q4_1) {
-        const u8* blk = row + 20 * (u64)b;
-        *d = h2f(ld16(blk));
-        *m = h2f(ld16(blk + 2));
-        u32 q = ld32(blk + 4 + 4 * t);
-        *lo = (int)(q & 0x0F0F0F0Fu);
-        *hi = (int)((q >> 4) & 0x0F0F0F0Fu);
-    } else if (TY == T_Q5_0) {
-        const u8* blk = row + 22 * (u64)b;
-        *d = h2f(ld16(blk));
-        u32 qh = ld32(blk + 2), q = ld32(blk + 6 + 4 * t);
-        *lo = (int)__vsub4((q & 0x0F0F0F0Fu) | high4(qh, 4 * t), 0x10101010u);
-        *hi = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t), 0x10101010u);
-    } else if (TY == T_Q5_1) {
-        const u8* blk = row + 24 * (u64)b;
-        *d = h2f(ld16(blk));
-        *m = h2f(ld16(blk + 2));
-        u32 qh = ld32(blk + 4), q = ld32(blk + 8 + 4 * t);
-        *lo = (int)((q & 0x0F0F0F0Fu) | high4(qh, 4 * t));
-        *hi = (int)(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t));
-    } else {
-        const u8* blk = row + 34 * (u64)b;
-        *d = h2f(ld16(blk));
-        *lo = (int)ld32(blk + 2 + 4 * t);
-        *hi = (int)ld32(blk + 18 + 4 * t);
-    }
 }
 
 // The scale and minimum of block b of a 32-element type.

@@ -459,67 +459,26 @@ impl CudaWorkspace {
         self.buf_ptr[b as usize]
     }
 
-    /// Writes table `which` for this pass and, unless a graph replays the
-    /// pass, queues its copy (a captured copy takes the whole table, so a
-    /// replay copies whatever this pass wrote).
+    /// Writes table `which` for this pass (see [`stage`]).
     fn upload(&mut self, which: Which, data: &[u32]) {
         let s = self.dev.stream.clone();
-        let t = &mut self.tables[which as usize];
-        let r = t.write(&s, data);
-        let n = if self.mode == Mode::Capture {
-            t.len()
-        } else {
-            data.len()
-        };
-        let mode = self.mode;
-        let r = r.and_then(|grew| {
-            if grew {
-                self.graphs.clear();
-                if mode != Mode::Direct {
-                    // Tables are sized for the workspace's rows: a pass
-                    // that outgrows them cannot be a graph's.
-                    return Err(cudarc::driver::DriverError(
-                        cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_STATE,
-                    ));
-                }
-            }
-            if self.mode == Mode::Replay {
-                Ok(())
-            } else {
-                self.tables[which as usize].copy(&s, n)
-            }
-        });
-        self.note(r);
+        let r = stage(&mut self.tables[which as usize], &s, self.mode, data);
+        self.staged(r);
     }
 
-    /// [`CudaWorkspace::upload`] of rotation table `i`.
+    /// Writes rotation table `i` for this pass (see [`stage`]).
     fn upload_f32(&mut self, i: usize, data: &[f32]) {
         let s = self.dev.stream.clone();
-        let t = &mut self.rope_cs[i];
-        let r = t.write(&s, data);
-        let n = if self.mode == Mode::Capture {
-            t.len()
-        } else {
-            data.len()
-        };
-        let mode = self.mode;
-        let r = r.and_then(|grew| {
-            if grew {
-                self.graphs.clear();
-                if mode != Mode::Direct {
-                    // Tables are sized for the workspace's rows: a pass
-                    // that outgrows them cannot be a graph's.
-                    return Err(cudarc::driver::DriverError(
-                        cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_STATE,
-                    ));
-                }
-            }
-            if self.mode == Mode::Replay {
-                Ok(())
-            } else {
-                self.rope_cs[i].copy(&s, n)
-            }
-        });
+        let r = stage(&mut self.rope_cs[i], &s, self.mode, data);
+        self.staged(r);
+    }
+
+    /// After [`stage`]: a table that grew (or failed to) has moved, so the
+    /// graphs that hold its old address go.
+    fn staged(&mut self, r: Result<bool, cudarc::driver::DriverError>) {
+        if !matches!(r, Ok(false)) {
+            self.graphs.clear();
+        }
         self.note(r);
     }
 
@@ -553,6 +512,30 @@ impl Drop for CudaWorkspace {
         // No copy may still read the page-locked tables when they go.
         let _ = self.dev.stream.synchronize();
     }
+}
+
+/// Writes `data` into table `t` for this pass and, unless a graph replays
+/// the pass, queues its copy (a captured copy takes the whole table, so a
+/// replay copies whatever this pass wrote). Returns whether the table grew
+/// (its device address changed). Tables are sized for the workspace's
+/// rows: a pass that outgrows one cannot be a graph's.
+fn stage<T: Copy + cudarc::driver::ValidAsZeroBits + cudarc::driver::DeviceRepr>(
+    t: &mut Staged<T>,
+    s: &Arc<CudaStream>,
+    mode: Mode,
+    data: &[T],
+) -> Result<bool, cudarc::driver::DriverError> {
+    let grew = t.write(s, data)?;
+    if grew && mode != Mode::Direct {
+        return Err(cudarc::driver::DriverError(
+            cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_STATE,
+        ));
+    }
+    if mode != Mode::Replay {
+        let n = if mode == Mode::Capture { t.len() } else { data.len() };
+        t.copy(s, n)?;
+    }
+    Ok(grew)
 }
 
 /// A captured pass.
