@@ -744,20 +744,50 @@ ROWS(rows_q4_k, T_Q4_K)
 ROWS(rows_q5_k, T_Q5_K)
 ROWS(rows_q6_k, T_Q6_K)
 
-// RMS norm of each row of `dim`, a warp per row, in the CPU's order
+// RMS norm of each row of `dim` in the CPU's order
 // (snug_kernels::vec::sum_squares): element i's square into lane i % 8
-// (fused), the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)).
-extern "C" __global__ void rms_norm(float* x, const float* w, int dim, float eps) {
-    int lane = threadIdx.x;
-    float* row = x + (u64)blockIdx.x * dim;
-    float s = 0.0f;
-    for (int i = lane & 7; i < dim; i += 8) s = fmaf(row[i], row[i], s);
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    s += __shfl_xor_sync(0xffffffffu, s, 4);
-    float scale = 1.0f / sqrtf(s / (float)dim + eps);
-    __syncwarp();
-    for (int i = lane; i < dim; i += 32) row[i] = row[i] * scale * w[i];
+// (fused), the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)), then
+// `x * scale * w` into `out` (which may be `x`). Where `add` is given, each
+// row of `x` first becomes `x + add` (the residual sum, written back). A
+// block of 256 per row: the row is staged in shared memory by every thread
+// (the loads in flight at once), then eight threads run the eight sums.
+extern "C" __global__ void rms_norm(float* x, const float* add, float* out, const float* w, int dim, float eps) {
+    extern __shared__ float xs[];
+    __shared__ float scale_s;
+    u64 off = (u64)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = x[off + i];
+        if (add) {
+            v = v + add[off + i];
+            x[off + i] = v;
+        }
+        xs[i] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x;
+        float s = 0.0f;
+        if (lane < 8) {
+            // Sixteen of the lane's elements loaded before they are
+            // added (the same additions, in the same order).
+            int i = lane;
+            for (; i + 8 * 15 < dim; i += 8 * 16) {
+                float v[16];
+#pragma unroll
+                for (int j = 0; j < 16; j++) v[j] = xs[i + 8 * j];
+#pragma unroll
+                for (int j = 0; j < 16; j++) s = fmaf(v[j], v[j], s);
+            }
+            for (; i < dim; i += 8) s = fmaf(xs[i], xs[i], s);
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        if (lane == 0) scale_s = 1.0f / sqrtf(s / (float)dim + eps);
+    }
+    __syncthreads();
+    float scale = scale_s;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[off + i] = xs[i] * scale * w[i];
 }
 
 extern "C" __global__ void scale(float* x, u64 len, float by) {
@@ -783,13 +813,50 @@ extern "C" __global__ void rope(float* q, float* k, const float* cs, int heads, 
                                 const int* pa, const int* pb, int pairs) {
     int r = blockIdx.x;
     int total = (heads + kv_heads) * pairs;
-    for (int t = threadIdx.x; t < total; t += blockDim.x) {
+    for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < total; t += gridDim.y * blockDim.x) {
         int h = t / pairs, i = t % pairs;
         float* v = h < heads ? q + ((u64)r * heads + h) * hd : k + ((u64)r * kv_heads + (h - heads)) * hd;
         float c = cs[2 * ((u64)r * pairs + i)], s = cs[2 * ((u64)r * pairs + i) + 1];
         float x0 = v[pa[i]], x1 = v[pb[i]];
         v[pa[i]] = x0 * c - x1 * s;
         v[pb[i]] = x0 * s + x1 * c;
+    }
+}
+
+// rope then write_kv_f16 in one launch: thread t of a row rotates pair
+// t % pairs of query head t / pairs, or of a key head (then stores the
+// pair's two keys), or stores one value and, where that dimension is not
+// rotated (`rotated[d]` is 0), its key. The same operations as the two
+// kernels.
+extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, const float* cs, int heads,
+                                         int kv_heads, int hd, const int* pa, const int* pb, int pairs,
+                                         const int* rotated, const u32* page, const u32* slot, int layer,
+                                         int layers, int pt, u16* kc, u16* vc) {
+    int r = blockIdx.x;
+    int nq = heads * pairs, nk = kv_heads * pairs, kvd = kv_heads * hd;
+    int total = nq + nk + kvd;
+    for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < total; t += gridDim.y * blockDim.x) {
+        if (t < nq + nk) {
+            int h = t / pairs, i = t % pairs;
+            float* x = h < heads ? q + ((u64)r * heads + h) * hd : k + ((u64)r * kv_heads + (h - heads)) * hd;
+            float c = cs[2 * ((u64)r * pairs + i)], s = cs[2 * ((u64)r * pairs + i) + 1];
+            int a = pa[i], b = pb[i];
+            float x0 = x[a], x1 = x[b];
+            float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+            x[a] = y0;
+            x[b] = y1;
+            if (h >= heads) {
+                u64 base = ((((u64)page[r] * layers + layer) * kv_heads + (h - heads)) * pt + slot[r]) * hd;
+                kc[base + a] = f2h(y0);
+                kc[base + b] = f2h(y1);
+            }
+        } else {
+            int e = t - nq - nk;
+            int h = e / hd, d = e % hd;
+            u64 at = ((((u64)page[r] * layers + layer) * kv_heads + h) * pt + slot[r]) * hd + d;
+            vc[at] = f2h(v[(u64)r * kvd + e]);
+            if (!rotated[d]) kc[at] = f2h(k[(u64)r * kvd + e]);
+        }
     }
 }
 
@@ -801,7 +868,7 @@ extern "C" __global__ void write_kv_f16(const float* k, const float* v, const u3
                                         u16* vc) {
     int r = blockIdx.x;
     int kvd = kv_heads * hd;
-    for (int t = threadIdx.x; t < kvd; t += blockDim.x) {
+    for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < kvd; t += gridDim.y * blockDim.x) {
         int h = t / hd, d = t % hd;
         u64 at = ((((u64)page[r] * layers + layer) * kv_heads + h) * pt + slot[r]) * hd + d;
         kc[at] = f2h(k[(u64)r * kvd + t]);
@@ -821,48 +888,69 @@ __device__ __forceinline__ float exp_fixed(float x) {
     return p * __int_as_float(((int)n + 127) << 23);
 }
 
-// Attention over f16 pages in the CPU's order (snug_kernels::kv): a warp
-// per (row, query head). Lane l scores positions start+l, start+l+32, ...,
-// each `q . k` summed with element i in lane i % 16 and folded as the
-// CPU's dot_f32, times `scale`; the softmax takes exp_fixed(s - max),
-// sums the exponentials with score i into lane i % 16 (each in order) and
-// folds them, and multiplies each by the sum's reciprocal; lane l then
-// owns dimensions l, l+32, ... (head_dim <= 256) and sums the weighted
-// values over the positions in order with fused multiply-adds, in one
-// pass.
+// Attention over f16 pages in the CPU's order (snug_kernels::kv): a block
+// of ATT_THREADS per (row, query head). Thread t scores positions start+t,
+// start+t+ATT_THREADS, ..., each `q . k` summed with element i in lane
+// i % 16 and folded as the CPU's dot_f32, times `scale`; the softmax takes
+// exp_fixed(s - max), sums the exponentials with score i into lane i % 16
+// (each in order; one warp) and folds them, and multiplies each by the
+// sum's reciprocal. The values then go through shared memory a tile of
+// positions at a time (every thread's loads in flight together), and
+// thread t sums dimensions 2t and 2t+1 (head_dim <= 256) over the
+// positions in order with fused multiply-adds.
+#define ATT_THREADS 128
+#define ATT_TILE_BYTES 16384
+
+// Copies 16 bytes from global to shared memory without waiting (where the
+// architecture can); att_wait() waits for all of them.
+__device__ __forceinline__ void att_copy16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+#else
+    *(uint4*)dst = *(const uint4*)src;
+#endif
+}
+
+__device__ __forceinline__ void att_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;");
+#endif
+}
+
 extern "C" __global__ void attend_f16(const float* q, const u32* table, const u32* row_table,
                                       const u32* row_start, const u32* row_end, int heads, int kv_heads,
                                       int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
                                       float scale, float* scores, int ctx, float* out) {
-    extern __shared__ float qs[];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int wpb = blockDim.x >> 5;
-    int r = blockIdx.x;
-    int h = blockIdx.y * wpb + warp;
-    if (h >= heads) return;
+    extern __shared__ float smem[];
+    __shared__ float red[ATT_THREADS / 32];
+    __shared__ float inv_s;
+    float* qs = smem;                    // hd
+    u16* vt = (u16*)(smem + hd);         // a tile of values: ATT_TILE_BYTES
+    float* wt = smem + hd + ATT_TILE_BYTES / 4;  // its weights
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int r = blockIdx.x, h = blockIdx.y;
     int g = h / (heads / kv_heads);
-    float* qw = qs + warp * hd;
     const float* qr = q + ((u64)r * heads + h) * hd;
-    for (int d = lane; d < hd; d += 32) qw[d] = qr[d];
-    __syncwarp();
+    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qr[d];
+    __syncthreads();
     const u32* pages = table + row_table[r];
-    int start = row_start[r], end = row_end[r];
+    int start = row_start[r], end = row_end[r], n = end - start;
     float* sc = scores + ((u64)r * heads + h) * ctx;
     float m = -__int_as_float(0x7f800000);
-    for (int p = start + lane; p < end; p += 32) {
+    for (int p = start + tid; p < end; p += ATT_THREADS) {
         u64 base = ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd;
-        const u16* kp = kc + base;
         float l16[16];
         for (int i = 0; i < 16; i++) l16[i] = 0.0f;
         // A key row is 16-byte aligned (head_dim a multiple of 16).
-        const uint4* k4 = (const uint4*)kp;
+        const uint4* k4 = (const uint4*)(kc + base);
         for (int d0 = 0; d0 < hd; d0 += 16) {
             uint4 a = k4[d0 / 8], b = k4[d0 / 8 + 1];
             u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
             for (int i = 0; i < 16; i++) {
-                u16 h = (u16)(w[i >> 1] >> (16 * (i & 1)));
-                l16[i] = fmaf(qw[d0 + i], h2f(h), l16[i]);
+                u16 x = (u16)(w[i >> 1] >> (16 * (i & 1)));
+                l16[i] = fmaf(qs[d0 + i], h2f(x), l16[i]);
             }
         }
         float f[8];
@@ -872,39 +960,56 @@ extern "C" __global__ void attend_f16(const float* q, const u32* table, const u3
         m = fmaxf(m, s);
     }
     m = warp_max(m);
-    for (int p = start + lane; p < end; p += 32) sc[p - start] = exp_fixed(sc[p - start] - m);
-    __syncwarp();
-    // Lane l (and l + 16, the same) sums exponentials l, l+16, ... in order.
-    float sum = 0.0f;
-    for (int i = lane & 15; i < end - start; i += 16) sum += sc[i];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 8);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-    float inv = 1.0f / sum;
-    float* o = out + ((u64)r * heads + h) * hd;
-    float acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
-    int p = start;
-    while (p < end) {
-        int first = p - p % pt;
-        int stop = min(end, first + pt);
-        const u16* vp = vc + ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt) * hd;
-#pragma unroll 4
-        for (; p < stop; p++) {
-            float wgt = sc[p - start] * inv;
-            const u16* row = vp + (u64)(p - first) * hd;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                int d = lane + 32 * j;
-                if (d < hd) acc[j] = fmaf(wgt, h2f(row[d]), acc[j]);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int i = 1; i < ATT_THREADS / 32; i++) m = fmaxf(m, red[i]);
+    for (int i = tid; i < n; i += ATT_THREADS) sc[i] = exp_fixed(sc[i] - m);
+    __syncthreads();
+    if (warp == 0) {
+        // Lane l (and l + 16, the same) sums exponentials l, l+16, ... in
+        // order.
+        float sum = 0.0f;
+        for (int i = lane & 15; i < n; i += 16) sum += sc[i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (lane == 0) inv_s = 1.0f / sum;
+    }
+    __syncthreads();
+    float inv = inv_s;
+    int per_row = hd / 8;  // 16-byte pieces of a value row
+    int tile = ATT_TILE_BYTES / (hd * 2);
+    bool owner = 2 * tid < hd;
+    float acc0 = 0.0f, acc1 = 0.0f;
+    for (int p0 = start; p0 < end; p0 += tile) {
+        int np = min(tile, end - p0);
+        for (int i = tid; i < np * per_row; i += ATT_THREADS) {
+            int p = p0 + i / per_row;
+            const u16* src = vc + ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd +
+                             8 * (i % per_row);
+            att_copy16(vt + 8 * i, src);
+        }
+        for (int j = tid; j < np; j += ATT_THREADS) wt[j] = sc[p0 - start + j] * inv;
+        att_wait();
+        __syncthreads();
+        if (owner) {
+            const u32* v2 = (const u32*)vt + tid;
+#pragma unroll 8
+            for (int j = 0; j < np; j++) {
+                u32 two = v2[j * (hd / 2)];
+                float wgt = wt[j];
+                acc0 = fmaf(wgt, h2f((u16)(two & 0xffffu)), acc0);
+                acc1 = fmaf(wgt, h2f((u16)(two >> 16)), acc1);
             }
         }
+        __syncthreads();
     }
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        int d = lane + 32 * j;
-        if (d < hd) o[d] = acc[j];
+    if (owner) {
+        float* o = out + ((u64)r * heads + h) * hd;
+        o[2 * tid] = acc0;
+        o[2 * tid + 1] = acc1;
     }
 }
 

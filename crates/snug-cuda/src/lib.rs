@@ -28,7 +28,7 @@ use snug_kernels::kv::{KvSlot, KvStore};
 use snug_kernels::GgmlType;
 use snug_model::arch::{Activation, BatchRow, Config, Head, KvView};
 use snug_model::backend::{Backend, Buf, WorkspaceSize};
-use stage::{Pinned, Staged};
+use stage::{Pinned, Staged, RING};
 
 pub use kv::CudaKv;
 pub use weights::{CudaMatrix, CudaVector, CudaWeights};
@@ -54,6 +54,8 @@ pub enum CudaError {
     Unsupported(GgmlType),
     #[error("head dimension {0} is not supported on CUDA (a multiple of 16, at most 256)")]
     HeadDim(usize),
+    #[error("embedding width {0} is not supported on CUDA (at most 12,288)")]
+    Width(usize),
 }
 
 const SOURCE: &str = include_str!("kernels.cu");
@@ -124,6 +126,7 @@ struct Kernels {
     add: CudaFunction,
     add_bias: CudaFunction,
     rope: CudaFunction,
+    rope_write_kv: CudaFunction,
     write_kv_f16: CudaFunction,
     attend_f16: CudaFunction,
     gated: CudaFunction,
@@ -195,6 +198,7 @@ impl Device {
             add: f("add")?,
             add_bias: f("add_bias")?,
             rope: f("rope")?,
+            rope_write_kv: f("rope_write_kv")?,
             write_kv_f16: f("write_kv_f16")?,
             attend_f16: f("attend_f16")?,
             gated: f("gated")?,
@@ -343,6 +347,8 @@ pub struct CudaWorkspace {
     /// and each row's cosines and sines for them (computed on the host,
     /// as the CPU computes them).
     rope_pairs: (CudaSlice<i32>, CudaSlice<i32>),
+    /// Per dimension of a head, 1 where RoPE rotates it.
+    rope_rotated: CudaSlice<i32>,
     ropes: [snug_kernels::ops::Rope; 2],
     rope_cs: [Staged<f32>; 2],
     has_local: bool,
@@ -356,7 +362,22 @@ pub struct CudaWorkspace {
     /// either way).
     tensor_cores: bool,
     mode: Mode,
+    /// The host region of the tables this pass writes (see [`RING`]).
+    region: usize,
+    /// Passes launched one by one so far (they take the ring's regions in
+    /// turn).
+    turns: usize,
+    /// Per ring region, an event recorded after the last pass that used
+    /// it; the region is written again once the event has happened.
+    fences: Vec<Option<cudarc::driver::CudaEvent>>,
+    /// The ring region of the pass before, when its fence is still to be
+    /// recorded (at the start of the next pass, after all its work).
+    unfenced: Option<usize>,
     key: (usize, u64),
+    /// What the quantized activations hold: (input address, rows, columns,
+    /// format). Products of one input (queries, keys and values; gate and
+    /// up) quantize it once; any other launch forgets it.
+    quantized: Option<(u64, usize, usize, u8)>,
     pairs: usize,
     /// The first device error of the pass, reported by [`CudaWorkspace::check`].
     error: Option<cudarc::driver::DriverError>,
@@ -367,6 +388,9 @@ impl CudaWorkspace {
     pub fn new(dev: &Arc<Device>, c: &Config, size: WorkspaceSize) -> Result<CudaWorkspace, CudaError> {
         if c.head_dim > 256 || !c.head_dim.is_multiple_of(16) {
             return Err(CudaError::HeadDim(c.head_dim));
+        }
+        if c.dim > 12_288 {
+            return Err(CudaError::Width(c.dim));
         }
         let rows = size.rows.max(1);
         let ctx = size.ctx.max(1);
@@ -387,6 +411,12 @@ impl CudaWorkspace {
         let pa: Vec<i32> = p.iter().map(|x| x.0 as i32).collect();
         let pb: Vec<i32> = p.iter().map(|x| x.1 as i32).collect();
         let rope_pairs = (s.clone_htod(&pa)?, s.clone_htod(&pb)?);
+        let mut rotated = vec![0i32; c.head_dim];
+        for &(a, b, _) in &p {
+            rotated[a] = 1;
+            rotated[b] = 1;
+        }
+        let rope_rotated = s.clone_htod(&rotated)?;
         let widest = c.dim.max(c.ff).max(c.heads * c.head_dim);
         Ok(CudaWorkspace {
             dev: dev.clone(),
@@ -413,6 +443,7 @@ impl CudaWorkspace {
                 })
                 .collect::<Result<_, _>>()?,
             rope_pairs,
+            rope_rotated,
             ropes,
             rope_cs: [
                 Staged::new(dev, rows * pairs.max(1) * 2, "rotations")?,
@@ -424,7 +455,12 @@ impl CudaWorkspace {
             graphs_on: true,
             tensor_cores: true,
             mode: Mode::Direct,
+            region: 1,
+            turns: 0,
+            fences: (0..RING).map(|_| None).collect(),
+            unfenced: None,
             key: (0, 0),
+            quantized: None,
             pairs,
             error: None,
         })
@@ -437,8 +473,8 @@ impl CudaWorkspace {
             + self.q8.num_bytes()
             + self.logits.num_bytes()
             + self.scores.num_bytes()
-            + self.rope_cs.iter().map(|b| b.len() * 4).sum::<usize>()
-            + self.tables.iter().map(|b| b.len() * 4).sum::<usize>()
+            + self.rope_cs.iter().map(|b| b.device_bytes()).sum::<usize>()
+            + self.tables.iter().map(|b| b.device_bytes()).sum::<usize>()
     }
 
     /// The first device error since the last check.
@@ -462,14 +498,14 @@ impl CudaWorkspace {
     /// Writes table `which` for this pass (see [`stage`]).
     fn upload(&mut self, which: Which, data: &[u32]) {
         let s = self.dev.stream.clone();
-        let r = stage(&mut self.tables[which as usize], &s, self.mode, data);
+        let r = stage(&mut self.tables[which as usize], &s, self.mode, self.region, data);
         self.staged(r);
     }
 
     /// Writes rotation table `i` for this pass (see [`stage`]).
     fn upload_f32(&mut self, i: usize, data: &[f32]) {
         let s = self.dev.stream.clone();
-        let r = stage(&mut self.rope_cs[i], &s, self.mode, data);
+        let r = stage(&mut self.rope_cs[i], &s, self.mode, self.region, data);
         self.staged(r);
     }
 
@@ -480,6 +516,15 @@ impl CudaWorkspace {
             self.graphs.clear();
         }
         self.note(r);
+    }
+
+    /// Records ring region `region`'s fence after all the work queued.
+    fn fence(&mut self, region: usize) -> Result<(), cudarc::driver::DriverError> {
+        let slot = &mut self.fences[region - 1];
+        if slot.is_none() {
+            *slot = Some(self.dev.stream.context().new_event(None)?);
+        }
+        slot.as_ref().expect("made above").record(&self.dev.stream)
     }
 
     fn table(&self, which: Which) -> u64 {
@@ -523,9 +568,10 @@ fn stage<T: Copy + cudarc::driver::ValidAsZeroBits + cudarc::driver::DeviceRepr>
     t: &mut Staged<T>,
     s: &Arc<CudaStream>,
     mode: Mode,
+    region: usize,
     data: &[T],
 ) -> Result<bool, cudarc::driver::DriverError> {
-    let grew = t.write(s, data)?;
+    let grew = t.write(s, region, data)?;
     if grew && mode != Mode::Direct {
         return Err(cudarc::driver::DriverError(
             cudarc::driver::sys::CUresult::CUDA_ERROR_ILLEGAL_STATE,
@@ -533,7 +579,7 @@ fn stage<T: Copy + cudarc::driver::ValidAsZeroBits + cudarc::driver::DeviceRepr>
     }
     if mode != Mode::Replay {
         let n = if mode == Mode::Capture { t.len() } else { data.len() };
-        t.copy(s, n)?;
+        t.copy(s, region, n)?;
     }
     Ok(grew)
 }
@@ -592,6 +638,7 @@ impl Which {
 /// locals, in the kernel's order and types), noting a failure in `ws`.
 macro_rules! launch {
     ($ws:expr, $f:expr, $cfg:expr, $($a:expr),*) => {{
+        $ws.quantized = None;
         if $ws.mode != Mode::Replay {
         let s = $ws.dev.stream.clone();
         let mut b = s.launch_builder($f);
@@ -635,7 +682,15 @@ impl Backend for Cuda {
     }
 
     fn begin(ws: &mut CudaWorkspace, rows: &[BatchRow], head: Head, kv: &KvView<CudaKv>) {
+        // The pass before, launched one by one, returned without waiting
+        // for its copies: its region is fenced by everything queued so far.
+        if let Some(region) = ws.unfenced.take() {
+            let r = ws.fence(region);
+            ws.note(r);
+        }
         ws.mode = Mode::Direct;
+        ws.region = 0;
+        ws.quantized = None;
         // Decode steps and verifications (a few rows, every one wanting
         // logits) run as graphs; prefill chunks pay for their launches.
         let step = head == Head::Logits
@@ -643,20 +698,32 @@ impl Backend for Cuda {
             && rows.len() <= GRAPH_ROWS.min(ws.max_rows)
             && rows.iter().all(|r| r.logits)
             && !snug_model::arch::trace::enabled();
-        if !ws.graphs_on || !step || ws.error.is_some() {
-            return;
+        if ws.graphs_on && step && ws.error.is_none() {
+            ws.key = (rows.len(), kv.storage.k_ptr());
+            if ws.graphs.contains_key(&ws.key) {
+                ws.mode = Mode::Replay;
+                return;
+            }
+            let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            match ws.dev.stream.begin_capture(mode) {
+                Ok(()) => {
+                    ws.mode = Mode::Capture;
+                    return;
+                }
+                // Launched one by one from now on.
+                Err(_) => ws.graphs_on = false,
+            }
         }
-        ws.key = (rows.len(), kv.storage.k_ptr());
-        if ws.graphs.contains_key(&ws.key) {
-            ws.mode = Mode::Replay;
-            return;
+        // Launched one by one: the next region of the ring, once the pass
+        // that last used it has run.
+        let region = 1 + ws.turns % RING;
+        ws.turns += 1;
+        if let Some(e) = &ws.fences[region - 1] {
+            let r = e.synchronize();
+            ws.note(r);
         }
-        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        match ws.dev.stream.begin_capture(mode) {
-            Ok(()) => ws.mode = Mode::Capture,
-            // Launched one by one from now on.
-            Err(_) => ws.graphs_on = false,
-        }
+        ws.region = region;
+        ws.unfenced = Some(region);
     }
 
     fn embed(ws: &mut CudaWorkspace, table: &CudaMatrix, rows: &[BatchRow]) {
@@ -686,6 +753,7 @@ impl Backend for Cuda {
     }
 
     fn copy(ws: &mut CudaWorkspace, from: Buf, to: Buf, len: usize) {
+        ws.quantized = None;
         if ws.mode == Mode::Replay {
             return;
         }
@@ -701,9 +769,17 @@ impl Backend for Cuda {
         if rows == 0 {
             return;
         }
-        let dev = ws.dev.clone();
-        let (x, wp, dim) = (ws.p(buf), w.ptr, w.len as i32);
-        launch!(ws, &dev.k.rms_norm, per_row(rows, 32), &x, &wp, &dim, &eps);
+        let x = ws.p(buf);
+        norm_into(ws, x, 0, x, rows, w, eps);
+    }
+
+    fn add_norm(ws: &mut CudaWorkspace, x: Buf, add: Option<Buf>, to: Buf, len: usize, w: &CudaVector, eps: f32) {
+        let rows = len / w.len;
+        if rows == 0 {
+            return;
+        }
+        let (xp, ap, tp) = (ws.p(x), add.map_or(0, |b| ws.p(b)), ws.p(to));
+        norm_into(ws, xp, ap, tp, rows, w, eps);
     }
 
     fn matmul(ws: &mut CudaWorkspace, w: &CudaMatrix, from: Buf, to: Buf, rows: usize) {
@@ -729,40 +805,20 @@ impl Backend for Cuda {
         }
         let which = usize::from(local);
         if layer == 0 {
-            // Each row's cosines and sines, as the CPU's `Rope::apply`
-            // computes them (the same library calls on the same host).
-            for i in 0..1 + usize::from(ws.has_local) {
-                let pairs = ws.ropes[i].pairs(ws.head_dim);
-                let mut cs = Vec::with_capacity(rows.len() * pairs.len() * 2);
-                for r in rows {
-                    for &(_, _, f) in &pairs {
-                        let (sin, cos) = (r.pos as f32 * f).sin_cos();
-                        cs.push(cos);
-                        cs.push(sin);
-                    }
-                }
-                ws.upload_f32(i, &cs);
-            }
+            rope_tables(ws, rows);
         }
         let dev = ws.dev.clone();
         let s = &dev.stream;
         let (q, k, cs) = (ws.p(Buf::Q), ws.p(Buf::K), ptr(&ws.rope_cs[which].dev, s));
         let (heads, kvh, hd, pairs) = (ws.heads as i32, ws.kv_heads as i32, ws.head_dim as i32, ws.pairs as i32);
         let (pa, pb) = (ptr(&ws.rope_pairs.0, s), ptr(&ws.rope_pairs.1, s));
-        launch!(
-            ws,
-            &dev.k.rope,
-            per_row(rows.len(), 128),
-            &q,
-            &k,
-            &cs,
-            &heads,
-            &kvh,
-            &hd,
-            &pa,
-            &pb,
-            &pairs
-        );
+        let total = (ws.heads + ws.kv_heads) * ws.pairs;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, total.div_ceil(128) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(ws, &dev.k.rope, cfg, &q, &k, &cs, &heads, &kvh, &hd, &pa, &pb, &pairs);
     }
 
     fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut CudaKv) {
@@ -770,10 +826,7 @@ impl Backend for Cuda {
             return;
         }
         if layer == 0 {
-            let page: Vec<u32> = slots.iter().map(|s| s.page).collect();
-            let slot: Vec<u32> = slots.iter().map(|s| s.slot as u32).collect();
-            ws.upload(Which::Page, &page);
-            ws.upload(Which::Slot, &slot);
+            kv_tables(ws, slots);
         }
         let dev = ws.dev.clone();
         let shape = kv.shape();
@@ -786,10 +839,19 @@ impl Backend for Cuda {
             shape.head_dim as i32,
         );
         let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
+        let cfg = LaunchConfig {
+            grid_dim: (
+                slots.len() as u32,
+                (shape.kv_heads * shape.head_dim).div_ceil(128) as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
         launch!(
             ws,
             &dev.k.write_kv_f16,
-            per_row(slots.len(), 128),
+            cfg,
             &k,
             &v,
             &pg,
@@ -799,6 +861,68 @@ impl Backend for Cuda {
             &kvh,
             &pt,
             &hd,
+            &kc,
+            &vc
+        );
+    }
+
+    fn rope_write_kv(
+        ws: &mut CudaWorkspace,
+        layer: usize,
+        rows: &[BatchRow],
+        local: bool,
+        slots: &[KvSlot],
+        kv: &mut CudaKv,
+    ) {
+        if rows.is_empty() || ws.pairs == 0 {
+            Self::rope(ws, layer, rows, local);
+            Self::write_kv(ws, layer, slots, kv);
+            return;
+        }
+        if layer == 0 {
+            rope_tables(ws, rows);
+            kv_tables(ws, slots);
+        }
+        let dev = ws.dev.clone();
+        let s = &dev.stream;
+        let shape = kv.shape();
+        let (q, k, v) = (ws.p(Buf::Q), ws.p(Buf::K), ws.p(Buf::V));
+        let cs = ptr(&ws.rope_cs[usize::from(local)].dev, s);
+        let (heads, kvh, hd, pairs) = (ws.heads as i32, ws.kv_heads as i32, ws.head_dim as i32, ws.pairs as i32);
+        let (pa, pb, rot) = (
+            ptr(&ws.rope_pairs.0, s),
+            ptr(&ws.rope_pairs.1, s),
+            ptr(&ws.rope_rotated, s),
+        );
+        let (pg, sl) = (ws.table(Which::Page), ws.table(Which::Slot));
+        let (l, layers, pt) = (layer as i32, shape.layers as i32, shape.page_tokens as i32);
+        let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
+        let total = (ws.heads + ws.kv_heads) * ws.pairs + ws.kv_heads * ws.head_dim;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, total.div_ceil(128) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            ws,
+            &dev.k.rope_write_kv,
+            cfg,
+            &q,
+            &k,
+            &v,
+            &cs,
+            &heads,
+            &kvh,
+            &hd,
+            &pa,
+            &pb,
+            &pairs,
+            &rot,
+            &pg,
+            &sl,
+            &l,
+            &layers,
+            &pt,
             &kc,
             &vc
         );
@@ -856,11 +980,12 @@ impl Backend for Cuda {
             ptr(&ws.scores, s),
             ws.ctx as i32,
         );
-        let wpb = ws.heads.min(4);
+        // The query, a tile of values and their weights (kernels.cu).
+        let tile = ATT_TILE_BYTES / (ws.head_dim * 2);
         let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, ws.heads.div_ceil(wpb) as u32, 1),
-            block_dim: (32 * wpb as u32, 1, 1),
-            shared_mem_bytes: (wpb * ws.head_dim * 4) as u32,
+            grid_dim: (rows.len() as u32, ws.heads as u32, 1),
+            block_dim: (ATT_THREADS, 1, 1),
+            shared_mem_bytes: (ws.head_dim * 4 + ATT_TILE_BYTES + tile * 4) as u32,
         };
         launch!(
             ws,
@@ -981,6 +1106,46 @@ impl Backend for Cuda {
     }
 }
 
+/// RMS norm of `rows` rows at device address `x` (each first plus the row
+/// at `add`, written back, unless `add` is 0) into `out` (kernels.cu).
+fn norm_into(ws: &mut CudaWorkspace, x: u64, add: u64, out: u64, rows: usize, w: &CudaVector, eps: f32) {
+    let dev = ws.dev.clone();
+    let (wp, dim) = (w.ptr, w.len as i32);
+    // The row in shared memory: up to 48 KiB (a width of 12,288).
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: (w.len * 4) as u32,
+    };
+    launch!(ws, &dev.k.rms_norm, cfg, &x, &add, &out, &wp, &dim, &eps);
+}
+
+/// Each row's cosines and sines for the global and local rotations, as
+/// the CPU's `Rope::apply` computes them (the same library calls on the
+/// same host), uploaded for the pass.
+fn rope_tables(ws: &mut CudaWorkspace, rows: &[BatchRow]) {
+    for i in 0..1 + usize::from(ws.has_local) {
+        let pairs = ws.ropes[i].pairs(ws.head_dim);
+        let mut cs = Vec::with_capacity(rows.len() * pairs.len() * 2);
+        for r in rows {
+            for &(_, _, f) in &pairs {
+                let (sin, cos) = (r.pos as f32 * f).sin_cos();
+                cs.push(cos);
+                cs.push(sin);
+            }
+        }
+        ws.upload_f32(i, &cs);
+    }
+}
+
+/// Each row's KV page and slot, uploaded for the pass.
+fn kv_tables(ws: &mut CudaWorkspace, slots: &[KvSlot]) {
+    let page: Vec<u32> = slots.iter().map(|s| s.page).collect();
+    let slot: Vec<u32> = slots.iter().map(|s| s.slot as u32).collect();
+    ws.upload(Which::Page, &page);
+    ws.upload(Which::Slot, &slot);
+}
+
 /// `y[r] = w * x[r]` for `rows` rows, `x` and `y` device addresses: over
 /// quantized weights, the activations are quantized first (as the CPU
 /// quantizes them) and the products are integer dot products in the CPU's
@@ -1009,22 +1174,28 @@ fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usi
     }
     let blocks = (rows * w.cols / 32) as u64;
     let q8 = ptr(&ws.q8, s);
-    match snug_kernels::dot::act_format(w.ty) {
-        snug_kernels::dot::ActFormat::Q8K => {
-            launch!(ws, &dev.k.quantize_q8k, per_row(rows * w.cols / 256, 256), &x, &q8);
+    let format = snug_kernels::dot::act_format(w.ty);
+    let key = (x, rows, w.cols, format as u8);
+    if ws.quantized != Some(key) {
+        match format {
+            snug_kernels::dot::ActFormat::Q8K => {
+                launch!(ws, &dev.k.quantize_q8k, per_row(rows * w.cols / 256, 256), &x, &q8);
+            }
+            f => {
+                let q81 = i32::from(f == snug_kernels::dot::ActFormat::Q8_1);
+                launch!(
+                    ws,
+                    &dev.k.quantize_q8,
+                    grid_of(blocks as usize, 8),
+                    &x,
+                    &blocks,
+                    &q81,
+                    &q8
+                );
+            }
         }
-        f => {
-            let q81 = i32::from(f == snug_kernels::dot::ActFormat::Q8_1);
-            launch!(
-                ws,
-                &dev.k.quantize_q8,
-                grid_of(blocks as usize, 8),
-                &x,
-                &blocks,
-                &q81,
-                &q8
-            );
-        }
+        // The product below writes `y`, not the input.
+        ws.quantized = (y != x).then_some(key);
     }
     let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
         256
@@ -1069,6 +1240,12 @@ fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usi
     ws.note(r);
 }
 
+/// The attention kernel's threads per (row, head) and bytes of values it
+/// holds in shared memory at a time (`ATT_THREADS`, `ATT_TILE_BYTES` in
+/// kernels.cu).
+const ATT_THREADS: u32 = 128;
+const ATT_TILE_BYTES: usize = 16384;
+
 /// Rows from which a quantized product runs on tensor cores.
 const MMA_ROWS: usize = 16;
 
@@ -1099,6 +1276,7 @@ mod tests {
                     "quantize_q8k",
                     "rms_norm",
                     "rope",
+                    "rope_write_kv",
                     "mma_q4_k",
                     "mma_q6_k",
                 ] {

@@ -128,11 +128,16 @@ pub fn forward<'w, B: Backend>(
     let scale = if prescale { 1.0 } else { c.attn_scale };
 
     let mut compacted = false;
+    // A layer's feed-forward output waits in O to be added to the
+    // residual stream with the next layer's first norm (one pass where the
+    // backend fuses them), unless the trace wants each layer's output.
+    let defer = !super::trace::enabled();
+    let mut pending = None;
+    let mut live = n;
     trace(ws, "inp_embd", 0, Buf::X, n * dim);
     for (l, layer) in w.layers.iter().enumerate() {
         // Attention block.
-        B::copy(ws, Buf::X, Buf::H, n * dim);
-        B::rms_norm(ws, Buf::H, n * dim, &layer.attn_norm, c.rms_eps);
+        B::add_norm(ws, Buf::X, pending.take(), Buf::H, n * dim, &layer.attn_norm, c.rms_eps);
         trace(ws, "attn_norm", l, Buf::H, n * dim);
         B::matmul(ws, &layer.wq, Buf::H, Buf::Q, n);
         B::matmul(ws, &layer.wk, Buf::H, Buf::K, n);
@@ -151,8 +156,7 @@ pub fn forward<'w, B: Backend>(
         if let Some(kn) = &layer.k_norm {
             B::rms_norm(ws, Buf::K, n * kvd, kn, c.rms_eps);
         }
-        B::rope(ws, l, rows, c.is_local(l));
-        B::write_kv(ws, l, &slots, kv.storage);
+        B::rope_write_kv(ws, l, rows, c.is_local(l), &slots, kv.storage);
         trace(ws, "Qcur_rope", l, Buf::Q, n * qd);
         trace(ws, "Kcur_rope", l, Buf::K, n * kvd);
         if prescale {
@@ -165,23 +169,24 @@ pub fn forward<'w, B: Backend>(
         if let Some(pn) = &layer.post_attn_norm {
             B::rms_norm(ws, Buf::O, n * dim, pn, c.rms_eps);
         }
-        B::add(ws, Buf::X, Buf::O, n * dim);
 
         // llama.cpp runs its last layer's feed-forward block on the rows
         // it returns logits for only, so its matrix products see that
         // batch; a backend following its graph does the same (no other
         // row's state after the last layer is used).
         let mut n = n;
+        let mut residual = Some(Buf::O);
         if l + 1 == nl && B::LLAMA_CPP_GRAPH {
+            B::add(ws, Buf::X, Buf::O, n * dim);
+            residual = None;
             let keep: Vec<usize> = (0..n).filter(|&r| rows[r].logits).collect();
             B::gather_rows(ws, Buf::X, Buf::X, dim, &keep);
             n = keep.len();
             compacted = true;
         }
 
-        // Feed-forward block.
-        B::copy(ws, Buf::X, Buf::H, n * dim);
-        B::rms_norm(ws, Buf::H, n * dim, &layer.ffn_norm, c.rms_eps);
+        // Feed-forward block (after the attention block's residual sum).
+        B::add_norm(ws, Buf::X, residual, Buf::H, n * dim, &layer.ffn_norm, c.rms_eps);
         trace(ws, "ffn_inp", l, Buf::X, n * dim);
         trace(ws, "ffn_norm", l, Buf::H, n * dim);
         B::matmul(ws, &layer.w_gate, Buf::H, Buf::Gate, n);
@@ -195,11 +200,19 @@ pub fn forward<'w, B: Backend>(
         if let Some(pn) = &layer.post_ffn_norm {
             B::rms_norm(ws, Buf::O, n * dim, pn, c.rms_eps);
         }
-        B::add(ws, Buf::X, Buf::O, n * dim);
-        trace(ws, "l_out", l, Buf::X, n * dim);
+        live = n;
+        if defer {
+            pending = Some(Buf::O);
+        } else {
+            B::add(ws, Buf::X, Buf::O, n * dim);
+            trace(ws, "l_out", l, Buf::X, n * dim);
+        }
     }
 
     // Logits for the rows that want them.
+    if let Some(o) = pending {
+        B::add(ws, Buf::X, o, live * dim);
+    }
     let want: Vec<usize> = if compacted {
         (0..rows.iter().filter(|r| r.logits).count()).collect()
     } else {

@@ -29,16 +29,24 @@ pub fn configure(t: Trace) -> bool {
     TRACE.set(t).is_ok()
 }
 
-/// Whether tracing is on (a backend whose buffers are elsewhere copies
-/// them to the host only then).
+/// Whether anything is traced (a backend whose buffers are elsewhere
+/// copies them to the host only then; a GPU's decode steps run as graphs
+/// only when not).
 pub fn enabled() -> bool {
-    TRACE.get().is_some()
+    TRACE.get().is_some_and(Trace::any)
+}
+
+impl Trace {
+    /// Whether this traces anything at all.
+    pub fn any(&self) -> bool {
+        self.first_and_last || self.every_layer || self.dump.is_some()
+    }
 }
 
 /// Traces `v`, the intermediate `name` of `layer` (`usize::MAX`: the
 /// output's) of a model of `layers` layers.
 pub fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
-    let Some(t) = TRACE.get() else {
+    let Some(t) = TRACE.get().filter(|t| t.any()) else {
         return;
     };
     let label = if layer == usize::MAX {
@@ -57,5 +65,28 @@ pub fn trace(name: &str, layer: usize, layers: usize, v: &[f32]) {
         let sum: f64 = v.iter().map(|&x| x as f64).sum();
         let head: Vec<String> = v.iter().take(4).map(|x| format!("{x:.4}")).collect();
         eprintln!("trace {name}-{layer}: sum = {sum:.6} [{}]", head.join(", "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_of_nothing_traces_nothing() {
+        // The binary configures a trace from the environment on every run;
+        // with nothing asked for, backends must not copy or print.
+        assert!(!Trace::default().any());
+        let every = Trace {
+            first_and_last: true,
+            every_layer: true,
+            ..Trace::default()
+        };
+        assert!(every.any());
+        let dump = Trace {
+            dump: Some(PathBuf::from("d")),
+            ..Trace::default()
+        };
+        assert!(dump.any());
     }
 }

@@ -155,6 +155,27 @@ pub trait Backend: Sync {
     /// `w`'s length.
     fn rms_norm(ws: &mut Self::Workspace, buf: Buf, len: usize, w: &Self::Vector<'_>, eps: f32);
 
+    /// `x += add` (where given), then `to = x` RMS-normalized with `w`,
+    /// over the first `len` floats as rows of `w`'s length: the residual
+    /// sum and the next block's norm. By default [`Backend::add`],
+    /// [`Backend::copy`] and [`Backend::rms_norm`]; a backend may do it in
+    /// one pass, with the same arithmetic.
+    fn add_norm(
+        ws: &mut Self::Workspace,
+        x: Buf,
+        add: Option<Buf>,
+        to: Buf,
+        len: usize,
+        w: &Self::Vector<'_>,
+        eps: f32,
+    ) {
+        if let Some(from) = add {
+            Self::add(ws, x, from, len);
+        }
+        Self::copy(ws, x, to, len);
+        Self::rms_norm(ws, to, len, w, eps);
+    }
+
     /// `to[r] = w * from[r]` for the first `rows` rows.
     fn matmul(ws: &mut Self::Workspace, w: &Self::Matrix<'_>, from: Buf, to: Buf, rows: usize);
 
@@ -171,6 +192,20 @@ pub trait Backend: Sync {
 
     /// Stores each row's keys and values of `layer` at its slot.
     fn write_kv(ws: &mut Self::Workspace, layer: usize, slots: &[KvSlot], kv: &mut Self::Kv);
+
+    /// [`Backend::rope`] then [`Backend::write_kv`] (by default; a backend
+    /// may do both in one pass, with the same arithmetic).
+    fn rope_write_kv(
+        ws: &mut Self::Workspace,
+        layer: usize,
+        rows: &[BatchRow],
+        local: bool,
+        slots: &[KvSlot],
+        kv: &mut Self::Kv,
+    ) {
+        Self::rope(ws, layer, rows, local);
+        Self::write_kv(ws, layer, slots, kv);
+    }
 
     /// Attention of each row's query heads over its sequence's KV pages
     /// in `layer`, into [`Buf::Attn`]; scores are scaled by `scale`.
