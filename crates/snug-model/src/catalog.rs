@@ -194,8 +194,23 @@ pub fn alias_list() -> String {
 pub fn aliases_for(name: &str) -> String {
     match closest_alias(name) {
         Some(a) => format!("{} (did you mean {a:?}?)", alias_list()),
+        None if looks_like_repo(name) => format!("{} (did you mean \"hf:{name}\"?)", alias_list()),
         None => alias_list(),
     }
+}
+
+/// Whether `name` reads as a hub repository (`OWNER/REPO`) written
+/// without its `hf:`.
+fn looks_like_repo(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('/').collect();
+    parts.len() == 2
+        && !parts[1].to_ascii_lowercase().ends_with(".gguf")
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && !p.starts_with('.')
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        })
 }
 
 /// The alias within a few edits of `name` (a third of its length, at
@@ -296,6 +311,9 @@ mod tests {
         assert_eq!(closest_alias("llama-3-8b"), None);
         assert_eq!(edit_distance("kitten", "sitting"), 3);
         assert!(aliases_for("smolm2-135m").ends_with("(did you mean \"smollm2-135m\"?)"));
+        assert!(aliases_for("bartowski/SmolLM2-135M-Instruct-GGUF")
+            .ends_with("(did you mean \"hf:bartowski/SmolLM2-135M-Instruct-GGUF\"?)"));
+        assert!(!aliases_for("models/tiny.gguf").contains("did you mean"));
     }
 
     #[test]

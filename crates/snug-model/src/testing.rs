@@ -8,6 +8,7 @@
 //! without having run. The shared reference fixtures beside the checkout
 //! are handled the same way under `SNUG_REQUIRE_FIXTURES=1`.
 
+pub mod hub;
 pub mod synth;
 
 use std::path::{Path, PathBuf};

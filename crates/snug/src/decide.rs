@@ -19,7 +19,7 @@ use snug_model::{ModelFiles, Tokenizer};
 pub struct DecideArgs {
     #[command(subcommand)]
     command: Option<DecideCommand>,
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     #[arg(default_value = snug_model::catalog::DEFAULT_ALIAS)]
     model: String,
     /// The state text. Without it, the request (a JSON object with

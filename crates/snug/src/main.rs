@@ -25,7 +25,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use snug_model::arch::Model;
 use snug_model::catalog::{self, DEFAULT_ALIAS};
-use snug_model::pull;
+use snug_model::{pull, remote};
 use snug_model::{LoadOptions, ModelFiles};
 
 #[derive(Parser)]
@@ -37,11 +37,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Download a known model into the cache (or check a local GGUF file);
+    /// Download a model into the cache: a known alias, a GGUF file of a
+    /// Hugging Face repository, or a URL (or check a local GGUF file);
     /// prints the file's path as the last line.
-    #[command(
-        after_help = "Examples:\n  snug pull                      the default model (smollm2-135m)\n  snug pull qwen2.5-coder-0.5b\n  snug pull --all"
-    )]
+    #[command(after_help = r#"Examples:
+  snug pull                      the default model (smollm2-135m)
+  snug pull qwen2.5-coder-0.5b
+  snug pull hf:bartowski/SmolLM2-135M-Instruct-GGUF --quant Q8_0
+  snug pull hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf
+  snug pull https://example.com/models/model.gguf
+  snug pull --all
+
+A repository name picks its only GGUF file, or the one --quant names, or
+Q4_K_M when there are several. An interrupted download resumes on the next
+pull. HF_ENDPOINT names another hub, HF_TOKEN is sent to it."#)]
     Pull(PullArgs),
     /// Show a model's architecture, size, tensor types, geometry, tokenizer
     /// and memory estimate.
@@ -52,7 +61,8 @@ enum Command {
   snug tokenize smollm2-135m "Hello, world"
   echo "Hello" | snug tokenize smollm2-135m - --json"#)]
     Tokenize(TokenizeArgs),
-    /// List the known model aliases and whether each is cached.
+    /// List the known model aliases and whether each is cached, then every
+    /// file pulled by hf: name or URL.
     List,
     /// Remove pulled models from the cache.
     #[command(after_help = r#"Examples:
@@ -214,7 +224,7 @@ enum EvalCommand {
 
 #[derive(Args)]
 struct EvalPplArgs {
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     model: String,
     /// The text file.
     file: PathBuf,
@@ -239,7 +249,7 @@ struct EvalPplArgs {
 
 #[derive(Args)]
 struct ChatArgs {
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
     /// The model, given as llama.cpp's tools take it (instead of MODEL).
@@ -263,7 +273,7 @@ struct ChatArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
     /// The model, given as llama.cpp's tools take it (instead of MODEL).
@@ -372,7 +382,7 @@ struct GenArgs {
 
 #[derive(Args)]
 struct RunArgs {
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
     /// The model, given as llama.cpp's tools take it (instead of MODEL).
@@ -426,24 +436,29 @@ struct RunArgs {
 
 #[derive(Args)]
 struct RmArgs {
-    /// Aliases of the models to remove (see `snug list`).
+    /// Models to remove, by alias, hf: name or URL (see `snug list`).
     #[arg(required = true)]
     models: Vec<String>,
 }
 
 #[derive(Args)]
 struct PullArgs {
-    /// A model alias or a path to a GGUF file.
+    /// A model alias, hf:OWNER/REPO[/FILE.gguf] (or hf:OWNER/REPO:QUANT), an
+    /// http(s) URL of a GGUF file, or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
+    /// Which of a repository's GGUF files to pull, by the quantization in
+    /// its name (Q4_K_M, Q8_0, ...); without it, the only one, or Q4_K_M.
+    #[arg(long, value_name = "QUANT")]
+    quant: Option<String>,
     /// Pull every known model; prints one path a line.
-    #[arg(long, conflicts_with = "model")]
+    #[arg(long, conflicts_with_all = ["model", "quant"])]
     all: bool,
 }
 
 #[derive(Args)]
 struct InfoArgs {
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     #[arg(default_value = DEFAULT_ALIAS)]
     model: String,
     /// Print one JSON object instead of text.
@@ -456,7 +471,7 @@ struct InfoArgs {
 
 #[derive(Args)]
 struct TokenizeArgs {
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     model: String,
     /// The text to tokenize; `-` reads standard input.
     text: String,
@@ -583,22 +598,29 @@ fn error_line(e: &anyhow::Error) -> String {
     line
 }
 
-/// A model alias or path, pulled if it is an alias not yet cached.
+/// A model alias, hf: name, URL or path, pulled if it is not a file and
+/// not cached yet.
 fn resolve_model(name: &str) -> Result<PathBuf> {
-    if let Some(entry) = catalog::lookup(name).filter(|_| !std::path::Path::new(name).exists()) {
-        let cache = env::get().cache.clone();
-        if entry.cached(&cache).is_none() {
-            eprintln!(
-                "pulling {} ({}) into {}",
-                entry.alias,
-                human_bytes(entry.size),
-                catalog::models_dir(&cache).display()
-            );
+    let env = env::get();
+    if !std::path::Path::new(name).exists() {
+        let into = catalog::models_dir(&env.cache);
+        if let Some(entry) = catalog::lookup(name) {
+            if entry.cached(&env.cache).is_none() {
+                eprintln!(
+                    "pulling {} ({}) into {}",
+                    entry.alias,
+                    human_bytes(entry.size),
+                    into.display()
+                );
+            }
+        } else if let Some(Ok(remote)) = remote::RemoteName::parse(name, &env.hub.endpoint) {
+            if remote::find_cached(&remote, &env.cache).is_none() {
+                eprintln!("pulling {remote} into {}", into.display());
+            }
         }
     }
     let bar = progress::PullBar::new();
-    let env = env::get();
-    Ok(pull::resolve(name, &env.cache, &env.pip, &bar)?)
+    Ok(pull::resolve(name, &env.cache, &env.pip, &env.hub, &bar)?)
 }
 
 /// The directory of an encoder checkpoint (a Laya decision checkpoint or

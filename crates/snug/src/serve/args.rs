@@ -4,7 +4,7 @@ use super::*;
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// A model alias (pulled if needed) or a path to a GGUF file.
+    /// A model alias, hf: name or URL (pulled if needed), or a path to a GGUF file.
     #[arg(default_value = snug_model::catalog::DEFAULT_ALIAS)]
     pub(super) model: String,
     /// The model, given as llama-server takes it (instead of MODEL).
