@@ -34,11 +34,18 @@ __device__ __forceinline__ u16 f2h(float f) {
     return h;
 }
 
-__device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
+// Little-endian loads from a weight row. Every block of every type has an
+// even size and every field an even offset, and rows start at even
+// addresses, so 16-bit loads are aligned; ld32a is for the types whose
+// blocks keep 4-byte alignment (Q4_1, Q4_K, Q5_K).
+__device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
 
 __device__ __forceinline__ u32 ld32(const u8* p) {
-    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+    const u16* h = (const u16*)p;
+    return (u32)h[0] | ((u32)h[1] << 16);
 }
+
+__device__ __forceinline__ u32 ld32a(const u8* p) { return *(const u32*)p; }
 
 // Q4_K and Q5_K: the 6-bit scale and min of sub-block j of 8.
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m) {
@@ -48,6 +55,24 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m
     } else {
         *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// scale_min_k4 from the twelve scale bytes held as three words.
+// (Selects, not an indexed array, which would go to local memory unless
+// every index is known when compiling.)
+__device__ __forceinline__ int kbyte(const u32* w, int k) {
+    u32 x = k < 4 ? w[0] : k < 8 ? w[1] : w[2];
+    return (int)((x >> (8 * (k & 3))) & 0xFFu);
+}
+
+__device__ __forceinline__ void scale_min_w(int j, const u32* w, int* sc, int* m) {
+    if (j < 4) {
+        *sc = kbyte(w, j) & 63;
+        *m = kbyte(w, j + 4) & 63;
+    } else {
+        *sc = (kbyte(w, j + 4) & 0xF) | ((kbyte(w, j - 4) >> 6) << 4);
+        *m = (kbyte(w, j + 4) >> 4) | ((kbyte(w, j) >> 6) << 4);
     }
 }
 
@@ -285,7 +310,7 @@ __device__ __forceinline__ void wblock(const u8* row, int b, int t, int* lo, int
         const u8* blk = row + 20 * (u64)b;
         *d = h2f(ld16(blk));
         *m = h2f(ld16(blk + 2));
-        u32 q = ld32(blk + 4 + 4 * t);
+        u32 q = ld32a(blk + 4 + 4 * t);
         *lo = (int)(q & 0x0F0F0F0Fu);
         *hi = (int)((q >> 4) & 0x0F0F0F0Fu);
     } else if (TY == T_Q5_0) {
@@ -499,10 +524,10 @@ __device__ __forceinline__ void kblock(const u8* sb, int j, int t, int* lo, int*
     if (TY == T_Q4_K || TY == T_Q5_K) {
         const u8* q = sb + (TY == T_Q4_K ? 16 : 48) + 32 * (j >> 1);
         int sh = 4 * (j & 1);
-        u32 a = (ld32(q + 4 * t) >> sh) & 0x0F0F0F0Fu, b = (ld32(q + 16 + 4 * t) >> sh) & 0x0F0F0F0Fu;
+        u32 a = (ld32a(q + 4 * t) >> sh) & 0x0F0F0F0Fu, b = (ld32a(q + 16 + 4 * t) >> sh) & 0x0F0F0F0Fu;
         if (TY == T_Q5_K) {
-            a |= ((ld32(sb + 16 + 4 * t) >> j) & 0x01010101u) << 4;
-            b |= ((ld32(sb + 32 + 4 * t) >> j) & 0x01010101u) << 4;
+            a |= ((ld32a(sb + 16 + 4 * t) >> j) & 0x01010101u) << 4;
+            b |= ((ld32a(sb + 32 + 4 * t) >> j) & 0x01010101u) << 4;
         }
         *lo = (int)a;
         *hi = (int)b;
@@ -595,6 +620,21 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
                     for (int e = 0; e < 4; e++) isum[s2][e] = msum[s2][e] = 0;
                 const Q8* qa = aa + 8 * b;
                 const Q8* qb = ab + 8 * b;
+                // Q4_K and Q5_K: each output's twelve scale bytes, read
+                // once per super-block as three aligned words.
+                u32 sw[2][2][3];
+                if (TY != T_Q6_K) {
+                    #pragma unroll
+                    for (int s2 = 0; s2 < 2; s2++)
+                        #pragma unroll
+                        for (int c = 0; c < 2; c++) {
+                            const u8* q = wc[s2][c] + (u64)ts * b + 4;
+                            sw[s2][c][0] = ld32a(q);
+                            sw[s2][c][1] = ld32a(q + 4);
+                            sw[s2][c][2] = ld32a(q + 8);
+                        }
+                }
+                #pragma unroll
                 for (int j = 0; j < 8; j++) {
                     int lo[2], hi[2];
                     #pragma unroll
@@ -613,8 +653,9 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
                         #pragma unroll
                         for (int c = 0; c < 2; c++) {
                             const u8* sbw = wc[s2][c] + (u64)ts * b;
-                            int m0, m1;
-                            int sc0 = kscale(TY, sbw, j, 0, &m0);
+                            int m0, m1, sc0;
+                            if (TY == T_Q6_K) sc0 = kscale(TY, sbw, j, 0, &m0);
+                            else scale_min_w(j, sw[s2][c], &sc0, &m0);
                             int sc1 = TY == T_Q6_K ? kscale(TY, sbw, j, 1, &m1) : sc0;
                             #pragma unroll
                             for (int r = 0; r < 2; r++) {
