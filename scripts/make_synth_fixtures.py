@@ -24,13 +24,17 @@ import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from servelib import free_port, wait_up  # noqa: E402
 
-# (name, arch, tokenizer file, dim, layers, heads, kv_heads, ff, head_dim, type, head type):
-# synthesized.rs's specs().
+# (name, arch, tokenizer file, dim, layers, heads, kv_heads, ff, head_dim, type, head type,
+# more synth_gguf arguments): synthesized.rs's specs() (and its rope_freqs() and rope_linear()).
 SPECS = [
-    ("llama", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0"),
-    ("qwen2", "qwen2", "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf", 256, 2, 4, 2, 512, 64, "q4_0", "q8_0"),
-    ("qwen3", "qwen3", "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf", 256, 2, 8, 2, 768, 64, "q5_0", "q8_0"),
-    ("gemma3", "gemma3", "gemma-3-270m-q4_k_m.gguf", 256, 6, 4, 1, 512, 128, "q8_0", "q8_0"),
+    ("llama", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0", []),
+    ("qwen2", "qwen2", "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf", 256, 2, 4, 2, 512, 64, "q4_0", "q8_0", []),
+    ("qwen3", "qwen3", "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf", 256, 2, 8, 2, 768, 64, "q5_0", "q8_0", []),
+    ("gemma3", "gemma3", "gemma-3-270m-q4_k_m.gguf", 256, 6, 4, 1, 512, 128, "q8_0", "q8_0", []),
+    ("llama3", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0",
+     ["--rope-freqs", "1,1.5,3,8"]),
+    ("llama-linear", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0",
+     ["--rope-linear", "4"]),
 ]
 STEPS = 16
 
@@ -44,12 +48,12 @@ def main():
     bins, synth, models, out = sys.argv[1:5]
     result = {"steps": STEPS, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, arch, like, dim, layers, heads, kvh, ff, hd, ty, head_ty in SPECS:
+        for name, arch, like, dim, layers, heads, kvh, ff, hd, ty, head_ty, more in SPECS:
             path = os.path.join(tmp, f"{name}.gguf")
             made = subprocess.run([synth, "--like", os.path.join(models, like), "--arch", arch,
                                    "--shape", f"{name}={dim},{layers},{heads},{kvh},{ff},{hd}",
                                    "--type", ty, "--head-type", head_ty, "--window", "8", "--scale", "0.02",
-                                   "--name", f"synthetic {name}", "--out", path],
+                                   "--name", f"synthetic {name}", "--out", path] + more,
                                   check=True, capture_output=True, text=True)
             ids = prompt(int(made.stderr.rsplit("vocabulary", 1)[1].split()[0]))
             port = free_port()

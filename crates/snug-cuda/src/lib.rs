@@ -404,8 +404,7 @@ impl CudaWorkspace {
             buf_ptr[i] = ptr(b, s);
         }
         let max_pages = ctx.div_ceil(size.page_tokens.max(1)) + 1;
-        let ropes =
-            [c.rope_base, c.rope_base_local].map(|base| snug_kernels::ops::Rope::new(c.rope_layout, c.rope_dim, base));
+        let ropes = [c.rope(false), c.rope(true)];
         let p = ropes[0].pairs(c.head_dim);
         let pairs = p.len();
         let pa: Vec<i32> = p.iter().map(|x| x.0 as i32).collect();

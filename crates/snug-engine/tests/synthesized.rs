@@ -76,7 +76,36 @@ fn specs() -> Vec<(&'static str, &'static str, &'static str, Shape, GgmlType, Gg
             GgmlType::Q8_0,
             GgmlType::Q8_0,
         ),
+        // `llama` with Llama 3.1's RoPE scaling (a `rope_freqs` tensor),
+        // and with linear scaling: the same weights as `llama`.
+        (
+            "llama3",
+            "llama",
+            "smollm2-135m",
+            s(256, 2, 4, 2, 512, 64),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
+        (
+            "llama-linear",
+            "llama",
+            "smollm2-135m",
+            s(256, 2, 4, 2, 512, 64),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
     ]
+}
+
+/// The frequency divisors of spec `name` (larger than Llama 3.1's, which
+/// change only the slowest pairs, so that they change the tokens).
+fn rope_freqs(name: &str) -> Option<Vec<f32>> {
+    (name == "llama3").then(|| vec![1.0, 1.5, 3.0, 8.0])
+}
+
+/// The linear RoPE scaling factor of spec `name`.
+fn rope_linear(name: &str) -> Option<f32> {
+    (name == "llama-linear").then_some(4.0)
 }
 
 /// A test's own folder of synthesized files, removed when it ends.
@@ -105,6 +134,8 @@ impl Folder {
                 scale: SCALE,
                 name: format!("synthetic {name}"),
                 tokenizer_only: false,
+                rope_freqs: rope_freqs(name),
+                rope_linear: rope_linear(name),
             };
             synth::write(&like.header, &spec, &out).unwrap();
         }
@@ -151,6 +182,34 @@ fn every_architecture_loads_and_keeps_a_rows_bits_in_any_batch() {
         assert_eq!(whole, by_chunks(&mut e, &ids, 7), "{name}: chunks of 7");
         // Not degenerate: the rows' logits differ from one another.
         assert!(whole.windows(2).any(|w| w[0] != w[1]), "{name}: every row alike");
+    }
+}
+
+#[test]
+fn rope_scaling_is_read_and_changes_the_result() {
+    let folder = Folder::new("rope");
+    let logits = |name: &str| {
+        let path = folder.file(name)?;
+        let files = ModelFiles::open(&path, &LoadOptions::default()).unwrap();
+        let model = NATIVE.load(&files).unwrap();
+        let mut e = engine(&model);
+        Some(by_chunks(&mut e, &prompt(model.config.vocab), 32))
+    };
+    let (Some(plain), Some(llama3), Some(linear)) = (logits("llama"), logits("llama3"), logits("llama-linear")) else {
+        return;
+    };
+    // The same weights: only the rotation differs (the first position's
+    // is the identity under any scaling).
+    assert_ne!(plain, llama3, "rope_freqs ignored");
+    assert_ne!(plain, linear, "linear scaling ignored");
+    // And in llama.cpp, where its reference is present, the scaling
+    // changes the greedy tokens (so its equality below means something).
+    if let Some(fx) = reference() {
+        let m = &fx["models"];
+        if m.get("llama3").is_some() {
+            assert_ne!(m["llama"]["ids"], m["llama3"]["ids"]);
+            assert_ne!(m["llama"]["ids"], m["llama-linear"]["ids"]);
+        }
     }
 }
 

@@ -34,10 +34,16 @@ pub enum RopeLayout {
 #[derive(Clone, Debug)]
 pub struct Rope {
     pub layout: RopeLayout,
+    /// Pair i's angle per position: `freq_scale * (theta^(-2i / rot_dim) /
+    /// factors[i])`.
     inv_freq: Vec<f32>,
     /// `theta^(-2 / rot_dim)`: the ratio of consecutive pairs' angles, as
     /// ggml steps the angle (see [`Rope::apply_ggml`]).
     theta_scale: f32,
+    /// Every angle's multiplier (`1 / factor` under linear scaling).
+    freq_scale: f32,
+    /// Pair i's angle divisor (Llama 3.1's `rope_freqs`; 1 without).
+    factors: Vec<f32>,
 }
 
 impl Rope {
@@ -52,7 +58,27 @@ impl Rope {
             layout,
             inv_freq,
             theta_scale,
+            freq_scale: 1.0,
+            factors: vec![1.0; rot_dim / 2],
         }
+    }
+
+    /// This rotation with every angle multiplied by `freq_scale` (linear
+    /// scaling: `1 / factor`) and pair i's divided by `factors[i]` (Llama
+    /// 3.1's frequency factors, the `rope_freqs` tensor), as llama.cpp
+    /// applies them: `freq_scale * (angle / factor)`. With a scale of 1 and
+    /// factors of 1, every angle is the unscaled one, bit for bit.
+    pub fn scaled(mut self, freq_scale: f32, factors: Option<&[f32]>) -> Rope {
+        if let Some(f) = factors {
+            for (d, &x) in self.factors.iter_mut().zip(f) {
+                *d = x;
+            }
+        }
+        self.freq_scale = freq_scale;
+        for (inv, &f) in self.inv_freq.iter_mut().zip(&self.factors) {
+            *inv = freq_scale * (*inv / f);
+        }
+        self
     }
 
     /// The rotated pairs of a head of `d` elements: (first index, second
@@ -92,7 +118,8 @@ impl Rope {
         let d = head.len();
         let mut angle = pos as f32;
         for i in 0..self.inv_freq.len() {
-            let (sin, cos) = (angle.sin(), angle.cos());
+            let theta = self.freq_scale * (angle / self.factors[i]);
+            let (sin, cos) = (theta.sin(), theta.cos());
             let (a, b) = match self.layout {
                 RopeLayout::Adjacent => (2 * i, 2 * i + 1),
                 RopeLayout::Halves => (i, i + d / 2),
@@ -476,6 +503,52 @@ pub(crate) mod x86_512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn head(d: usize) -> Vec<f32> {
+        (0..d).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect()
+    }
+
+    #[test]
+    fn unscaled_rope_keeps_its_bits_and_scaling_slows_the_rotation() {
+        for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+            let plain = Rope::new(layout, 64, 10000.0);
+            let same = Rope::new(layout, 64, 10000.0).scaled(1.0, Some(&[1.0; 32]));
+            for pos in [0, 1, 7, 100, 4099] {
+                for ggml in [false, true] {
+                    let (mut a, mut b) = (head(64), head(64));
+                    if ggml {
+                        plain.apply_ggml(&mut a, pos);
+                        same.apply_ggml(&mut b, pos);
+                    } else {
+                        plain.apply(&mut a, pos);
+                        same.apply(&mut b, pos);
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&a), bits(&b), "{layout:?} pos {pos} ggml {ggml}");
+                }
+            }
+            // Dividing every frequency by 4 (factors), or multiplying every
+            // angle by 1/4 (linear scaling), rotates position 4p as the
+            // plain rotation does position p.
+            let factors = Rope::new(layout, 64, 10000.0).scaled(1.0, Some(&[4.0; 32]));
+            let linear = Rope::new(layout, 64, 10000.0).scaled(0.25, None);
+            for pos in [1, 3, 50] {
+                let mut want = head(64);
+                plain.apply(&mut want, pos);
+                for (rope, ggml) in [(&factors, false), (&factors, true), (&linear, false), (&linear, true)] {
+                    let mut got = head(64);
+                    if ggml {
+                        rope.apply_ggml(&mut got, 4 * pos);
+                    } else {
+                        rope.apply(&mut got, 4 * pos);
+                    }
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!((g - w).abs() < 1e-4, "{layout:?} pos {pos}: {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn gelu_erf_is_exact_gelu_to_2e7_and_the_same_bits_on_every_level() {

@@ -6,7 +6,7 @@
 //!
 //!     synth_gguf --like REAL.gguf --shape 1.5b|7b|NAME=dim,layers,heads,kv_heads,ff[,head_dim]
 //!         [--arch llama|qwen2|qwen3|gemma3] [--window N] [--type q4_k] [--head-type q6_k]
-//!         [--scale 0.002] [--name NAME] [--out FILE]
+//!         [--scale 0.002] [--name NAME] [--rope-freqs F,F,...] [--rope-linear F] [--out FILE]
 //!     synth_gguf --like REAL.gguf --tokenizer-only --out FILE
 //!
 //! `--tokenizer-only` writes the tokenizer's metadata and no tensors: a
@@ -20,7 +20,9 @@
 //! norms; `gemma3` adds those, the post-attention and post-feed-forward
 //! norms, a tied output head and a sliding window of `--window` positions
 //! (512 unless given) on five layers of six. The vocabulary is the
-//! `--like` model's.
+//! `--like` model's. `--rope-freqs` writes Llama 3.1's `rope_freqs` tensor
+//! (the values repeated over the rotated pairs), `--rope-linear` linear
+//! RoPE scaling by the factor given.
 
 use snug_kernels::GgmlType;
 use snug_model::gguf::GgufFile;
@@ -82,6 +84,16 @@ fn run() -> Result<(), String> {
         window: arg(&args, "--window").map_or(Ok(512), |w| w.parse().map_err(|_| "--window: a number"))?,
         scale: arg(&args, "--scale").map_or(Ok(0.002), |w| w.parse().map_err(|_| "--scale: a number"))?,
         tokenizer_only: args.iter().any(|a| a == "--tokenizer-only"),
+        rope_freqs: arg(&args, "--rope-freqs")
+            .map(|s| {
+                s.split(',')
+                    .map(|x| x.parse().map_err(|_| format!("--rope-freqs: not a number: {x}")))
+                    .collect::<Result<Vec<f32>, String>>()
+            })
+            .transpose()?,
+        rope_linear: arg(&args, "--rope-linear")
+            .map(|x| x.parse().map_err(|_| "--rope-linear: a number".to_string()))
+            .transpose()?,
     };
     let out = arg(&args, "--out").map_or(format!("synth-{shape_name}.gguf"), str::to_string);
     let bytes = synth::write(&like.header, &spec, std::path::Path::new(&out)).map_err(|e| format!("{out}: {e}"))?;

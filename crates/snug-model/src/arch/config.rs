@@ -1,7 +1,7 @@
 //! Hyperparameters of a decoder, read from GGUF metadata under its
 //! architecture's [`Description`].
 
-use snug_kernels::ops::RopeLayout;
+use snug_kernels::ops::{Rope, RopeLayout};
 
 use crate::gguf::GgufHeader;
 
@@ -28,6 +28,12 @@ pub struct Config {
     pub rope_base: f32,
     /// RoPE base of sliding-window layers.
     pub rope_base_local: f32,
+    /// Global layers' angle multiplier: `1 / rope.scaling.factor` under
+    /// linear scaling, else 1.
+    pub rope_freq_scale: f32,
+    /// Global layers' per-pair frequency divisors: the `rope_freqs` tensor
+    /// (Llama 3.1's scaling), set when the model's tensors are bound.
+    pub rope_factors: Option<Vec<f32>>,
     /// Sliding window in positions (a key at `p` is seen from `q` when
     /// `q - p < window`), if any.
     pub sliding_window: Option<usize>,
@@ -81,6 +87,21 @@ impl Config {
         let rms_eps = h.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6) as f32;
         let rope_base = h.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32;
         let rope_dim = h.get_u64(&key("rope.dimension_count")).map_or(head_dim, |v| v as usize);
+        // Position interpolation by a constant factor is linear scaling;
+        // YaRN and the others change angles in ways not done here, and a
+        // model run without them would answer wrongly.
+        let rope_freq_scale = match h.get_str(&key("rope.scaling.type")) {
+            None | Some("none") => 1.0,
+            Some("linear") => match h.get_f64(&key("rope.scaling.factor")) {
+                Some(f) if f > 0.0 => (1.0 / f) as f32,
+                _ => 1.0,
+            },
+            Some(other) => {
+                return Err(ModelError::Bad(format!(
+                    "RoPE scaling {other:?} is not supported (none, linear, and Llama 3.1's rope_freqs are)"
+                )))
+            }
+        };
         let (sliding_window, swa_period, rope_base_local) = match arch.sliding_window {
             None => (None, 1, rope_base),
             Some(sw) => (
@@ -113,11 +134,29 @@ impl Config {
             rope_dim,
             rope_base,
             rope_base_local,
+            rope_freq_scale,
+            rope_factors: None,
             sliding_window,
             swa_period,
             embed_scale,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
         })
+    }
+
+    /// The rotary embedding of global layers (`local: false`, with the
+    /// model's scaling) or of sliding-window layers (their own base,
+    /// unscaled, as llama.cpp runs them).
+    pub fn rope(&self, local: bool) -> Rope {
+        let rope = Rope::new(
+            self.rope_layout,
+            self.rope_dim,
+            if local { self.rope_base_local } else { self.rope_base },
+        );
+        if local {
+            rope
+        } else {
+            rope.scaled(self.rope_freq_scale, self.rope_factors.as_deref())
+        }
     }
 
     /// Whether layer `l` attends within the sliding window.

@@ -41,7 +41,7 @@ impl<'a> Model<'a> {
     /// run in snug's own numerics.
     pub fn load(files: &'a ModelFiles) -> Result<Model<'a>, ModelError> {
         let file: &'a GgufFile = &files.gguf;
-        let c = Config::from_gguf(file)?;
+        let mut c = Config::from_gguf(file)?;
         let (hd, nh, nkv) = (c.head_dim, c.heads, c.kv_heads);
         let get = |name: &str| {
             file.tensor(name)
@@ -85,6 +85,9 @@ impl<'a> Model<'a> {
                 Some(_) => vector(name, len).map(Some),
             }
         };
+        // Llama 3.1's RoPE scaling: a divisor per rotated pair, one tensor
+        // for every layer.
+        c.rope_factors = opt_vector("rope_freqs.weight", c.rope_dim / 2)?.map(|f| f.to_vec());
         let embed = matrix("token_embd.weight", c.vocab, c.dim)?;
         if !embed.ty.can_dequantize() {
             return Err(bad(
@@ -319,11 +322,6 @@ impl Model<'_> {
     /// base).
     pub fn layer_ropes(&self) -> Vec<Rope> {
         let c = &self.config;
-        (0..c.layers)
-            .map(|l| {
-                let base = if c.is_local(l) { c.rope_base_local } else { c.rope_base };
-                Rope::new(c.rope_layout, c.rope_dim, base)
-            })
-            .collect()
+        (0..c.layers).map(|l| c.rope(c.is_local(l))).collect()
     }
 }

@@ -68,10 +68,7 @@ impl CpuWorkspace {
                 })
                 .collect(),
             mm: MatmulScratch::with_capacity(rows, c.ff.max(c.dim).max(qd)),
-            ropes: [
-                Rope::new(c.rope_layout, c.rope_dim, c.rope_base),
-                Rope::new(c.rope_layout, c.rope_dim, c.rope_base_local),
-            ],
+            ropes: [c.rope(false), c.rope(true)],
             pool: ThreadPool::new(threads),
             probe: None,
         }

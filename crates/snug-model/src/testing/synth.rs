@@ -64,6 +64,13 @@ pub struct Spec {
     pub scale: f32,
     /// `general.name`.
     pub name: String,
+    /// Llama 3.1's RoPE scaling: a frequency divisor per rotated pair,
+    /// written as the `rope_freqs` tensor (the values given are repeated
+    /// over the pairs). Not drawn from the random stream, so the other
+    /// tensors keep their bytes.
+    pub rope_freqs: Option<Vec<f32>>,
+    /// Linear RoPE scaling by this factor (`rope.scaling.type = linear`).
+    pub rope_linear: Option<f32>,
     /// The tokenizer's metadata alone, no tensors: a few megabytes to
     /// carry where the real model cannot travel, the `like` of files
     /// written there.
@@ -138,6 +145,15 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
     if arch == "gemma3" {
         meta.push((k("attention.sliding_window"), Value::U32(spec.window)));
     }
+    if let Some(f) = spec.rope_linear {
+        meta.push((k("rope.scaling.type"), Value::String("linear".into())));
+        meta.push((k("rope.scaling.factor"), Value::F32(f)));
+    }
+    let rope_freqs: Option<Vec<f32>> = match &spec.rope_freqs {
+        Some(f) if f.is_empty() => return Err(bad("rope_freqs: no values".into())),
+        Some(f) => Some((0..hd / 2).map(|i| f[i % f.len()]).collect()),
+        None => None,
+    };
     for (key, v) in &like.metadata {
         if key.starts_with("tokenizer.") {
             meta.push((key.clone(), v.clone()));
@@ -149,6 +165,9 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
         meta.retain(|(key, _)| key.starts_with("tokenizer.") || key == "general.alignment");
     } else {
         tensors.push(("token_embd.weight".into(), vec![dim as u64, vocab as u64], spec.ty));
+        if rope_freqs.is_some() {
+            tensors.push(("rope_freqs.weight".into(), vec![(hd / 2) as u64], GgmlType::F32));
+        }
         for l in 0..layers {
             let m = |n: &str, cols: usize, rows: usize| {
                 (format!("blk.{l}.{n}.weight"), vec![cols as u64, rows as u64], spec.ty)
@@ -214,7 +233,9 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
     let mut total = 0u64;
     for (name, dims, t) in &tensors {
         let n: u64 = dims.iter().product();
-        let data: Vec<u8> = if name.ends_with("norm.weight") {
+        let data: Vec<u8> = if let (true, Some(f)) = (name == "rope_freqs.weight", &rope_freqs) {
+            f.iter().flat_map(|x| x.to_le_bytes()).collect()
+        } else if name.ends_with("norm.weight") {
             // Near one, not all equal: a norm's weights then matter.
             (0..n)
                 .flat_map(|i| (1.0f32 + ((i * 7919) % 97) as f32 / 970.0 - 0.05).to_le_bytes())
