@@ -76,6 +76,15 @@ fn specs() -> Vec<(&'static str, &'static str, &'static str, Shape, GgmlType, Gg
             GgmlType::Q8_0,
             GgmlType::Q8_0,
         ),
+        // Four layers, the last without RoPE.
+        (
+            "smollm3",
+            "smollm3",
+            "smollm2-135m",
+            s(256, 4, 4, 2, 512, 64),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
         // `llama` with Llama 3.1's RoPE scaling (a `rope_freqs` tensor),
         // and with linear scaling: the same weights as `llama`.
         (

@@ -159,6 +159,12 @@ impl Config {
         }
     }
 
+    /// Whether layer `l` rotates its queries and keys (all but an
+    /// architecture's NoPE layers).
+    pub fn uses_rope(&self, layer: usize) -> bool {
+        self.arch.no_rope_period.is_none_or(|p| !(layer + 1).is_multiple_of(p))
+    }
+
     /// Whether layer `l` attends within the sliding window.
     pub fn is_local(&self, layer: usize) -> bool {
         self.sliding_window.is_some() && !(layer + 1).is_multiple_of(self.swa_period)

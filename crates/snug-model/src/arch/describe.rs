@@ -55,6 +55,9 @@ pub struct Description {
     /// attention (which then rounds them to f16) rather than scores in it;
     /// a backend that follows llama.cpp's arithmetic does the same.
     pub llama_cpp_prescales_queries: bool,
+    /// Every `n`-th layer (the last of each group) attends without RoPE
+    /// (SmolLM3's NoPE layers).
+    pub no_rope_period: Option<usize>,
 }
 
 /// Llama and relatives (SmolLM2): adjacent-pair RoPE, SiLU gate.
@@ -67,6 +70,7 @@ pub const LLAMA: Description = Description {
     scaled_embedding: false,
     sliding_window: None,
     llama_cpp_prescales_queries: false,
+    no_rope_period: None,
 };
 
 /// Qwen2: as Llama with half-split RoPE (and Q/K/V biases, an untied
@@ -87,6 +91,13 @@ pub const QWEN3: Description = Description {
     ..LLAMA
 };
 
+/// SmolLM3: as Llama, with every fourth layer attending without RoPE.
+pub const SMOLLM3: Description = Description {
+    name: "smollm3",
+    no_rope_period: Some(4),
+    ..LLAMA
+};
+
 /// Gemma 3: scaled embedding, q/k norms, post-block norms, GELU gate, five
 /// sliding-window layers to one global.
 pub const GEMMA3: Description = Description {
@@ -102,10 +113,11 @@ pub const GEMMA3: Description = Description {
         local_base_default: 10000.0,
     }),
     llama_cpp_prescales_queries: true,
+    no_rope_period: None,
 };
 
 /// Every supported architecture.
-pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &QWEN3, &GEMMA3];
+pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &QWEN3, &GEMMA3, &SMOLLM3];
 
 /// The description named `name`, if snug supports it.
 pub fn describe(name: &str) -> Option<&'static Description> {

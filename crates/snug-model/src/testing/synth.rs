@@ -50,8 +50,9 @@ impl Shape {
 #[derive(Clone, Debug)]
 pub struct Spec {
     /// `llama`, `qwen2` (adds Q/K/V biases), `qwen3` (adds per-head Q/K
-    /// norms) or `gemma3` (Q/K norms, post-block norms, a tied head and a
-    /// sliding window on five layers of six).
+    /// norms), `gemma3` (Q/K norms, post-block norms, a tied head and a
+    /// sliding window on five layers of six) or `smollm3` (Llama's tensors;
+    /// every fourth layer without RoPE).
     pub arch: String,
     pub shape: Shape,
     /// The matrices' type, and the output head's (untied architectures).
@@ -78,7 +79,7 @@ pub struct Spec {
 }
 
 /// The architectures [`write`] knows.
-pub const ARCHS: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
+pub const ARCHS: [&str; 5] = ["llama", "qwen2", "qwen3", "gemma3", "smollm3"];
 
 /// Writes the model `spec` describes to `out`, with `like`'s tokenizer.
 /// Returns the bytes of weights written.
