@@ -32,6 +32,7 @@ SPECS = [
     ("qwen3", "qwen3", "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf", 256, 2, 8, 2, 768, 64, "q5_0", "q8_0", []),
     ("gemma3", "gemma3", "gemma-3-270m-q4_k_m.gguf", 256, 6, 4, 1, 512, 128, "q8_0", "q8_0", []),
     ("smollm3", "smollm3", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 4, 4, 2, 512, 64, "q8_0", "q8_0", []),
+    ("granite", "granite", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0", []),
     ("llama3", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0",
      ["--rope-freqs", "1,1.5,3,8"]),
     ("llama-linear", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0",

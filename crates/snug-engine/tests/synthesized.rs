@@ -85,6 +85,14 @@ fn specs() -> Vec<(&'static str, &'static str, &'static str, Shape, GgmlType, Gg
             GgmlType::Q8_0,
             GgmlType::Q8_0,
         ),
+        (
+            "granite",
+            "granite",
+            "smollm2-135m",
+            s(256, 2, 4, 2, 512, 64),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
         // `llama` with Llama 3.1's RoPE scaling (a `rope_freqs` tensor),
         // and with linear scaling: the same weights as `llama`.
         (

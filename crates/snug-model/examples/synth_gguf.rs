@@ -5,7 +5,7 @@
 //! architectures against llama.cpp; the output is gibberish.
 //!
 //!     synth_gguf --like REAL.gguf --shape 1.5b|7b|NAME=dim,layers,heads,kv_heads,ff[,head_dim]
-//!         [--arch llama|qwen2|qwen3|gemma3|smollm3] [--window N] [--type q4_k] [--head-type q6_k]
+//!         [--arch llama|qwen2|qwen3|gemma3|smollm3|granite] [--window N] [--type q4_k] [--head-type q6_k]
 //!         [--scale 0.002] [--name NAME] [--rope-freqs F,F,...] [--rope-linear F] [--out FILE]
 //!     synth_gguf --like REAL.gguf --tokenizer-only --out FILE
 //!
@@ -20,7 +20,8 @@
 //! norms; `gemma3` adds those, the post-attention and post-feed-forward
 //! norms, a tied output head and a sliding window of `--window` positions
 //! (512 unless given) on five layers of six; `smollm3` has Llama's
-//! tensors (every fourth layer attends without RoPE). The vocabulary is the
+//! tensors (every fourth layer attends without RoPE), `granite` too (with
+//! Granite 3's multipliers in the metadata). The vocabulary is the
 //! `--like` model's. `--rope-freqs` writes Llama 3.1's `rope_freqs` tensor
 //! (the values repeated over the rotated pairs), `--rope-linear` linear
 //! RoPE scaling by the factor given.

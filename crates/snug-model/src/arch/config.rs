@@ -43,6 +43,10 @@ pub struct Config {
     pub embed_scale: f32,
     /// Multiplier of attention scores.
     pub attn_scale: f32,
+    /// Multiplier of each block's output before the residual sum.
+    pub residual_scale: f32,
+    /// Divisor of the logits (they are multiplied by its reciprocal).
+    pub logit_scale: f32,
 }
 
 impl Config {
@@ -114,11 +118,22 @@ impl Config {
             ),
         };
         let rope_layout = arch.rope_layout;
-        let embed_scale = if arch.scaled_embedding {
+        let mut embed_scale = if arch.scaled_embedding {
             (dim as f32).sqrt()
         } else {
             1.0
         };
+        let mut attn_scale = 1.0 / (head_dim as f32).sqrt();
+        let (mut residual_scale, mut logit_scale) = (1.0, 1.0);
+        if arch.multipliers {
+            // Each where the file sets it (and not to zero, which llama.cpp
+            // reads as unset).
+            let set = |k: &str| h.get_f64(&key(k)).filter(|&v| v != 0.0).map(|v| v as f32);
+            embed_scale = set("embedding_scale").unwrap_or(embed_scale);
+            attn_scale = set("attention.scale").unwrap_or(attn_scale);
+            residual_scale = set("residual_scale").unwrap_or(1.0);
+            logit_scale = set("logit_scale").unwrap_or(1.0);
+        }
         Ok(Config {
             arch,
             dim,
@@ -139,7 +154,9 @@ impl Config {
             sliding_window,
             swa_period,
             embed_scale,
-            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_scale,
+            residual_scale,
+            logit_scale,
         })
     }
 

@@ -58,6 +58,11 @@ pub struct Description {
     /// Every `n`-th layer (the last of each group) attends without RoPE
     /// (SmolLM3's NoPE layers).
     pub no_rope_period: Option<usize>,
+    /// Granite's multipliers, read from the file: of the embedding rows
+    /// (`embedding_scale`), of each block's output before the residual sum
+    /// (`residual_scale`), of attention scores (`attention.scale`) and the
+    /// logits' divisor (`logit_scale`).
+    pub multipliers: bool,
 }
 
 /// Llama and relatives (SmolLM2): adjacent-pair RoPE, SiLU gate.
@@ -71,6 +76,7 @@ pub const LLAMA: Description = Description {
     sliding_window: None,
     llama_cpp_prescales_queries: false,
     no_rope_period: None,
+    multipliers: false,
 };
 
 /// Qwen2: as Llama with half-split RoPE (and Q/K/V biases, an untied
@@ -98,6 +104,13 @@ pub const SMOLLM3: Description = Description {
     ..LLAMA
 };
 
+/// Granite (3.x dense): as Llama, with four multipliers from the file.
+pub const GRANITE: Description = Description {
+    name: "granite",
+    multipliers: true,
+    ..LLAMA
+};
+
 /// Gemma 3: scaled embedding, q/k norms, post-block norms, GELU gate, five
 /// sliding-window layers to one global.
 pub const GEMMA3: Description = Description {
@@ -114,10 +127,11 @@ pub const GEMMA3: Description = Description {
     }),
     llama_cpp_prescales_queries: true,
     no_rope_period: None,
+    multipliers: false,
 };
 
 /// Every supported architecture.
-pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &QWEN3, &GEMMA3, &SMOLLM3];
+pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &QWEN3, &GEMMA3, &SMOLLM3, &GRANITE];
 
 /// The description named `name`, if snug supports it.
 pub fn describe(name: &str) -> Option<&'static Description> {

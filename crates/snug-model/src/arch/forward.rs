@@ -173,6 +173,9 @@ pub fn forward<'w, B: Backend>(
         if let Some(pn) = &layer.post_attn_norm {
             B::rms_norm(ws, Buf::O, n * dim, pn, c.rms_eps);
         }
+        if c.residual_scale != 1.0 {
+            B::scale(ws, Buf::O, n * dim, c.residual_scale);
+        }
 
         // llama.cpp runs its last layer's feed-forward block on the rows
         // it returns logits for only, so its matrix products see that
@@ -204,6 +207,9 @@ pub fn forward<'w, B: Backend>(
         if let Some(pn) = &layer.post_ffn_norm {
             B::rms_norm(ws, Buf::O, n * dim, pn, c.rms_eps);
         }
+        if c.residual_scale != 1.0 {
+            B::scale(ws, Buf::O, n * dim, c.residual_scale);
+        }
         live = n;
         if defer {
             pending = Some(Buf::O);
@@ -233,6 +239,13 @@ pub fn forward<'w, B: Backend>(
     }
     logits.resize(start + m * c.vocab, 0.0);
     B::logits(ws, &w.output, Buf::Sel, m, &mut logits[start..]);
+    if c.logit_scale != 1.0 {
+        // As llama.cpp scales them: by the divisor's reciprocal.
+        let by = 1.0 / c.logit_scale;
+        for x in &mut logits[start..] {
+            *x *= by;
+        }
+    }
     trace(ws, "result_norm", usize::MAX, Buf::Sel, m * dim);
     super::trace::trace("result_output", usize::MAX, nl, &logits[start..]);
 }

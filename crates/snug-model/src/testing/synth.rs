@@ -51,8 +51,9 @@ impl Shape {
 pub struct Spec {
     /// `llama`, `qwen2` (adds Q/K/V biases), `qwen3` (adds per-head Q/K
     /// norms), `gemma3` (Q/K norms, post-block norms, a tied head and a
-    /// sliding window on five layers of six) or `smollm3` (Llama's tensors;
-    /// every fourth layer without RoPE).
+    /// sliding window on five layers of six), `smollm3` (Llama's tensors;
+    /// every fourth layer without RoPE) or `granite` (Llama's tensors;
+    /// Granite 3's four multipliers in the metadata).
     pub arch: String,
     pub shape: Shape,
     /// The matrices' type, and the output head's (untied architectures).
@@ -79,7 +80,7 @@ pub struct Spec {
 }
 
 /// The architectures [`write`] knows.
-pub const ARCHS: [&str; 5] = ["llama", "qwen2", "qwen3", "gemma3", "smollm3"];
+pub const ARCHS: [&str; 6] = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite"];
 
 /// Writes the model `spec` describes to `out`, with `like`'s tokenizer.
 /// Returns the bytes of weights written.
@@ -145,6 +146,13 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
     ];
     if arch == "gemma3" {
         meta.push((k("attention.sliding_window"), Value::U32(spec.window)));
+    }
+    if arch == "granite" {
+        // Granite 3.x's values (its 2B model's).
+        meta.push((k("embedding_scale"), Value::F32(12.0)));
+        meta.push((k("residual_scale"), Value::F32(0.22)));
+        meta.push((k("attention.scale"), Value::F32(0.015625)));
+        meta.push((k("logit_scale"), Value::F32(8.0)));
     }
     if let Some(f) = spec.rope_linear {
         meta.push((k("rope.scaling.type"), Value::String("linear".into())));
