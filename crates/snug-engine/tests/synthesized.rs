@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use snug_engine::sampling::argmax;
 use snug_engine::{Engine, EngineOptions};
 use snug_kernels::GgmlType;
+use snug_model::gguf::Value;
 use snug_model::testing::synth::{self, Shape, Spec};
 use snug_model::testing::{model_path, TestBackend, LLAMA_CPP, NATIVE};
 use snug_model::{LoadOptions, ModelFiles};
@@ -153,6 +154,7 @@ impl Folder {
                 tokenizer_only: false,
                 rope_freqs: rope_freqs(name),
                 rope_linear: rope_linear(name),
+                extra: Vec::new(),
             };
             synth::write(&like.header, &spec, &out).unwrap();
         }
@@ -228,6 +230,39 @@ fn rope_scaling_is_read_and_changes_the_result() {
             assert_ne!(m["llama"]["ids"], m["llama-linear"]["ids"]);
         }
     }
+}
+
+#[test]
+fn a_rope_scaling_snug_does_not_run_is_refused_at_load() {
+    let Some(like) = model_path("smollm2-135m") else { return };
+    let like = snug_model::gguf::GgufFile::open(&like).unwrap();
+    let folder = Folder::new("yarn");
+    let out = folder.0.join("yarn.gguf");
+    let (_, _, _, shape, ty, head_ty) = specs().into_iter().find(|s| s.0 == "llama").unwrap();
+    let spec = Spec {
+        arch: "llama".into(),
+        shape,
+        ty,
+        head_ty,
+        window: 8,
+        scale: SCALE,
+        name: "synthetic yarn".into(),
+        tokenizer_only: false,
+        rope_freqs: None,
+        rope_linear: None,
+        extra: vec![
+            ("llama.rope.scaling.type".into(), Value::String("yarn".into())),
+            ("llama.rope.scaling.factor".into(), Value::F32(4.0)),
+        ],
+    };
+    synth::write(&like.header, &spec, &out).unwrap();
+    let files = ModelFiles::open(&out, &LoadOptions::default()).unwrap();
+    let err = NATIVE
+        .load(&files)
+        .err()
+        .expect("a YaRN file must not load")
+        .to_string();
+    assert!(err.contains("\"yarn\"") && err.contains("not supported"), "{err}");
 }
 
 /// llama.cpp's greedy reference for the synthesized files, where present.

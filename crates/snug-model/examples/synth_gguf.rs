@@ -96,6 +96,7 @@ fn run() -> Result<(), String> {
         rope_linear: arg(&args, "--rope-linear")
             .map(|x| x.parse().map_err(|_| "--rope-linear: a number".to_string()))
             .transpose()?,
+        extra: Vec::new(),
     };
     let out = arg(&args, "--out").map_or(format!("synth-{shape_name}.gguf"), str::to_string);
     let bytes = synth::write(&like.header, &spec, std::path::Path::new(&out)).map_err(|e| format!("{out}: {e}"))?;

@@ -73,6 +73,9 @@ pub struct Spec {
     pub rope_freqs: Option<Vec<f32>>,
     /// Linear RoPE scaling by this factor (`rope.scaling.type = linear`).
     pub rope_linear: Option<f32>,
+    /// More metadata, written after the rest (for files that ask for what
+    /// snug does not run).
+    pub extra: Vec<(String, Value)>,
     /// The tokenizer's metadata alone, no tensors: a few megabytes to
     /// carry where the real model cannot travel, the `like` of files
     /// written there.
@@ -163,6 +166,7 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
         Some(f) => Some((0..hd / 2).map(|i| f[i % f.len()]).collect()),
         None => None,
     };
+    meta.extend(spec.extra.iter().cloned());
     for (key, v) in &like.metadata {
         if key.starts_with("tokenizer.") {
             meta.push((key.clone(), v.clone()));
