@@ -667,20 +667,7 @@ fn open_model_at(name: &str) -> Result<(PathBuf, ModelFiles)> {
     Ok((path, file))
 }
 
-fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
+pub(crate) use snug_core::ledger::human_bytes;
 
 fn read_stdin() -> Result<String> {
     let mut s = String::new();

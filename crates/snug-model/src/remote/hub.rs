@@ -18,8 +18,9 @@
 use serde::Deserialize;
 
 use super::http::{Answer, Client};
-use super::{check_component, human, is_sha256};
+use super::{check_component, is_sha256};
 use crate::pull::PullError;
+use snug_core::ledger::human_bytes as human;
 
 /// The quantization picked among several files when none is named.
 pub const DEFAULT_QUANT: &str = "Q4_K_M";

@@ -509,6 +509,17 @@ pub struct Pulled {
     pub resumed_from: u64,
 }
 
+impl Pulled {
+    /// The cached copy at `path`, current: nothing downloaded.
+    fn already(path: PathBuf, record: Record) -> Pulled {
+        Pulled {
+            cached: Cached { path, record },
+            downloaded: false,
+            resumed_from: 0,
+        }
+    }
+}
+
 /// Pulls `name` into `cache`. A repository name asks the hub which files
 /// it has and picks one; a file whose cached copy has the checksum the
 /// hub publishes now is not downloaded again, and a newer one replaces it
@@ -524,11 +535,7 @@ pub fn pull(
         RemoteName::Url(url) => {
             let path = url_path(cache, url)?;
             if let Some(record) = cached_record(&path) {
-                return Ok(Pulled {
-                    cached: Cached { path, record },
-                    downloaded: false,
-                    resumed_from: 0,
-                });
+                return Ok(Pulled::already(path, record));
             }
             download::fetch(
                 &client,
@@ -553,11 +560,7 @@ pub fn pull(
             let current = cached_record(&path)
                 .filter(|r| chosen.sha256.as_ref().map_or(r.size == chosen.size, |s| *s == r.sha256));
             if let Some(record) = current {
-                return Ok(Pulled {
-                    cached: Cached { path, record },
-                    downloaded: false,
-                    resumed_from: 0,
-                });
+                return Ok(Pulled::already(path, record));
             }
             download::fetch(
                 &client,
@@ -618,20 +621,4 @@ pub fn remove(cache: &Path, path: &Path) -> std::io::Result<bool> {
         dir = d.parent();
     }
     Ok(removed)
-}
-
-/// A byte count for messages.
-fn human(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
 }
