@@ -846,29 +846,14 @@ extern "C" __global__ void add_bias(float* x, const float* b, int width, u64 len
     if (i < len) x[i] += b[i % width];
 }
 
-// Each row's query and key heads rotated to its position: pair p of a
+// Each row's query and key heads rotated to its position, and its keys and
+// values stored as write_kv_f16 stores them, in one launch. Pair p of a
 // head is (a[p], b[p]), turned by the angle whose cosine and sine are
 // cs[2 (r pairs + p)] and the next (computed by the host as the CPU
-// computes them).
-extern "C" __global__ void rope(float* q, float* k, const float* cs, int heads, int kv_heads, int hd,
-                                const int* pa, const int* pb, int pairs) {
-    int r = blockIdx.x;
-    int total = (heads + kv_heads) * pairs;
-    for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < total; t += gridDim.y * blockDim.x) {
-        int h = t / pairs, i = t % pairs;
-        float* v = h < heads ? q + ((u64)r * heads + h) * hd : k + ((u64)r * kv_heads + (h - heads)) * hd;
-        float c = cs[2 * ((u64)r * pairs + i)], s = cs[2 * ((u64)r * pairs + i) + 1];
-        float x0 = v[pa[i]], x1 = v[pb[i]];
-        v[pa[i]] = x0 * c - x1 * s;
-        v[pb[i]] = x0 * s + x1 * c;
-    }
-}
-
-// rope then write_kv_f16 in one launch: thread t of a row rotates pair
-// t % pairs of query head t / pairs, or of a key head (then stores the
-// pair's two keys), or stores one value and, where that dimension is not
-// rotated (`rotated[d]` is 0), its key. The same operations as the two
-// kernels.
+// computes them). Thread t of a row rotates pair t % pairs of query head
+// t / pairs, or of a key head (then stores the pair's two keys), or
+// stores one value and, where that dimension is not rotated (`rotated[d]`
+// is 0), its key.
 extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, const float* cs, int heads,
                                          int kv_heads, int hd, const int* pa, const int* pb, int pairs,
                                          const int* rotated, const u32* page, const u32* slot, int layer,

@@ -125,7 +125,6 @@ struct Kernels {
     scale: CudaFunction,
     add: CudaFunction,
     add_bias: CudaFunction,
-    rope: CudaFunction,
     rope_write_kv: CudaFunction,
     write_kv_f16: CudaFunction,
     attend_f16: CudaFunction,
@@ -197,7 +196,6 @@ impl Device {
             scale: f("scale")?,
             add: f("add")?,
             add_bias: f("add_bias")?,
-            rope: f("rope")?,
             rope_write_kv: f("rope_write_kv")?,
             write_kv_f16: f("write_kv_f16")?,
             attend_f16: f("attend_f16")?,
@@ -523,7 +521,10 @@ impl CudaWorkspace {
         if slot.is_none() {
             *slot = Some(self.dev.stream.context().new_event(None)?);
         }
-        slot.as_ref().expect("made above").record(&self.dev.stream)
+        match slot {
+            Some(event) => event.record(&self.dev.stream),
+            None => Ok(()),
+        }
     }
 
     fn table(&self, which: Which) -> u64 {
@@ -798,90 +799,28 @@ impl Backend for Cuda {
         elementwise!(ws, &dev.k.add, len, &t, &f, &n);
     }
 
-    fn rope(ws: &mut CudaWorkspace, layer: usize, rows: &[BatchRow], local: bool) {
-        if rows.is_empty() || ws.pairs == 0 {
-            return;
-        }
-        let which = usize::from(local);
-        if layer == 0 {
-            rope_tables(ws, rows);
-        }
-        let dev = ws.dev.clone();
-        let s = &dev.stream;
-        let (q, k, cs) = (ws.p(Buf::Q), ws.p(Buf::K), ptr(&ws.rope_cs[which].dev, s));
-        let (heads, kvh, hd, pairs) = (ws.heads as i32, ws.kv_heads as i32, ws.head_dim as i32, ws.pairs as i32);
-        let (pa, pb) = (ptr(&ws.rope_pairs.0, s), ptr(&ws.rope_pairs.1, s));
-        let total = (ws.heads + ws.kv_heads) * ws.pairs;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, total.div_ceil(128) as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(ws, &dev.k.rope, cfg, &q, &k, &cs, &heads, &kvh, &hd, &pa, &pb, &pairs);
-    }
-
-    fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut CudaKv) {
-        if slots.is_empty() {
-            return;
-        }
-        if layer == 0 {
-            kv_tables(ws, slots);
-        }
-        let dev = ws.dev.clone();
-        let shape = kv.shape();
-        let (k, v, pg, sl) = (ws.p(Buf::K), ws.p(Buf::V), ws.table(Which::Page), ws.table(Which::Slot));
-        let (l, layers, kvh, pt, hd) = (
-            layer as i32,
-            shape.layers as i32,
-            shape.kv_heads as i32,
-            shape.page_tokens as i32,
-            shape.head_dim as i32,
-        );
-        let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
-        let cfg = LaunchConfig {
-            grid_dim: (
-                slots.len() as u32,
-                (shape.kv_heads * shape.head_dim).div_ceil(128) as u32,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(
-            ws,
-            &dev.k.write_kv_f16,
-            cfg,
-            &k,
-            &v,
-            &pg,
-            &sl,
-            &l,
-            &layers,
-            &kvh,
-            &pt,
-            &hd,
-            &kc,
-            &vc
-        );
-    }
-
     fn rope_write_kv(
         ws: &mut CudaWorkspace,
         layer: usize,
         rows: &[BatchRow],
-        local: bool,
+        rope: Option<bool>,
         slots: &[KvSlot],
         kv: &mut CudaKv,
     ) {
-        if rows.is_empty() || ws.pairs == 0 {
-            Self::rope(ws, layer, rows, local);
-            Self::write_kv(ws, layer, slots, kv);
+        if rows.is_empty() {
             return;
         }
         if layer == 0 {
-            rope_tables(ws, rows);
+            if ws.pairs > 0 {
+                rope_tables(ws, rows);
+            }
             kv_tables(ws, slots);
         }
+        let local = match rope {
+            Some(local) if ws.pairs > 0 => local,
+            // Nothing to rotate: the keys and values go as they are.
+            _ => return write_kv(ws, layer, slots, kv),
+        };
         let dev = ws.dev.clone();
         let s = &dev.stream;
         let shape = kv.shape();
@@ -1137,6 +1076,47 @@ fn rope_tables(ws: &mut CudaWorkspace, rows: &[BatchRow]) {
     }
 }
 
+/// Each row's keys and values of `layer` into its slot, as f16 (the
+/// pass' page and slot tables uploaded already).
+fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut CudaKv) {
+    let dev = ws.dev.clone();
+    let shape = kv.shape();
+    let (k, v, pg, sl) = (ws.p(Buf::K), ws.p(Buf::V), ws.table(Which::Page), ws.table(Which::Slot));
+    let (l, layers, kvh, pt, hd) = (
+        layer as i32,
+        shape.layers as i32,
+        shape.kv_heads as i32,
+        shape.page_tokens as i32,
+        shape.head_dim as i32,
+    );
+    let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
+    let cfg = LaunchConfig {
+        grid_dim: (
+            slots.len() as u32,
+            (shape.kv_heads * shape.head_dim).div_ceil(128) as u32,
+            1,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(
+        ws,
+        &dev.k.write_kv_f16,
+        cfg,
+        &k,
+        &v,
+        &pg,
+        &sl,
+        &l,
+        &layers,
+        &kvh,
+        &pt,
+        &hd,
+        &kc,
+        &vc
+    );
+}
+
 /// Each row's KV page and slot, uploaded for the pass.
 fn kv_tables(ws: &mut CudaWorkspace, slots: &[KvSlot]) {
     let page: Vec<u32> = slots.iter().map(|s| s.page).collect();
@@ -1274,7 +1254,6 @@ mod tests {
                     "quantize_q8",
                     "quantize_q8k",
                     "rms_norm",
-                    "rope",
                     "rope_write_kv",
                     "mma_q4_k",
                     "mma_q6_k",

@@ -156,11 +156,8 @@ pub fn forward<'w, B: Backend>(
         if let Some(kn) = &layer.k_norm {
             B::rms_norm(ws, Buf::K, n * kvd, kn, c.rms_eps);
         }
-        if c.uses_rope(l) {
-            B::rope_write_kv(ws, l, rows, c.is_local(l), &slots, kv.storage);
-        } else {
-            B::write_kv(ws, l, &slots, kv.storage);
-        }
+        let rope = c.uses_rope(l).then(|| c.is_local(l));
+        B::rope_write_kv(ws, l, rows, rope, &slots, kv.storage);
         trace(ws, "Qcur_rope", l, Buf::Q, n * qd);
         trace(ws, "Kcur_rope", l, Buf::K, n * kvd);
         if prescale {

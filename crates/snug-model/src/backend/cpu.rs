@@ -259,9 +259,16 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         ops::add(&mut out[..len], &x[..len]);
     }
 
-    fn rope(ws: &mut CpuWorkspace, layer: usize, rows: &[BatchRow], local: bool) {
+    fn rope_write_kv(
+        ws: &mut CpuWorkspace,
+        layer: usize,
+        rows: &[BatchRow],
+        rope: Option<bool>,
+        slots: &[KvSlot],
+        kv: &mut KvStorage,
+    ) {
         let (hd, qd, kvd) = (ws.head_dim, ws.qd, ws.kvd);
-        let [_, _, q, k, ..] = &mut ws.bufs;
+        let [_, _, q, k, v, ..] = &mut ws.bufs;
         if let Some(probe) = &mut ws.probe {
             for (r, row) in rows.iter().enumerate() {
                 if row.pos > 0 {
@@ -269,23 +276,20 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
                 }
             }
         }
-        let rope = &ws.ropes[usize::from(local)];
         for (r, row) in rows.iter().enumerate() {
-            for head in q[r * qd..(r + 1) * qd].chunks_exact_mut(hd) {
-                A::rope(rope, head, row.pos);
-            }
-            for head in k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd) {
-                A::rope(rope, head, row.pos);
+            if let Some(local) = rope {
+                let rope = &ws.ropes[usize::from(local)];
+                for head in q[r * qd..(r + 1) * qd].chunks_exact_mut(hd) {
+                    A::rope(rope, head, row.pos);
+                }
+                for head in k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd) {
+                    A::rope(rope, head, row.pos);
+                }
             }
             if let (Some(probe), true) = (&mut ws.probe, row.pos > 0) {
                 probe.add_queries(layer, &q[r * qd..(r + 1) * qd]);
             }
         }
-    }
-
-    fn write_kv(ws: &mut CpuWorkspace, layer: usize, slots: &[KvSlot], kv: &mut KvStorage) {
-        let kvd = ws.kvd;
-        let [_, _, _, k, v, ..] = &ws.bufs;
         for (r, &at) in slots.iter().enumerate() {
             kv.write(layer, at, &k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
         }

@@ -185,27 +185,19 @@ pub trait Backend: Sync {
     /// `to += from` over the first `len` floats.
     fn add(ws: &mut Self::Workspace, to: Buf, from: Buf, len: usize);
 
-    /// Rotates each row's query and key heads to its position, with the
-    /// local layers' RoPE base where `local` (and gathers the key basis'
-    /// statistics of `layer` where the workspace collects them).
-    fn rope(ws: &mut Self::Workspace, layer: usize, rows: &[BatchRow], local: bool);
-
-    /// Stores each row's keys and values of `layer` at its slot.
-    fn write_kv(ws: &mut Self::Workspace, layer: usize, slots: &[KvSlot], kv: &mut Self::Kv);
-
-    /// [`Backend::rope`] then [`Backend::write_kv`] (by default; a backend
-    /// may do both in one pass, with the same arithmetic).
+    /// Rotates each row's query and key heads to its position (`rope`:
+    /// `Some(local)`, with the local layers' RoPE base where `local`;
+    /// `None` in a layer without RoPE), gathering the key basis'
+    /// statistics of `layer` where the workspace collects them, then
+    /// stores each row's keys and values of `layer` at its slot.
     fn rope_write_kv(
         ws: &mut Self::Workspace,
         layer: usize,
         rows: &[BatchRow],
-        local: bool,
+        rope: Option<bool>,
         slots: &[KvSlot],
         kv: &mut Self::Kv,
-    ) {
-        Self::rope(ws, layer, rows, local);
-        Self::write_kv(ws, layer, slots, kv);
-    }
+    );
 
     /// Attention of each row's query heads over its sequence's KV pages
     /// in `layer`, into [`Buf::Attn`]; scores are scaled by `scale`.
