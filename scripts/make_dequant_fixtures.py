@@ -7,8 +7,13 @@ negative, subnormal, the largest f16) for every type. The expected f32
 values come from the `gguf` Python package's own dequantizer, an
 implementation independent of snug's.
 
-Usage: python3 scripts/make_dequant_fixtures.py MODEL_DIR OUT_DIR
-(needs `pip install gguf==0.19.0 numpy`).
+Usage: python3 scripts/make_dequant_fixtures.py MODEL_DIR OUT_DIR [MORE.gguf ...]
+(needs `pip install gguf==0.19.0 numpy`). MORE files are searched after the
+real models, for types none of them holds: files that llama.cpp's
+`llama-quantize --allow-requantize` wrote from the real models (for
+example Qwen2.5-Coder-1.5B as Q2_K, SmolLM2 as IQ4_NL, IQ4_XS, and Q8_0
+with `--tensor-type ffn_up=mxfp4`), so those blocks come from llama.cpp's
+own quantizer.
 """
 import json
 import sys
@@ -23,12 +28,17 @@ MODELS = [
     "gemma-3-270m-q4_k_m.gguf",
     "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
 ]
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+         "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 # Byte offsets of the f16 scale fields in each block; these get finite
 # values so the random blocks exercise arithmetic, not NaN propagation.
 SCALE_OFFSETS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-    "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "IQ4_NL": [0], "IQ4_XS": [0],
+    # MXFP4's scale is one E8M0 byte: every value is a power of two, so
+    # random bytes already cover its whole range (subnormal ones included).
+    "MXFP4": [],
 }
 REAL_BLOCKS = 24
 RANDOM_BLOCKS = 24
@@ -63,16 +73,17 @@ def random_blocks(name, rng):
                 else:
                     s = finite_f16(rng, 1)[0]
                 raw[i, off:off + 2] = np.frombuffer(s.tobytes(), dtype=np.uint8)
-        if name.endswith("_K") or name == "Q6_K":
+        if name.endswith("_K") or name == "IQ4_XS":
             raw[0, :] = 0  # an all-zero block
     return raw
 
 
-def real_blocks(name, model_dir):
+def real_blocks(name, model_dir, more):
     qt = T[name]
     block, size = gguf.GGML_QUANT_SIZES[qt]
-    for m in MODELS:
-        r = gguf.GGUFReader(str(Path(model_dir) / m))
+    for path in [Path(model_dir) / m for m in MODELS] + [Path(m) for m in more]:
+        m = path.name
+        r = gguf.GGUFReader(str(path))
         for t in r.tensors:
             if t.tensor_type == qt:
                 data = np.asarray(t.data).view(np.uint8).reshape(-1)
@@ -82,7 +93,7 @@ def real_blocks(name, model_dir):
 
 
 def main():
-    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    model_dir, out, more = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(20261130)
     manifest = {"generator": f"gguf {gguf.__version__ if hasattr(gguf, '__version__') else '0.19.0'} dequantize", "types": {}}
@@ -90,7 +101,7 @@ def main():
         qt = T[name]
         block, size = gguf.GGML_QUANT_SIZES[qt]
         parts, sources = [], []
-        real, src = real_blocks(name, model_dir)
+        real, src = real_blocks(name, model_dir, more)
         if real is not None:
             parts.append(real)
             sources.append(f"{real.shape[0]} blocks of {src}")

@@ -37,7 +37,8 @@ SPECS = [
      ["--rope-freqs", "1,1.5,3,8"]),
     ("llama-linear", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0",
      ["--rope-linear", "4"]),
-]
+] + [(f"llama-{ty}", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, ty, "q8_0", [])
+     for ty in ["q2_k", "q3_k", "q5_k", "iq4_nl", "iq4_xs", "mxfp4", "f16", "bf16"]]
 STEPS = 16
 
 
@@ -75,10 +76,18 @@ def main():
             finally:
                 p.terminate()
                 p.wait()
+            # One step per generated token. llama-server leaves out the
+            # probabilities of a token whose text ends inside a UTF-8
+            # character, so they are matched to the tokens by id, and a
+            # token without them gets "top": null.
+            probs = list(resp["completion_probabilities"])
             steps = []
-            for c in resp["completion_probabilities"]:
-                top = c.get("top_logprobs") or c.get("probs")
-                steps.append({"top": [{"id": t["id"], "logprob": t["logprob"]} for t in top[:2]]})
+            for tok in resp["tokens"]:
+                if probs and probs[0].get("id") == tok:
+                    top = probs.pop(0).get("top_logprobs") or []
+                    steps.append({"top": [{"id": t["id"], "logprob": t["logprob"]} for t in top[:2]]})
+                else:
+                    steps.append({"top": None})
             result["models"][name] = {"prompt_ids": ids, "ids": resp["tokens"], "steps": steps}
             print(name, resp["tokens"], file=sys.stderr)
     with open(out, "w") as f:

@@ -38,7 +38,7 @@
 use half::f16;
 
 use crate::cpu::{simd, Simd};
-use crate::quant::{scale_min_k4, GgmlType};
+use crate::quant::{e8m0_half, iq4xs_scale, q3k_scales, scale_min_k4, GgmlType, IQ4_LEVELS, MXFP4_LEVELS};
 
 /// Elements per activation block.
 pub const QK8: usize = 32;
@@ -83,7 +83,9 @@ pub enum ActFormat {
 pub fn act_format(ty: GgmlType) -> ActFormat {
     match ty {
         GgmlType::Q4_1 | GgmlType::Q5_1 => ActFormat::Q8_1,
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => ActFormat::Q8K,
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS => {
+            ActFormat::Q8K
+        }
         _ => ActFormat::Q8_0,
     }
 }
@@ -291,9 +293,14 @@ pub fn supports(ty: GgmlType) -> bool {
             | GgmlType::Q5_0
             | GgmlType::Q5_1
             | GgmlType::Q8_0
+            | GgmlType::Q2K
+            | GgmlType::Q3K
             | GgmlType::Q4K
             | GgmlType::Q5K
             | GgmlType::Q6K
+            | GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::MXFP4
     )
 }
 
@@ -386,6 +393,41 @@ pub(crate) fn unpack(ty: GgmlType, b: &[u8], j: usize) -> WBlock {
             }
             (f16_at(b, 0), None)
         }
+        GgmlType::IQ4NL | GgmlType::MXFP4 => {
+            let (levels, at, scale) = if ty == GgmlType::IQ4NL {
+                (&IQ4_LEVELS, 2, f16_at(b, 0))
+            } else {
+                (&MXFP4_LEVELS, 1, e8m0_half(b[0]))
+            };
+            for i in 0..16 {
+                w[i] = levels[(b[at + i] & 15) as usize];
+                w[i + 16] = levels[(b[at + i] >> 4) as usize];
+            }
+            (scale, None)
+        }
+        GgmlType::Q2K | GgmlType::Q3K => {
+            // Block j is bits 2(j % 4).. of 32 bytes of `qs` (half j / 4);
+            // Q3_K takes 4 off where bit j of `hmask` is clear.
+            let (h, k) = (j / 4, j % 4);
+            let qs_at = if ty == GgmlType::Q2K { 16 } else { 32 };
+            for l in 0..32 {
+                let low = ((b[qs_at + 32 * h + l] >> (2 * k)) & 3) as i8;
+                w[l] = if ty == GgmlType::Q2K || b[l] & (1 << j) != 0 {
+                    low
+                } else {
+                    low - 4
+                };
+            }
+            (0.0, None)
+        }
+        GgmlType::IQ4XS => {
+            let qs = &b[8 + 16 * j..8 + 16 * j + 16];
+            for i in 0..16 {
+                w[i] = IQ4_LEVELS[(qs[i] & 15) as usize];
+                w[i + 16] = IQ4_LEVELS[(qs[i] >> 4) as usize];
+            }
+            (0.0, None)
+        }
         GgmlType::Q4K | GgmlType::Q5K => {
             let qs_at = if ty == GgmlType::Q4K { 16 } else { 48 };
             let q = &b[qs_at + (j / 2) * 32..qs_at + (j / 2) * 32 + 32];
@@ -437,12 +479,12 @@ fn accumulate(acc: &mut Acc8, b: usize, wb: &WBlock, a: &BlockQ8) {
     }
 }
 
-/// Integer scales of one K-quant super-block: the scale of each of its 16
-/// groups of 16 elements, the minimum of each block of 32 (0 for types
-/// without one), and the float factors.
+/// Integer scales of one K-quant super-block: the scale and the minimum
+/// (0 for types without one) of each of its 16 groups of 16 elements, and
+/// the float factors.
 pub(crate) struct KScales {
     pub(crate) sc: [i32; 16],
-    pub(crate) min: [i32; 8],
+    pub(crate) min: [i32; 16],
     pub(crate) d: f32,
     pub(crate) dmin: f32,
 }
@@ -450,7 +492,7 @@ pub(crate) struct KScales {
 pub(crate) fn k_scales(ty: GgmlType, b: &[u8]) -> KScales {
     let mut ks = KScales {
         sc: [0; 16],
-        min: [0; 8],
+        min: [0; 16],
         d: 0.0,
         dmin: 0.0,
     };
@@ -462,7 +504,30 @@ pub(crate) fn k_scales(ty: GgmlType, b: &[u8]) -> KScales {
                 let (sc, m) = scale_min_k4(j, &b[4..16]);
                 ks.sc[2 * j] = sc as i32;
                 ks.sc[2 * j + 1] = sc as i32;
-                ks.min[j] = m as i32;
+                ks.min[2 * j] = m as i32;
+                ks.min[2 * j + 1] = m as i32;
+            }
+        }
+        GgmlType::Q2K => {
+            ks.d = f16_at(b, 80);
+            ks.dmin = f16_at(b, 82);
+            for (g, &v) in b[..16].iter().enumerate() {
+                ks.sc[g] = (v & 15) as i32;
+                ks.min[g] = (v >> 4) as i32;
+            }
+        }
+        GgmlType::Q3K => {
+            ks.d = f16_at(b, 108);
+            for (sc, s) in ks.sc.iter_mut().zip(q3k_scales(&b[96..108])) {
+                *sc = s as i32;
+            }
+        }
+        GgmlType::IQ4XS => {
+            ks.d = f16_at(b, 0);
+            for j in 0..8 {
+                let s = iq4xs_scale(b, j) as i32;
+                ks.sc[2 * j] = s;
+                ks.sc[2 * j + 1] = s;
             }
         }
         GgmlType::Q6K => {
@@ -484,7 +549,7 @@ pub(crate) fn k_weights(ty: GgmlType, b: &[u8], j: usize) -> [i8; QK8] {
 
 fn dot_rows_scalar_k(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32]) {
     let ts = ty.type_size();
-    let has_min = ty != GgmlType::Q6K;
+    let has_min = has_k_min(ty);
     for (acts, out) in acts.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
         let mut accs = [Acc8::new(); ROW_TILE];
         for (sb, wblock) in w.chunks_exact(ts).enumerate() {
@@ -498,8 +563,9 @@ fn dot_rows_scalar_k(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32
                     for h in 0..2 {
                         let p: i32 = (16 * h..16 * h + 16).map(|i| ws[j][i] as i32 * ab.qs[i] as i32).sum();
                         isum += ks.sc[2 * j + h] * p;
+                        let s: i32 = ab.qs[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum();
+                        minsum += ks.min[2 * j + h] * s;
                     }
-                    minsum += ks.min[j] * ab.sum;
                 }
                 let da = a[sb * 8].d;
                 let lane = &mut acc.0[sb % 8];
@@ -516,7 +582,16 @@ fn dot_rows_scalar_k(ty: GgmlType, w: &[u8], acts: &[&[BlockQ8]], out: &mut [f32
 }
 
 fn is_k(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+    matches!(
+        ty,
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS
+    )
+}
+
+/// Whether a K-quant type subtracts a minimum (its levels are then
+/// non-negative; the others' are signed).
+fn has_k_min(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q2K | GgmlType::Q4K | GgmlType::Q5K)
 }
 
 /// Activation rows processed together per pass over a weight row.

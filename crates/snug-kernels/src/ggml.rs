@@ -202,14 +202,103 @@ pub fn dot_f16(x: &[f32], y: &[f32]) -> f32 {
     }
     let [a0, a1, a2, a3] = acc;
     let a: [f32; 16] = std::array::from_fn(|l| (a0[l] + a2[l]) + (a1[l] + a3[l]));
-    let h8: [f32; 8] = std::array::from_fn(|k| a[k + 8] + a[k]);
-    let h4: [f32; 4] = std::array::from_fn(|k| h8[k + 4] + h8[k]);
-    let h2: [f32; 2] = std::array::from_fn(|k| h4[k] + h4[k + 2]);
-    let mut sum = (h2[0] + h2[1]) as f64;
+    let mut sum = reduce16(&a) as f64;
     for e in np..n {
         sum += (x[e] * y[e]) as f64;
     }
     sum as f32
+}
+
+/// `_mm512_reduce_add_ps` as GCC expands it: lane `k + 8` onto lane `k`,
+/// then `k + 4`, then `(0 + 2) + (1 + 3)`.
+#[inline(always)]
+fn reduce16(a: &[f32; 16]) -> f32 {
+    let h8: [f32; 8] = std::array::from_fn(|k| a[k + 8] + a[k]);
+    let h4: [f32; 4] = std::array::from_fn(|k| h8[k + 4] + h8[k]);
+    (h4[0] + h4[2]) + (h4[1] + h4[3])
+}
+
+/// llamafile's `tinyBLAS` on f16-valued rows (AVX-512): one 16-lane
+/// accumulator of fused multiply-adds, element `i` into lane `i % 16`,
+/// folded by [`reduce16`]. Length a multiple of 16.
+pub fn dot_f16_tinyblas(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (xc, yc) in x.chunks_exact(16).zip(y.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = xc[l].mul_add(yc[l], acc[l]);
+        }
+    }
+    reduce16(&acc)
+}
+
+/// `x` rounded to bf16 as the vector conversion does (to nearest, ties to
+/// even; subnormals read as zero), as an f32.
+#[inline]
+pub fn round_bf16(x: f32) -> f32 {
+    let x = daz(x);
+    let u = x.to_bits();
+    if (u & 0x7fff_ffff) > 0x7f80_0000 {
+        return f32::from_bits(((u >> 16) | 64) << 16);
+    }
+    f32::from_bits(((u.wrapping_add(0x7fff + ((u >> 16) & 1))) >> 16) << 16)
+}
+
+#[inline(always)]
+fn daz(x: f32) -> f32 {
+    if x.is_subnormal() {
+        0.0f32.copysign(x)
+    } else {
+        x
+    }
+}
+
+/// One step of `vdpbf16ps` on a lane: `c + a * b` rounded once (the
+/// product of two bf16 values is exact in f32), inputs and result with
+/// subnormals as zero.
+#[inline(always)]
+fn dpbf16_step(c: f32, a: f32, b: f32) -> f32 {
+    daz(daz(a).mul_add(daz(b), daz(c)))
+}
+
+/// Chunk `chunk` (32 elements) of two bf16-valued rows into 16 lanes as
+/// `_mm512_dpbf16_ps` adds it: lane `j` takes element `2j + 1`, then `2j`.
+#[inline(always)]
+fn dpbf16(acc: &mut [f32; 16], x: &[f32], y: &[f32]) {
+    for (j, c) in acc.iter_mut().enumerate() {
+        *c = dpbf16_step(*c, x[2 * j + 1], y[2 * j + 1]);
+        *c = dpbf16_step(*c, x[2 * j], y[2 * j]);
+    }
+}
+
+/// ggml's `vec_dot_bf16` with AVX-512 BF16 on bf16-valued rows: 64
+/// elements a step, the first 32 into one accumulator and the next 32
+/// into another ([`dpbf16`]), each folded by [`reduce16`] and added in
+/// f64, the elements past the last multiple of 64 too.
+pub fn dot_bf16(x: &[f32], y: &[f32]) -> f32 {
+    let n = x.len();
+    let np = n & !63;
+    let (mut c1, mut c2) = ([0f32; 16], [0f32; 16]);
+    for i in (0..np).step_by(64) {
+        dpbf16(&mut c1, &x[i..i + 32], &y[i..i + 32]);
+        dpbf16(&mut c2, &x[i + 32..i + 64], &y[i + 32..i + 64]);
+    }
+    let mut sum = reduce16(&c1) as f64;
+    sum += reduce16(&c2) as f64;
+    for e in np..n {
+        sum += (x[e] * y[e]) as f64;
+    }
+    sum as f32
+}
+
+/// llamafile's `tinyBLAS` on bf16-valued rows with AVX-512 BF16: one
+/// accumulator, 32 elements a step ([`dpbf16`]), folded by [`reduce16`].
+/// Length a multiple of 32.
+pub fn dot_bf16_tinyblas(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (xc, yc) in x.chunks_exact(32).zip(y.chunks_exact(32)) {
+        dpbf16(&mut acc, xc, yc);
+    }
+    reduce16(&acc)
 }
 
 /// The running state of one query head in [`crate::kv::attend_group_ggml`]:
@@ -269,7 +358,18 @@ impl OnlineHead<'_> {
 pub fn dot_supports(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q8_0
+            | GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::MXFP4
     )
 }
 
@@ -298,6 +398,9 @@ pub enum Kernel {
     Gemm4,
     /// The tiled K-quant kernel of batches of 8 rows or more.
     Tiled,
+    /// llamafile's `tinyBLAS`, for products of 2 rows or more of the
+    /// 32-element types it handles (IQ4_NL's `vec_dot` sums otherwise).
+    Tinyblas,
 }
 
 impl Kernel {
@@ -310,6 +413,7 @@ impl Kernel {
         match ty {
             GgmlType::Q4K if r < n - n % 4 => Kernel::Gemm4,
             GgmlType::Q6K if n >= 8 => Kernel::Tiled,
+            GgmlType::IQ4NL if n >= 2 => Kernel::Tinyblas,
             _ => Kernel::Single,
         }
     }
@@ -335,6 +439,23 @@ impl Kernel {
 ///   16-element groups `2m` and `2m + 1`), each added as `fma(d * d_a,
 ///   lane)`, folded as above; the tiled kernel ([`Kernel::Tiled`]) adds
 ///   `fma(isum * d, d_a)` once per super-block into one accumulator.
+///
+/// - IQ4_NL and MXFP4 (`vec_dot_iq4_nl_q8_0`, `vec_dot_mxfp4_q8_0`):
+///   blocks in pairs, the first of each pair into one set of eight lane
+///   accumulators and the second into another (`fma(d_a * d_w, lane)`),
+///   the two sets added lane by lane and folded by `hsum_float_8`, a last
+///   odd block added as `fma(d, isum, sum)`; IQ4_NL in `tinyBLAS`
+///   ([`Kernel::Tinyblas`]) sums as Q4_0 does;
+/// - Q2_K, Q3_K, Q5_K and IQ4_XS (`vec_dot_*_q8_K`): per super-block
+///   eight integer lanes (lane `k`: elements `4k..4k + 4` of each
+///   32-element block times their group's scale), each added as
+///   `fma(d_a·d, lane)` into its accumulator, folded by `hsum_float_8`;
+///   Q2_K first adds, lane by lane, `fma(-(d_a·dmin), m[2k]·s[2k] +
+///   m[2k+1]·s[2k+1])` (`m` its group minimums, `s` the activations' sums
+///   over 16 elements); Q5_K sums its minimum terms apart, `fma(-(d_a·dmin),
+///   minsum)` per super-block, added after the fold. These are the kernels
+///   llama.cpp runs with `--no-repack` (its repacked Q2_K, IQ4_NL and MXFP4
+///   layouts on AVX2/AVX-512 sum otherwise).
 ///
 /// The integers are exact in every order; only these float steps decide
 /// the result's last bits.
@@ -428,7 +549,97 @@ fn dot_quant_body(ty: GgmlType, w: &[u8], a: &[BlockQ8], kernel: Kernel) -> f32 
             }
             hsum8(&acc)
         }
+        GgmlType::IQ4NL if kernel == Kernel::Tinyblas => {
+            let mut acc = [0f32; 8];
+            for (wb, ab) in w.chunks_exact(ty.type_size()).zip(a) {
+                let u = unpack(ty, wb, 0);
+                let d = u.scale * ab.d;
+                for (c, &l) in acc.iter_mut().zip(&lanes8(&u.w, &ab.qs)) {
+                    *c = d.mul_add(l as f32, *c);
+                }
+            }
+            hsum8(&acc)
+        }
+        GgmlType::IQ4NL | GgmlType::MXFP4 => pairs_order(ty, w, a, |wb, ab| lanes8(&unpack(ty, wb, 0).w, &ab.qs)),
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K | GgmlType::IQ4XS => {
+            k_lanes_order(ty, w, a, |wb, j, ab| lanes8(&k_weights(ty, wb, j), &ab.qs))
+        }
         _ => panic!("ggml::dot_quant: no ggml order for {ty}"),
+    }
+}
+
+/// IQ4_NL's and MXFP4's `vec_dot` float steps around `lanes(block,
+/// activation_block)`, the eight exact integer lanes of one block.
+#[inline(always)]
+fn pairs_order(ty: GgmlType, w: &[u8], a: &[BlockQ8], lanes: impl Fn(&[u8], &BlockQ8) -> [i32; 8]) -> f32 {
+    let ts = ty.type_size();
+    let nb = a.len();
+    let (mut acc1, mut acc2) = ([0f32; 8], [0f32; 8]);
+    let mut ib = 0;
+    while ib + 1 < nb {
+        for (acc, b) in [(&mut acc1, ib), (&mut acc2, ib + 1)] {
+            let wb = &w[b * ts..(b + 1) * ts];
+            let d = a[b].d * unpack(ty, wb, 0).scale;
+            for (c, &l) in acc.iter_mut().zip(&lanes(wb, &a[b])) {
+                *c = d.mul_add(l as f32, *c);
+            }
+        }
+        ib += 2;
+    }
+    let sum: [f32; 8] = std::array::from_fn(|k| acc1[k] + acc2[k]);
+    let mut sumf = hsum8(&sum);
+    for b in ib..nb {
+        let wb = &w[b * ts..(b + 1) * ts];
+        let d = a[b].d * unpack(ty, wb, 0).scale;
+        let isum: i32 = lanes(wb, &a[b]).iter().sum();
+        sumf = d.mul_add(isum as f32, sumf);
+    }
+    sumf
+}
+
+/// The `vec_dot` float steps of Q2_K, Q3_K, Q5_K and IQ4_XS around
+/// `lanes(super_block, j, activation_block)`, the eight exact integer
+/// lanes of block `j` before scaling.
+#[inline(always)]
+fn k_lanes_order(ty: GgmlType, w: &[u8], a: &[BlockQ8], lanes: impl Fn(&[u8], usize, &BlockQ8) -> [i32; 8]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut summs = 0f32;
+    for (sb, wb) in w.chunks_exact(ty.type_size()).enumerate() {
+        let ks = k_scales(ty, wb);
+        let da = a[sb * 8].d;
+        let (d, dmin) = (da * ks.d, -da * ks.dmin);
+        let mut l8 = [0i32; 8];
+        let mut m8 = [0i32; 8];
+        let mut minsum = 0i32;
+        for j in 0..8 {
+            let ab = &a[sb * 8 + j];
+            let p = lanes(wb, j, ab);
+            for (k, l) in l8.iter_mut().enumerate() {
+                *l += ks.sc[2 * j + k / 4] * p[k];
+            }
+            let s0: i32 = ab.qs[..16].iter().map(|&q| q as i32).sum();
+            let s1: i32 = ab.qs[16..].iter().map(|&q| q as i32).sum();
+            // Q2_K's lane k holds groups 2k and 2k + 1: block j's halves.
+            m8[j] = ks.min[2 * j] * s0 + ks.min[2 * j + 1] * s1;
+            minsum += m8[j];
+        }
+        match ty {
+            GgmlType::Q2K => {
+                for (c, &m) in acc.iter_mut().zip(&m8) {
+                    *c = dmin.mul_add(m as f32, *c);
+                }
+            }
+            GgmlType::Q5K => summs = dmin.mul_add(minsum as f32, summs),
+            _ => {}
+        }
+        for (c, &l) in acc.iter_mut().zip(&l8) {
+            *c = d.mul_add(l as f32, *c);
+        }
+    }
+    if ty == GgmlType::Q5K {
+        hsum8(&acc) + summs
+    } else {
+        hsum8(&acc)
     }
 }
 
@@ -447,7 +658,7 @@ fn q4k_order(w: &[u8], a: &[BlockQ8], kernel: Kernel, block: impl Fn(&[u8], usiz
         for j in 0..8 {
             let ab = &a[sb * 8 + j];
             isum += ks.sc[2 * j] * block(wb, j, ab);
-            minsum += ks.min[j] * ab.sum;
+            minsum += ks.min[2 * j] * ab.sum;
             if kernel == Kernel::Gemm4 && j % 2 == 1 {
                 acc = (isum as f32).mul_add(scale, acc);
                 acc_min = (minsum as f32).mul_add(scale_min, acc_min);
@@ -489,8 +700,8 @@ fn q6k_tiled_order(w: &[u8], a: &[BlockQ8], halves: impl Fn(&[u8], usize, &Block
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{hsum8, q4k_order, q6k_tiled_order, Kernel};
-    use crate::dot::x86::{hsum_i32, Unpack, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
+    use super::{hsum8, k_lanes_order, pairs_order, q4k_order, q6k_tiled_order, Kernel};
+    use crate::dot::x86::{hsum_i32, Unpack, IQ4NL, IQ4XS, MXFP4, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q6K, Q8_0};
     use crate::dot::{k_scales, BlockQ8};
     use crate::quant::GgmlType;
 
@@ -621,6 +832,26 @@ mod x86 {
             GgmlType::Q8_0 => blocks32::<Q8_0, VNNI>(ty, w, a),
             GgmlType::Q4K => q4k::<VNNI>(w, a, kernel),
             GgmlType::Q6K => q6k::<VNNI>(w, a, kernel),
+            // The integer lanes from vectors, the float steps the reference's.
+            GgmlType::IQ4NL if kernel == Kernel::Tinyblas => super::dot_quant_body(ty, w, a, kernel),
+            GgmlType::IQ4NL => pairs_order(ty, w, a, |wb, ab| {
+                to_array(lanes::<VNNI, true>(IQ4NL::levels(wb.as_ptr(), 0), act(ab)))
+            }),
+            GgmlType::MXFP4 => pairs_order(ty, w, a, |wb, ab| {
+                to_array(lanes::<VNNI, true>(MXFP4::levels(wb.as_ptr(), 0), act(ab)))
+            }),
+            GgmlType::Q2K => k_lanes_order(ty, w, a, |wb, j, ab| {
+                to_array(lanes::<VNNI, false>(Q2K::levels(wb.as_ptr(), j), act(ab)))
+            }),
+            GgmlType::Q3K => k_lanes_order(ty, w, a, |wb, j, ab| {
+                to_array(lanes::<VNNI, true>(Q3K::levels(wb.as_ptr(), j), act(ab)))
+            }),
+            GgmlType::Q5K => k_lanes_order(ty, w, a, |wb, j, ab| {
+                to_array(lanes::<VNNI, false>(Q5K::levels(wb.as_ptr(), j), act(ab)))
+            }),
+            GgmlType::IQ4XS => k_lanes_order(ty, w, a, |wb, j, ab| {
+                to_array(lanes::<VNNI, true>(IQ4XS::levels(wb.as_ptr(), j), act(ab)))
+            }),
             _ => panic!("ggml::dot_quant: no ggml order for {ty}"),
         }
     }
@@ -642,21 +873,24 @@ mod x86 {
 /// first); other types are the same either way.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), crate::quant::DequantError> {
     match ty {
-        GgmlType::Q4K if src.len() * 256 == dst.len() * ty.type_size() => {
+        GgmlType::Q2K | GgmlType::Q4K | GgmlType::Q5K if src.len() * 256 == dst.len() * ty.type_size() => {
             for (b, y) in src.chunks_exact(ty.type_size()).zip(dst.chunks_exact_mut(256)) {
                 let ks = k_scales(ty, b);
                 for j in 0..8 {
                     let q = k_weights(ty, b, j);
-                    let d1 = ks.d * ks.sc[2 * j] as f32;
-                    let m1 = ks.dmin * ks.min[j] as f32;
-                    for (o, &v) in y[32 * j..32 * j + 32].iter_mut().zip(&q) {
-                        *o = d1.mul_add(v as f32, -m1);
+                    for h in 0..2 {
+                        let d1 = ks.d * ks.sc[2 * j + h] as f32;
+                        let m1 = ks.dmin * ks.min[2 * j + h] as f32;
+                        let at = 32 * j + 16 * h;
+                        for (o, &v) in y[at..at + 16].iter_mut().zip(&q[16 * h..16 * h + 16]) {
+                            *o = d1.mul_add(v as f32, -m1);
+                        }
                     }
                 }
             }
             Ok(())
         }
-        GgmlType::Q4_1 if src.len() * 32 == dst.len() * ty.type_size() => {
+        GgmlType::Q4_1 | GgmlType::Q5_1 if src.len() * 32 == dst.len() * ty.type_size() => {
             for (b, y) in src.chunks_exact(ty.type_size()).zip(dst.chunks_exact_mut(32)) {
                 let u = unpack(ty, b, 0);
                 let m = u.min.unwrap_or(0.0);
@@ -678,13 +912,19 @@ mod tests {
     use crate::quant::dequantize;
 
     /// The types [`dot_quant`] orders.
-    const TYPES: [GgmlType; 6] = [
+    const TYPES: [GgmlType; 12] = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q5_0,
         GgmlType::Q8_0,
         GgmlType::Q4K,
         GgmlType::Q6K,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q5K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+        GgmlType::MXFP4,
     ];
 
     /// The kernels each type can take.
@@ -692,6 +932,7 @@ mod tests {
         match ty {
             GgmlType::Q4K => &[Kernel::Single, Kernel::Gemm4],
             GgmlType::Q6K => &[Kernel::Single, Kernel::Tiled],
+            GgmlType::IQ4NL => &[Kernel::Single, Kernel::Tinyblas],
             _ => &[Kernel::Single],
         }
     }
@@ -741,7 +982,10 @@ mod tests {
         let levels = crate::cpu::Simd::available();
         for ty in TYPES {
             for case in 0..12 {
-                let n = 256 * (1 + case % 3);
+                // An odd number of 32-element blocks too (a last block
+                // outside IQ4_NL's and MXFP4's pairs).
+                let odd = if ty.block_size() == QK8 { 32 * (case % 2) } else { 0 };
+                let n = 256 * (1 + case % 3) + odd;
                 let w = weights(ty, n, &mut rng);
                 // Wide, narrow and saturating activations (levels of +-127).
                 let x: Vec<f32> = (0..n)

@@ -49,7 +49,13 @@ impl<'a> Weight<'a> {
 
 /// Whether [`matmul`] handles weights of type `ty`.
 pub fn matmul_supports(ty: GgmlType) -> bool {
-    supports(ty) || ty == GgmlType::F32
+    supports(ty) || is_float(ty)
+}
+
+/// Float matrices, multiplied in f32 ([`dot_f32`]'s order; rows must be a
+/// multiple of 16 long).
+pub fn is_float(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
 }
 
 /// Per-call scratch for quantized activations; sized once by the caller.
@@ -97,6 +103,10 @@ const ROWS_PER_PASS: usize = 64;
 pub const PANEL_MIN_ROWS: usize = 3;
 
 thread_local! {
+    /// The activations rounded to f16 or bf16 (llama.cpp's numerics).
+    static ACTS_ROUNDED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each thread's f32 copy of an F16 or BF16 weight row.
+    static ROW_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Each thread's panel, reused across calls (it grows to the longest
     /// weight row it has packed).
     static PANEL: RefCell<Panel> = RefCell::new(Panel::new());
@@ -109,17 +119,29 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     assert_eq!(out.len(), n_rows * n, "matmul: output shape");
     let out_ptr = SendPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(FEATURES_PER_TASK);
-    if w.ty == GgmlType::F32 {
-        let wf: &[f32] = bytemuck_f32(w.data);
+    if is_float(w.ty) {
+        // F16 and BF16 rows widen to f32 exactly, once per call and row.
+        let wf: Option<&[f32]> = (w.ty == GgmlType::F32).then(|| bytemuck_f32(w.data));
         pool.run(tasks, &|t| {
             let op = &out_ptr;
-            for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
-                for r in 0..n_rows {
-                    let v = dot_f32(&wf[o * k..(o + 1) * k], &x[r * k..(r + 1) * k]);
-                    // SAFETY: each (r, o) is written by exactly one task.
-                    unsafe { *op.0.add(r * n + o) = v };
+            ROW_F32.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
+                    let wr: &[f32] = match wf {
+                        Some(wf) => &wf[o * k..(o + 1) * k],
+                        None => {
+                            buf.resize(k, 0.0);
+                            w.row_f32(o, &mut buf[..k]);
+                            &buf[..k]
+                        }
+                    };
+                    for r in 0..n_rows {
+                        let v = dot_f32(wr, &x[r * k..(r + 1) * k]);
+                        // SAFETY: each (r, o) is written by exactly one task.
+                        unsafe { *op.0.add(r * n + o) = v };
+                    }
                 }
-            }
+            });
         });
         return;
     }
@@ -258,6 +280,9 @@ pub fn matmul_ggml(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
+    if matches!(w.ty, GgmlType::F16 | GgmlType::BF16) {
+        return matmul_ggml_float(pool, w, x, n_rows, out);
+    }
     if !crate::ggml::dot_supports(w.ty) {
         return matmul(pool, w, x, n_rows, out, scratch);
     }
@@ -286,6 +311,50 @@ pub fn matmul_ggml(
                 unsafe { *op.0.add(r * n + o) = v };
             }
         }
+    });
+}
+
+/// F16 and BF16 matrices as llama.cpp multiplies them: the activations
+/// rounded to the weights' type, then `vec_dot_f16` / `vec_dot_bf16` for
+/// one row, llamafile's `tinyBLAS` for two or more (where its shapes allow:
+/// output rows a multiple of 4, rows a multiple of its vector).
+fn matmul_ggml_float(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut [f32]) {
+    use crate::ggml;
+    let (k, n) = (w.cols, w.rows);
+    assert_eq!(x.len(), n_rows * k, "matmul: input shape");
+    assert_eq!(out.len(), n_rows * n, "matmul: output shape");
+    let f16 = w.ty == GgmlType::F16;
+    let tinyblas = n_rows >= 2 && n.is_multiple_of(4) && k.is_multiple_of(if f16 { 16 } else { 32 });
+    ACTS_ROUNDED.with(|xr| {
+        let mut xr = xr.borrow_mut();
+        xr.clear();
+        xr.extend(
+            x.iter()
+                .map(|&v| if f16 { ggml::round_f16(v) } else { ggml::round_bf16(v) }),
+        );
+        let xr = &xr[..];
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        pool.run(n.div_ceil(FEATURES_PER_TASK), &|t| {
+            let op = &out_ptr;
+            ROW_F32.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                buf.resize(k, 0.0);
+                for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
+                    w.row_f32(o, &mut buf[..k]);
+                    for r in 0..n_rows {
+                        let (wr, a) = (&buf[..k], &xr[r * k..(r + 1) * k]);
+                        let v = match (f16, tinyblas) {
+                            (true, false) => ggml::dot_f16(wr, a),
+                            (true, true) => ggml::dot_f16_tinyblas(wr, a),
+                            (false, false) => ggml::dot_bf16(wr, a),
+                            (false, true) => ggml::dot_bf16_tinyblas(wr, a),
+                        };
+                        // SAFETY: each (r, o) is written by exactly one task.
+                        unsafe { *op.0.add(r * n + o) = v };
+                    }
+                }
+            });
+        });
     });
 }
 

@@ -39,11 +39,12 @@ pub enum GgmlType {
     I64 = 27,
     F64 = 28,
     BF16 = 30,
+    MXFP4 = 39,
 }
 
 impl GgmlType {
     /// Every type this crate knows the geometry of.
-    pub const ALL: [GgmlType; 22] = [
+    pub const ALL: [GgmlType; 23] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -66,6 +67,7 @@ impl GgmlType {
         GgmlType::I64,
         GgmlType::F64,
         GgmlType::BF16,
+        GgmlType::MXFP4,
     ];
 
     /// The type with GGML id `id`, if its geometry is known.
@@ -102,6 +104,7 @@ impl GgmlType {
             GgmlType::I64 => "i64",
             GgmlType::F64 => "f64",
             GgmlType::BF16 => "bf16",
+            GgmlType::MXFP4 => "mxfp4",
         }
     }
 
@@ -122,7 +125,8 @@ impl GgmlType {
             | GgmlType::Q5_1
             | GgmlType::Q8_0
             | GgmlType::Q8_1
-            | GgmlType::IQ4NL => 32,
+            | GgmlType::IQ4NL
+            | GgmlType::MXFP4 => 32,
             GgmlType::Q2K
             | GgmlType::Q3K
             | GgmlType::Q4K
@@ -154,6 +158,7 @@ impl GgmlType {
             GgmlType::Q8K => 4 + QK_K + QK_K / 16 * 2,
             GgmlType::IQ4NL => 2 + 16,
             GgmlType::IQ4XS => 2 + 2 + QK_K / 64 + QK_K / 2,
+            GgmlType::MXFP4 => 1 + 16,
         }
     }
 
@@ -169,9 +174,14 @@ impl GgmlType {
                 | GgmlType::Q5_0
                 | GgmlType::Q5_1
                 | GgmlType::Q8_0
+                | GgmlType::Q2K
+                | GgmlType::Q3K
                 | GgmlType::Q4K
                 | GgmlType::Q5K
                 | GgmlType::Q6K
+                | GgmlType::IQ4NL
+                | GgmlType::IQ4XS
+                | GgmlType::MXFP4
         )
     }
 
@@ -184,6 +194,26 @@ impl GgmlType {
         }
         (n / bs).checked_mul(self.type_size() as u64)
     }
+}
+
+/// ggml's name for a type id snug has no geometry for (the other i-quants,
+/// the ternary and newer FP4 types), for errors that name it.
+pub fn foreign_type_name(id: u32) -> Option<&'static str> {
+    Some(match id {
+        16 => "iq2_xxs",
+        17 => "iq2_xs",
+        18 => "iq3_xxs",
+        19 => "iq1_s",
+        21 => "iq3_s",
+        22 => "iq2_s",
+        29 => "iq1_m",
+        34 => "tq1_0",
+        35 => "tq2_0",
+        40 => "nvfp4",
+        41 => "q1_0",
+        42 => "q2_0",
+        _ => return None,
+    })
 }
 
 impl std::fmt::Display for GgmlType {
@@ -235,6 +265,11 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
         GgmlType::Q4K => blocks.for_each(|(b, y)| dequant_q4_k(b, y)),
         GgmlType::Q5K => blocks.for_each(|(b, y)| dequant_q5_k(b, y)),
         GgmlType::Q6K => blocks.for_each(|(b, y)| dequant_q6_k(b, y)),
+        GgmlType::Q2K => blocks.for_each(|(b, y)| dequant_q2_k(b, y)),
+        GgmlType::Q3K => blocks.for_each(|(b, y)| dequant_q3_k(b, y)),
+        GgmlType::IQ4NL => blocks.for_each(|(b, y)| dequant_iq4_nl(b, y)),
+        GgmlType::IQ4XS => blocks.for_each(|(b, y)| dequant_iq4_xs(b, y)),
+        GgmlType::MXFP4 => blocks.for_each(|(b, y)| dequant_mxfp4(b, y)),
         _ => unreachable!("can_dequantize covers the match"),
     }
     Ok(())
@@ -388,6 +423,120 @@ fn dequant_q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's `kvalues_iq4nl`).
+pub const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// MXFP4's levels: the FP4 (E2M1) values doubled, so they are integers
+/// (ggml's `kvalues_mxfp4`); the block scale is halved to match.
+pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half of an E8M0 scale, `2^(e - 128)`, as ggml computes it (the two
+/// smallest exponents as subnormals).
+#[inline]
+pub fn e8m0_half(e: u8) -> f32 {
+    f32::from_bits(if e < 2 {
+        0x0020_0000 << e
+    } else {
+        ((e as u32) - 1) << 23
+    })
+}
+
+/// The sixteen 6-bit scales of a Q3_K super-block (its 12 packed bytes),
+/// each less 32.
+#[inline]
+pub fn q3k_scales(q: &[u8]) -> [i8; 16] {
+    let w = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let (a0, a1, tmp) = (w(0), w(1), w(2));
+    const K1: u32 = 0x0303_0303;
+    const K2: u32 = 0x0f0f_0f0f;
+    let aux = [
+        (a0 & K2) | ((tmp & K1) << 4),
+        (a1 & K2) | (((tmp >> 2) & K1) << 4),
+        ((a0 >> 4) & K2) | (((tmp >> 4) & K1) << 4),
+        ((a1 >> 4) & K2) | (((tmp >> 6) & K1) << 4),
+    ];
+    std::array::from_fn(|g| ((aux[g / 4] >> (8 * (g % 4))) & 0xff) as i8 - 32)
+}
+
+/// The 6-bit scale of block `j` (0..8) of an IQ4_XS super-block, less 32.
+#[inline]
+pub fn iq4xs_scale(b: &[u8], j: usize) -> i8 {
+    let sh = u16::from_le_bytes([b[2], b[3]]);
+    let lo = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F;
+    let hi = ((sh >> (2 * j)) & 3) as u8;
+    (lo | (hi << 4)) as i8 - 32
+}
+
+// block_q2_K { scales: [u8; 16], qs: [u8; 64], d: f16, dmin: f16 }: two
+// halves of 128 elements; element l of block j (0..4) of a half is bits
+// 2j..2j + 2 of qs[l]; each 16 elements have a 4-bit scale (low nibble)
+// and a 4-bit minimum (high nibble): y = d * sc * q - dmin * m.
+fn dequant_q2_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 80);
+    let min = f16_at(b, 82);
+    for (g, y) in y.chunks_exact_mut(16).enumerate() {
+        let sc = b[g];
+        let (dl, ml) = (d * (sc & 0x0F) as f32, min * (sc >> 4) as f32);
+        let (half, j, part) = (g / 8, (g / 2) % 4, g % 2);
+        let q = &b[16 + 32 * half + 16 * part..16 + 32 * half + 16 * part + 16];
+        for (v, &q) in y.iter_mut().zip(q) {
+            *v = dl * ((q >> (2 * j)) & 3) as f32 - ml;
+        }
+    }
+}
+
+// block_q3_K { hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16 }:
+// as Q2_K's layout for the two low bits; the third bit of element l of
+// block j is bit j of hmask[l], and a clear bit subtracts 4. Scales are
+// 6-bit, less 32.
+fn dequant_q3_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 108);
+    let scales = q3k_scales(&b[96..108]);
+    for (g, y) in y.chunks_exact_mut(16).enumerate() {
+        let dl = d * scales[g] as f32;
+        let (half, j, part) = (g / 8, (g / 2) % 4, g % 2);
+        let q = &b[32 + 32 * half + 16 * part..32 + 32 * half + 16 * part + 16];
+        let hm = &b[16 * part..16 * part + 16];
+        let bit = 1u8 << (4 * half + j);
+        for ((v, &q), &h) in y.iter_mut().zip(q).zip(hm) {
+            let level = ((q >> (2 * j)) & 3) as i8 - if h & bit != 0 { 0 } else { 4 };
+            *v = dl * level as f32;
+        }
+    }
+}
+
+// block_iq4_nl { d: f16, qs: [u8; 16] }: nibbles index IQ4_LEVELS.
+fn dequant_iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..16 {
+        y[j] = d * IQ4_LEVELS[(b[2 + j] & 0x0F) as usize] as f32;
+        y[j + 16] = d * IQ4_LEVELS[(b[2 + j] >> 4) as usize] as f32;
+    }
+}
+
+// block_iq4_xs { d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128] }:
+// eight blocks of 32 laid out as IQ4_NL's, each with a 6-bit scale.
+fn dequant_iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (j, y) in y.chunks_exact_mut(32).enumerate() {
+        let dl = d * iq4xs_scale(b, j) as f32;
+        let qs = &b[8 + 16 * j..8 + 16 * j + 16];
+        for i in 0..16 {
+            y[i] = dl * IQ4_LEVELS[(qs[i] & 0x0F) as usize] as f32;
+            y[i + 16] = dl * IQ4_LEVELS[(qs[i] >> 4) as usize] as f32;
+        }
+    }
+}
+
+// block_mxfp4 { e: u8 (E8M0), qs: [u8; 16] }: nibbles index MXFP4_LEVELS.
+fn dequant_mxfp4(b: &[u8], y: &mut [f32]) {
+    let d = e8m0_half(b[0]);
+    for j in 0..16 {
+        y[j] = MXFP4_LEVELS[(b[1 + j] & 0x0F) as usize] as f32 * d;
+        y[j + 16] = MXFP4_LEVELS[(b[1 + j] >> 4) as usize] as f32 * d;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,6 +554,8 @@ mod tests {
         assert_eq!(GgmlType::Q3K.type_size(), 110);
         assert_eq!(GgmlType::Q8K.type_size(), 292);
         assert_eq!(GgmlType::IQ4XS.type_size(), 136);
+        assert_eq!(GgmlType::IQ4NL.type_size(), 18);
+        assert_eq!(GgmlType::MXFP4.type_size(), 17);
         assert_eq!(GgmlType::from_id(4), None, "q4_2 was removed from ggml");
     }
 
@@ -416,8 +567,8 @@ mod tests {
             Err(DequantError::SizeMismatch { .. })
         ));
         assert_eq!(
-            dequantize(GgmlType::Q2K, &[0u8; 84], &mut [0f32; 256]),
-            Err(DequantError::Unsupported(GgmlType::Q2K))
+            dequantize(GgmlType::I32, &[0u8; 4], &mut [0f32; 1]),
+            Err(DequantError::Unsupported(GgmlType::I32))
         );
     }
 

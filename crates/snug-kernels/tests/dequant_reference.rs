@@ -32,6 +32,11 @@ fn every_supported_type_is_bit_exact_against_gguf_py() {
         GgmlType::Q4K,
         GgmlType::Q5K,
         GgmlType::Q6K,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+        GgmlType::MXFP4,
     ];
     for ty in types {
         let name = ty.name().to_lowercase();

@@ -682,8 +682,13 @@ impl<'a> Reader<'a> {
             dims.push(d);
         }
         let ty_id = self.u32("tensor type")?;
-        let ty = GgmlType::from_id(ty_id)
-            .ok_or_else(|| GgufError::bad_tensor(&name, format!("unknown tensor type {ty_id}")))?;
+        let ty = GgmlType::from_id(ty_id).ok_or_else(|| {
+            let what = match snug_kernels::quant::foreign_type_name(ty_id) {
+                Some(n) => format!("tensor type {n} is not supported"),
+                None => format!("unknown tensor type {ty_id}"),
+            };
+            GgufError::bad_tensor(&name, format!("{what} (snug runs {})", supported_types()))
+        })?;
         if dims[0] % ty.block_size() as u64 != 0 {
             return Err(GgufError::bad_tensor(
                 &name,
@@ -708,6 +713,16 @@ impl<'a> Reader<'a> {
             size,
         })
     }
+}
+
+/// The tensor types snug runs, for errors.
+pub fn supported_types() -> String {
+    GgmlType::ALL
+        .into_iter()
+        .filter(|t| snug_kernels::matmul::matmul_supports(*t))
+        .map(|t| t.name())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
@@ -762,6 +777,25 @@ mod tests {
         let t = h.tensor("w").unwrap();
         assert_eq!((t.elements, t.size, t.ty), (64, 68, GgmlType::Q8_0));
         assert_eq!(h.data_offset % 32, 0);
+    }
+
+    #[test]
+    fn a_type_snug_does_not_run_is_named_with_those_it_does() {
+        // The tensor's second dimension (2) and its type (q8_0 = 8).
+        let at = |b: &[u8]| {
+            let pat = [2, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0];
+            b.windows(12).position(|w| w == pat).unwrap() + 8
+        };
+        for (id, want) in [
+            (16u32, "tensor type iq2_xxs is not supported"),
+            (99, "unknown tensor type 99"),
+        ] {
+            let mut b = tiny_gguf();
+            let i = at(&b);
+            b[i..i + 4].copy_from_slice(&id.to_le_bytes());
+            let e = GgufHeader::parse(&b).err().unwrap().to_string();
+            assert!(e.contains(want) && e.contains("q4_K") && e.contains("iq4_xs"), "{e}");
+        }
     }
 
     #[test]

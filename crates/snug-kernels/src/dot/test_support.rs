@@ -17,7 +17,7 @@ impl Rng {
 }
 
 /// Every quantized weight type the kernels take.
-pub(crate) const TYPES: [GgmlType; 8] = [
+pub(crate) const TYPES: [GgmlType; 13] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -26,6 +26,11 @@ pub(crate) const TYPES: [GgmlType; 8] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// Random weight blocks with sane f16 scales.
@@ -35,12 +40,18 @@ pub(crate) fn weights(ty: GgmlType, n_elems: usize, rng: &mut Rng) -> Vec<u8> {
         .collect();
     let ts = ty.type_size();
     let scale_at: &[usize] = match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4NL | GgmlType::IQ4XS => &[0],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
         GgmlType::Q6K => &[208],
         _ => &[],
     };
     for blk in w.chunks_exact_mut(ts) {
+        if ty == GgmlType::MXFP4 {
+            // An E8M0 exponent: 2^-9 .. 2^-2 (halved).
+            blk[0] = 118 + (rng.next() % 8) as u8;
+        }
         for &at in scale_at {
             let v = f16::from_f32(rng.f32() * 0.05);
             blk[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());

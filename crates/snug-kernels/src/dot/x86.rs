@@ -5,7 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::{Acc, Acc8, BlockQ8};
-use crate::quant::GgmlType;
+use crate::quant::{e8m0_half, iq4xs_scale, q3k_scales, GgmlType, IQ4_LEVELS, MXFP4_LEVELS};
 
 /// 16 packed nibbles as 32 bytes: low nibbles then high nibbles.
 #[inline]
@@ -40,7 +40,34 @@ pub(crate) trait Unpack {
     const D_AT: usize;
     /// Byte offset of the f16 minimum (`m`, or `dmin` for K-quants).
     const M_AT: usize = 2;
+    /// K-quants whose scales and minimums are Q4_K's packed 6-bit ones.
+    const K4_SCALES: bool = false;
     unsafe fn levels(b: *const u8, j: usize) -> __m256i;
+    /// A 32-element block's scale.
+    #[inline(always)]
+    unsafe fn scale(b: *const u8) -> f32 {
+        h2f(b.add(Self::D_AT))
+    }
+    /// The scales of eight consecutive blocks `ts` bytes apart.
+    #[inline(always)]
+    unsafe fn scales8(base: *const u8, ts: usize) -> __m256 {
+        f16x8(|i| base.add(i * ts + Self::D_AT))
+    }
+    /// The other K-quants: the scale of each group of 16 elements of a
+    /// super-block, and its minimum (zeros for types without one).
+    #[inline(always)]
+    unsafe fn group_scales(_b: *const u8) -> ([i16; 16], [i16; 16]) {
+        ([0; 16], [0; 16])
+    }
+}
+
+/// 16 four-bit codes (packed as [`nibbles_16`] unpacks them) looked up in
+/// a table of 16 signed levels.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn lookup_16(p: *const u8, table: &[i8; 16]) -> __m256i {
+    let t = _mm_loadu_si128(table.as_ptr() as *const __m128i);
+    _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles_16(p))
 }
 
 pub(crate) struct Q4_0;
@@ -51,6 +78,90 @@ pub(crate) struct Q8_0;
 pub(crate) struct Q4K;
 pub(crate) struct Q5K;
 pub(crate) struct Q6K;
+pub(crate) struct Q2K;
+pub(crate) struct Q3K;
+pub(crate) struct IQ4NL;
+pub(crate) struct IQ4XS;
+pub(crate) struct MXFP4;
+
+impl Unpack for IQ4NL {
+    const HAS_MIN: bool = false;
+    const D_AT: usize = 0;
+    #[inline(always)]
+    unsafe fn levels(b: *const u8, _: usize) -> __m256i {
+        lookup_16(b.add(2), &IQ4_LEVELS)
+    }
+}
+
+impl Unpack for MXFP4 {
+    const HAS_MIN: bool = false;
+    const D_AT: usize = 0;
+    #[inline(always)]
+    unsafe fn levels(b: *const u8, _: usize) -> __m256i {
+        lookup_16(b.add(1), &MXFP4_LEVELS)
+    }
+    #[inline(always)]
+    unsafe fn scale(b: *const u8) -> f32 {
+        e8m0_half(*b)
+    }
+    #[inline(always)]
+    unsafe fn scales8(base: *const u8, ts: usize) -> __m256 {
+        f32x8(|i| e8m0_half(*base.add(i * ts)))
+    }
+}
+
+impl Unpack for Q2K {
+    const HAS_MIN: bool = true;
+    const D_AT: usize = 80;
+    const M_AT: usize = 82;
+    #[inline(always)]
+    unsafe fn levels(b: *const u8, j: usize) -> __m256i {
+        let q = _mm256_loadu_si256(b.add(16 + 32 * (j / 4)) as *const __m256i);
+        let q = _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (j % 4) as i32));
+        _mm256_and_si256(q, _mm256_set1_epi8(3))
+    }
+    #[inline(always)]
+    unsafe fn group_scales(b: *const u8) -> ([i16; 16], [i16; 16]) {
+        (
+            std::array::from_fn(|g| (*b.add(g) & 15) as i16),
+            std::array::from_fn(|g| (*b.add(g) >> 4) as i16),
+        )
+    }
+}
+
+impl Unpack for Q3K {
+    const HAS_MIN: bool = false;
+    const D_AT: usize = 108;
+    #[inline(always)]
+    unsafe fn levels(b: *const u8, j: usize) -> __m256i {
+        let q = _mm256_loadu_si256(b.add(32 + 32 * (j / 4)) as *const __m256i);
+        let q = _mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (j % 4) as i32));
+        let low = _mm256_and_si256(q, _mm256_set1_epi8(3));
+        // Bit j of each hmask byte, moved to bit 2: 4 where set.
+        let hm = _mm256_loadu_si256(b as *const __m256i);
+        let bit = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(j as i32)), _mm256_set1_epi8(1));
+        _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(bit, 2)), _mm256_set1_epi8(4))
+    }
+    #[inline(always)]
+    unsafe fn group_scales(b: *const u8) -> ([i16; 16], [i16; 16]) {
+        let s = q3k_scales(std::slice::from_raw_parts(b.add(96), 12));
+        (std::array::from_fn(|g| s[g] as i16), [0; 16])
+    }
+}
+
+impl Unpack for IQ4XS {
+    const HAS_MIN: bool = false;
+    const D_AT: usize = 0;
+    #[inline(always)]
+    unsafe fn levels(b: *const u8, j: usize) -> __m256i {
+        lookup_16(b.add(8 + 16 * j), &IQ4_LEVELS)
+    }
+    #[inline(always)]
+    unsafe fn group_scales(b: *const u8) -> ([i16; 16], [i16; 16]) {
+        let blk = std::slice::from_raw_parts(b, 8);
+        (std::array::from_fn(|g| iq4xs_scale(blk, g / 2) as i16), [0; 16])
+    }
+}
 
 impl Unpack for Q4_0 {
     const HAS_MIN: bool = false;
@@ -103,6 +214,7 @@ impl Unpack for Q8_0 {
 impl Unpack for Q4K {
     const HAS_MIN: bool = true;
     const D_AT: usize = 0;
+    const K4_SCALES: bool = true;
     #[inline(always)]
     unsafe fn levels(b: *const u8, j: usize) -> __m256i {
         let q = _mm256_loadu_si256(b.add(16 + (j / 2) * 32) as *const __m256i);
@@ -118,6 +230,7 @@ impl Unpack for Q4K {
 impl Unpack for Q5K {
     const HAS_MIN: bool = true;
     const D_AT: usize = 0;
+    const K4_SCALES: bool = true;
     #[inline(always)]
     unsafe fn levels(b: *const u8, j: usize) -> __m256i {
         let q = _mm256_loadu_si256(b.add(48 + (j / 2) * 32) as *const __m256i);
@@ -135,6 +248,10 @@ impl Unpack for Q5K {
 impl Unpack for Q6K {
     const HAS_MIN: bool = false;
     const D_AT: usize = 208;
+    #[inline(always)]
+    unsafe fn group_scales(b: *const u8) -> ([i16; 16], [i16; 16]) {
+        (std::array::from_fn(|g| *b.add(192 + g) as i8 as i16), [0; 16])
+    }
     #[inline(always)]
     unsafe fn levels(b: *const u8, j: usize) -> __m256i {
         let (h, k) = (j / 4, j % 4);
@@ -266,7 +383,7 @@ unsafe fn block_tile<U: Unpack, const VNNI: bool, const W: usize, const R: usize
         }
         for w in 0..W {
             let base = rows[w].add(g * ts);
-            let dw = f16x8(|i| base.add(i * ts + U::D_AT));
+            let dw = U::scales8(base, ts);
             let mw = if U::HAS_MIN {
                 f16x8(|i| base.add(i * ts + U::M_AT))
             } else {
@@ -293,7 +410,7 @@ unsafe fn block_tile<U: Unpack, const VNNI: bool, const W: usize, const R: usize
         let lanes = block_lanes::<U, VNNI, W, R>(rows, ts, b, acts);
         for w in 0..W {
             let blk = rows[w].add(b * ts);
-            let dw = h2f(blk.add(U::D_AT));
+            let dw = U::scale(blk);
             for r in 0..R {
                 let a = acts[r].get_unchecked(b);
                 let lane = sums[w][r].0.get_unchecked_mut(b % 8);
@@ -354,15 +471,19 @@ unsafe fn k_lanes<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
 ) -> ([[__m256i; R]; W], [[__m256i; R]; W]) {
     let mut lanes = [[_mm256_setzero_si256(); R]; W];
     let mut mins = [[_mm256_setzero_si256(); R]; W];
-    // Q4_K and Q5_K levels are non-negative; Q6_K's are signed.
+    // Types with a minimum have non-negative levels; the others signed.
     let signed = !U::HAS_MIN;
     let blk: [*const u8; W] = std::array::from_fn(|w| rows[w].add(sb * ts));
     let mut sm = [_mm256_setzero_si256(); W];
-    if !signed {
-        for w in 0..W {
+    let mut gs = [([0i16; 16], [0i16; 16]); W];
+    for w in 0..W {
+        if U::K4_SCALES {
             sm[w] = scales_mins_k4(blk[w]);
+        } else {
+            gs[w] = U::group_scales(blk[w]);
         }
     }
+    let ones = _mm256_set1_epi8(1);
     for j in 0..8 {
         let mut av = [_mm256_setzero_si256(); R];
         for r in 0..R {
@@ -372,14 +493,21 @@ unsafe fn k_lanes<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
         for w in 0..W {
             let wv = U::levels(blk[w], j);
             let ax = if signed { _mm256_sign_epi8(wv, wv) } else { wv };
-            let scv = if signed {
-                let a = *blk[w].add(192 + 2 * j) as i8 as i16;
-                let c = *blk[w].add(192 + 2 * j + 1) as i8 as i16;
-                _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a))
-            } else {
+            // The scales of groups 2j and 2j + 1 in the 16-bit lanes of
+            // the low and the high half.
+            let pair = |v: &[i16; 16]| _mm256_set_m128i(_mm_set1_epi16(v[2 * j + 1]), _mm_set1_epi16(v[2 * j]));
+            let scv = if U::K4_SCALES {
                 // Broadcast 16-bit lane j of the scales.
                 let idx = _mm256_set1_epi16((((2 * j + 1) << 8) | (2 * j)) as i16);
                 _mm256_shuffle_epi8(_mm256_permute2x128_si256(sm[w], sm[w], 0), idx)
+            } else {
+                pair(&gs[w].0)
+            };
+            // Group minimums (Q2_K): times the activations' sums per 16.
+            let mnv = if U::HAS_MIN && !U::K4_SCALES {
+                pair(&gs[w].1)
+            } else {
+                _mm256_setzero_si256()
             };
             for r in 0..R {
                 let sy = if signed { _mm256_sign_epi8(av[r], wv) } else { av[r] };
@@ -389,10 +517,14 @@ unsafe fn k_lanes<U: Unpack, const VNNI: bool, const W: usize, const R: usize>(
                 } else {
                     _mm256_add_epi32(lanes[w][r], _mm256_madd_epi16(p16, scv))
                 };
+                if U::HAS_MIN && !U::K4_SCALES {
+                    let s16 = _mm256_maddubs_epi16(ones, av[r]);
+                    mins[w][r] = _mm256_add_epi32(mins[w][r], _mm256_madd_epi16(s16, mnv));
+                }
             }
         }
     }
-    if U::HAS_MIN {
+    if U::HAS_MIN && U::K4_SCALES {
         for r in 0..R {
             let blocks = acts[r].get_unchecked(sb * 8..sb * 8 + 8);
             // The eight block sums as 16-bit lanes (each |sum| <= 32 * 128).
@@ -550,6 +682,11 @@ unsafe fn tile<const VNNI: bool, const W: usize, const R: usize>(
         GgmlType::Q4K => k_tile::<Q4K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
         GgmlType::Q5K => k_tile::<Q5K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
         GgmlType::Q6K => k_tile::<Q6K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+        GgmlType::Q2K => k_tile::<Q2K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+        GgmlType::Q3K => k_tile::<Q3K, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+        GgmlType::IQ4XS => k_tile::<IQ4XS, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+        GgmlType::IQ4NL => block_tile::<IQ4NL, VNNI, W, R>(ty, rows, row_bytes, acts, out),
+        GgmlType::MXFP4 => block_tile::<MXFP4, VNNI, W, R>(ty, rows, row_bytes, acts, out),
         _ => unreachable!(),
     }
 }

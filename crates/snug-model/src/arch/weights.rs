@@ -2,7 +2,7 @@
 //! shape and type checked once at load so the forward pass never fails.
 
 use snug_kernels::ggml::Numerics;
-use snug_kernels::matmul::{f32_data, matmul_supports, Weight};
+use snug_kernels::matmul::{f32_data, is_float, matmul_supports, Weight};
 use snug_kernels::GgmlType;
 
 use super::config::Config;
@@ -59,7 +59,20 @@ impl<'a> Model<'a> {
                 return Err(bad(name, format!("shape {:?}, expected [{cols}, {rows}]", t.dims)));
             }
             if !matmul_supports(t.ty) {
-                return Err(bad(name, format!("type {} is not supported for matrix products", t.ty)));
+                return Err(bad(
+                    name,
+                    format!(
+                        "type {} is not supported for matrix products (snug runs {})",
+                        t.ty,
+                        crate::gguf::supported_types()
+                    ),
+                ));
+            }
+            if is_float(t.ty) && !cols.is_multiple_of(16) {
+                return Err(bad(
+                    name,
+                    format!("{} rows of {cols} elements (not a multiple of 16)", t.ty),
+                ));
             }
             Ok(Weight {
                 ty: t.ty,

@@ -356,8 +356,14 @@ fn write_array<T: Write>(w: &mut W<T>, a: &Array) {
     }
 }
 
-/// Random blocks of `ty` for `n` elements, with every f16 scale set to a
-/// small positive value (and f32/f16 elements small).
+/// Random blocks of `ty` for `n` elements: random codes, every scale set
+/// to a small positive value (`scale`; an E8M0 exponent near it for
+/// MXFP4), f32 elements small (norms are written apart). Types that subtract a minimum get
+/// one that centres each block on zero (otherwise every weight has the
+/// same positive mean, every output row the same offset, and one token
+/// wins every step): Q4_1 and Q5_1 get `m = -d * (levels - 1) / 2`, the
+/// K-quants each group's minimum code equal to its scale code and `dmin =
+/// d * (levels - 1) / 2`.
 fn random_tensor(ty: GgmlType, n: usize, seed: &mut u64, scale: f32) -> Vec<u8> {
     let bytes = ty.bytes_for(n as u64).unwrap_or(0) as usize;
     let mut out: Vec<u8> = (0..bytes)
@@ -366,12 +372,19 @@ fn random_tensor(ty: GgmlType, n: usize, seed: &mut u64, scale: f32) -> Vec<u8> 
             (*seed >> 33) as u8
         })
         .collect();
-    let scale = half::f16::from_f32(scale).to_bits().to_le_bytes();
-    let f16s: &[usize] = match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q6K => &[208],
-        _ => &[],
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    let d = f16(scale);
+    // (offset of d, offset of the minimum's factor, that factor / d).
+    let (d_at, min_at, centre): (&[usize], Option<usize>, f32) = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4NL | GgmlType::IQ4XS => (&[0], None, 0.0),
+        GgmlType::Q4_1 => (&[0], Some(2), -7.5),
+        GgmlType::Q5_1 => (&[0], Some(2), -15.5),
+        GgmlType::Q4K => (&[0], Some(2), 7.5),
+        GgmlType::Q5K => (&[0], Some(2), 15.5),
+        GgmlType::Q2K => (&[80], Some(82), 1.5),
+        GgmlType::Q3K => (&[108], None, 0.0),
+        GgmlType::Q6K => (&[208], None, 0.0),
+        _ => (&[], None, 0.0),
     };
     match ty {
         GgmlType::F32 => {
@@ -380,16 +393,49 @@ fn random_tensor(ty: GgmlType, n: usize, seed: &mut u64, scale: f32) -> Vec<u8> 
                 c.copy_from_slice(&v.to_le_bytes());
             }
         }
+        // Matrices of floats: uniform in (-4, 4) * `scale` (as large as
+        // a 4-bit type's weights at that scale).
         GgmlType::F16 => {
             for c in out.chunks_mut(2) {
-                let v = half::f16::from_f32((c[0] as f32 - 128.0) * 1e-4);
-                c.copy_from_slice(&v.to_bits().to_le_bytes());
+                let v = (u16::from_le_bytes([c[0], c[1]]) as f32 / 32768.0 - 1.0) * 4.0 * scale;
+                c.copy_from_slice(&f16(v));
+            }
+        }
+        GgmlType::BF16 => {
+            for c in out.chunks_mut(2) {
+                let v = (u16::from_le_bytes([c[0], c[1]]) as f32 / 32768.0 - 1.0) * 4.0 * scale;
+                c.copy_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+            }
+        }
+        GgmlType::MXFP4 => {
+            // 2^(e - 128) just below `scale`.
+            let e = (scale.log2().floor() as i32 + 128).clamp(2, 254) as u8;
+            for b in out.chunks_mut(ty.type_size()) {
+                b[0] = e;
             }
         }
         _ => {
             for b in out.chunks_mut(ty.type_size()) {
-                for &o in f16s {
-                    b[o..o + 2].copy_from_slice(&scale);
+                for &o in d_at {
+                    b[o..o + 2].copy_from_slice(&d);
+                }
+                if let Some(m) = min_at {
+                    b[m..m + 2].copy_from_slice(&f16(scale * centre));
+                }
+                match ty {
+                    // Minimum codes equal to the scale codes.
+                    GgmlType::Q4K | GgmlType::Q5K => {
+                        b.copy_within(4..8, 8);
+                        for v in &mut b[12..16] {
+                            *v = (*v & 0x0F) | (*v << 4);
+                        }
+                    }
+                    GgmlType::Q2K => {
+                        for v in &mut b[..16] {
+                            *v = (*v & 0x0F) | (*v << 4);
+                        }
+                    }
+                    _ => {}
                 }
             }
         }
