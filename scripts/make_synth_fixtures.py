@@ -37,6 +37,10 @@ SPECS = [
      ["--rope-freqs", "1,1.5,3,8"]),
     ("llama-linear", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0",
      ["--rope-linear", "4"]),
+    ("qwen3moe", "qwen3moe", "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf", 256, 2, 8, 2, 512, 64, "q8_0", "q8_0", []),
+    ("mixtral", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0",
+     ["--experts", "4,2,512"]),
+    ("phi", "phi3", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, "q8_0", "q8_0", []),
 ] + [(f"llama-{ty}", "llama", "SmolLM2-135M-Instruct.Q4_1.gguf", 256, 2, 4, 2, 512, 64, ty, "q8_0", [])
      for ty in ["q2_k", "q3_k", "q5_k", "iq4_nl", "iq4_xs", "mxfp4", "f16", "bf16"]]
 STEPS = 16

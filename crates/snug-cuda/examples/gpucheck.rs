@@ -278,15 +278,8 @@ fn main() {
         let g = &gw.weights;
         let mut pairs = vec![(&w.embed, &g.embed), (&w.output, &g.output)];
         for (l, gl) in w.layers.iter().zip(&g.layers) {
-            pairs.extend([
-                (&l.wq, &gl.wq),
-                (&l.wk, &gl.wk),
-                (&l.wv, &gl.wv),
-                (&l.wo, &gl.wo),
-                (&l.w_gate, &gl.w_gate),
-                (&l.w_up, &gl.w_up),
-                (&l.w_down, &gl.w_down),
-            ]);
+            pairs.extend([(&l.wq, &gl.wq), (&l.wk, &gl.wk), (&l.wv, &gl.wv), (&l.wo, &gl.wo)]);
+            pairs.extend(l.ffn.matrices().into_iter().zip(gl.ffn.matrices()));
         }
         for (cw, gm) in pairs {
             let name = cw.ty.name().to_string();

@@ -26,7 +26,7 @@ use cudarc::driver::{
 };
 use snug_kernels::kv::{KvSlot, KvStore};
 use snug_kernels::GgmlType;
-use snug_model::arch::{Activation, BatchRow, Config, Head, KvView};
+use snug_model::arch::{Activation, BatchRow, Config, Experts, Head, KvView};
 use snug_model::backend::{Backend, Buf, WorkspaceSize};
 use stage::{Pinned, Staged, RING};
 
@@ -50,6 +50,8 @@ pub enum CudaError {
     Compile(String),
     #[error("too little device memory: {what} needs {need} bytes, {free} are free")]
     OutOfMemory { what: String, need: usize, free: usize },
+    #[error("mixture-of-experts models are not supported on CUDA (run them on the CPU)")]
+    Experts,
     #[error("weight type {0} is not supported on CUDA")]
     Unsupported(GgmlType),
     #[error("head dimension {0} is not supported on CUDA (a multiple of 16, at most 256)")]
@@ -947,6 +949,12 @@ impl Backend for Cuda {
             &ctx,
             &out
         );
+    }
+
+    fn experts(_: &mut CudaWorkspace, _: &Experts<CudaMatrix>, _: &Config, _: usize) {
+        // Models with experts are refused when their weights are uploaded
+        // (`CudaError::Experts`), so no pass reaches this.
+        unreachable!("mixture-of-experts blocks on CUDA")
     }
 
     fn gated(ws: &mut CudaWorkspace, act: Activation, rows: usize, width: usize) {

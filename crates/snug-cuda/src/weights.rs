@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use snug_kernels::matmul::Weight;
 use snug_kernels::GgmlType;
-use snug_model::arch::{Layer, Weights};
+use snug_model::arch::{Ffn, Layer, Weights};
 
 use crate::{ptr, CudaError, Device, TYPES};
 
@@ -63,9 +63,14 @@ impl CudaWeights {
                 k_norm: up.opt(l.k_norm)?,
                 post_attn_norm: up.opt(l.post_attn_norm)?,
                 ffn_norm: up.vector(l.ffn_norm)?,
-                w_gate: up.matrix(&l.w_gate)?,
-                w_up: up.matrix(&l.w_up)?,
-                w_down: up.matrix(&l.w_down)?,
+                ffn: match &l.ffn {
+                    Ffn::Dense { gate, up: u, down } => Ffn::Dense {
+                        gate: up.matrix(gate)?,
+                        up: up.matrix(u)?,
+                        down: up.matrix(down)?,
+                    },
+                    Ffn::Experts(_) => return Err(CudaError::Experts),
+                },
                 post_ffn_norm: up.opt(l.post_ffn_norm)?,
             });
         }

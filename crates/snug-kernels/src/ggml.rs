@@ -301,6 +301,58 @@ pub fn dot_bf16_tinyblas(x: &[f32], y: &[f32]) -> f32 {
     reduce16(&acc)
 }
 
+/// ggml's `vec_dot_f32` with AVX-512 on f32 rows: [`dot_f16`]'s four
+/// accumulators and fold, the elements past the last multiple of 64 added
+/// by fused multiply-adds in f32.
+pub fn dot_f32(x: &[f32], y: &[f32]) -> f32 {
+    let n = x.len();
+    let np = n & !63;
+    let mut sum = dot_f16(&x[..np], &y[..np]);
+    for e in np..n {
+        sum = x[e].mul_add(y[e], sum);
+    }
+    sum
+}
+
+/// A row's experts as llama.cpp's graph chooses them: `soft_max` of the
+/// router scores (each 16 from the maximum through [`v_expf`], folded by
+/// [`reduce16`], the rest through `expf`, all summed in f64; then every
+/// value times the sum's reciprocal rounded to f32), `argsort_top_k`
+/// (largest first), their probabilities summed in f64, the sum rounded to
+/// f32 and clamped below by [`crate::ops::EXPERT_SUM_MIN`], each divided
+/// by it.
+pub fn route_experts(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
+    let n = logits.len();
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut p = vec![0f32; n];
+    let mut sum = 0f64;
+    let mut i = 0;
+    while i + 16 <= n {
+        let mut lanes = [0f32; 16];
+        for (l, v) in lanes.iter_mut().enumerate() {
+            *v = v_expf(logits[i + l] - max);
+        }
+        p[i..i + 16].copy_from_slice(&lanes);
+        sum += reduce16(&lanes) as f64;
+        i += 16;
+    }
+    for (e, v) in p.iter_mut().enumerate().skip(i) {
+        *v = (logits[e] - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    p.iter_mut().for_each(|v| *v *= inv);
+    crate::ops::top_k(&p, sel);
+    let mut s = 0f64;
+    for &e in sel.iter() {
+        s += p[e] as f64;
+    }
+    let s = (s as f32).max(crate::ops::EXPERT_SUM_MIN);
+    for (w, &e) in weights.iter_mut().zip(sel.iter()) {
+        *w = p[e] / s;
+    }
+}
+
 /// The running state of one query head in [`crate::kv::attend_group_ggml`]:
 /// ggml's online softmax over positions in order.
 pub(crate) struct OnlineHead<'a> {

@@ -280,7 +280,7 @@ pub fn matmul_ggml(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    if matches!(w.ty, GgmlType::F16 | GgmlType::BF16) {
+    if is_float(w.ty) {
         return matmul_ggml_float(pool, w, x, n_rows, out);
     }
     if !crate::ggml::dot_supports(w.ty) {
@@ -314,24 +314,27 @@ pub fn matmul_ggml(
     });
 }
 
-/// F16 and BF16 matrices as llama.cpp multiplies them: the activations
-/// rounded to the weights' type, then `vec_dot_f16` / `vec_dot_bf16` for
-/// one row, llamafile's `tinyBLAS` for two or more (where its shapes allow:
-/// output rows a multiple of 4, rows a multiple of its vector).
+/// F32, F16 and BF16 matrices as llama.cpp multiplies them: the
+/// activations rounded to the weights' type, then `vec_dot_f32` /
+/// `vec_dot_f16` / `vec_dot_bf16` for one row, llamafile's `tinyBLAS` for
+/// two or more (where its shapes allow: output rows a multiple of 4, rows
+/// a multiple of its vector).
 fn matmul_ggml_float(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut [f32]) {
     use crate::ggml;
     let (k, n) = (w.cols, w.rows);
     assert_eq!(x.len(), n_rows * k, "matmul: input shape");
     assert_eq!(out.len(), n_rows * n, "matmul: output shape");
-    let f16 = w.ty == GgmlType::F16;
-    let tinyblas = n_rows >= 2 && n.is_multiple_of(4) && k.is_multiple_of(if f16 { 16 } else { 32 });
+    let ty = w.ty;
+    let vector = if ty == GgmlType::BF16 { 32 } else { 16 };
+    let tinyblas = n_rows >= 2 && n.is_multiple_of(4) && k.is_multiple_of(vector);
     ACTS_ROUNDED.with(|xr| {
         let mut xr = xr.borrow_mut();
         xr.clear();
-        xr.extend(
-            x.iter()
-                .map(|&v| if f16 { ggml::round_f16(v) } else { ggml::round_bf16(v) }),
-        );
+        xr.extend(x.iter().map(|&v| match ty {
+            GgmlType::F16 => ggml::round_f16(v),
+            GgmlType::BF16 => ggml::round_bf16(v),
+            _ => v,
+        }));
         let xr = &xr[..];
         let out_ptr = SendPtr(out.as_mut_ptr());
         pool.run(n.div_ceil(FEATURES_PER_TASK), &|t| {
@@ -341,13 +344,16 @@ fn matmul_ggml_float(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, ou
                 buf.resize(k, 0.0);
                 for o in t * FEATURES_PER_TASK..((t + 1) * FEATURES_PER_TASK).min(n) {
                     w.row_f32(o, &mut buf[..k]);
+                    // (An f32 row is copied too: these are small matrices.)
                     for r in 0..n_rows {
                         let (wr, a) = (&buf[..k], &xr[r * k..(r + 1) * k]);
-                        let v = match (f16, tinyblas) {
-                            (true, false) => ggml::dot_f16(wr, a),
-                            (true, true) => ggml::dot_f16_tinyblas(wr, a),
-                            (false, false) => ggml::dot_bf16(wr, a),
-                            (false, true) => ggml::dot_bf16_tinyblas(wr, a),
+                        // (f32 and f16 rows sum alike once widened.)
+                        let v = match (ty, tinyblas) {
+                            (GgmlType::BF16, false) => ggml::dot_bf16(wr, a),
+                            (GgmlType::BF16, true) => ggml::dot_bf16_tinyblas(wr, a),
+                            (GgmlType::F16, false) => ggml::dot_f16(wr, a),
+                            (_, false) => ggml::dot_f32(wr, a),
+                            (_, true) => ggml::dot_f16_tinyblas(wr, a),
                         };
                         // SAFETY: each (r, o) is written by exactly one task.
                         unsafe { *op.0.add(r * n + o) = v };

@@ -195,6 +195,37 @@ pub fn softmax_fixed(x: &mut [f32]) {
     }
 }
 
+/// The smallest sum of the chosen experts' scores divided by (llama.cpp's
+/// clamp, which keeps a row of tiny scores finite).
+pub const EXPERT_SUM_MIN: f32 = 6.103_515_6e-5;
+
+/// A row's experts from its router scores: the softmax of `logits`
+/// ([`softmax_fixed`]), the `sel.len()` highest (ties to the lower index),
+/// best first, and their probabilities divided by their sum (summed in
+/// that order, at least [`EXPERT_SUM_MIN`]).
+pub fn route_experts(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
+    let mut p = logits.to_vec();
+    softmax_fixed(&mut p);
+    top_k(&p, sel);
+    let mut sum = 0f32;
+    for &e in sel.iter() {
+        sum += p[e];
+    }
+    let sum = sum.max(EXPERT_SUM_MIN);
+    for (w, &e) in weights.iter_mut().zip(sel.iter()) {
+        *w = p[e] / sum;
+    }
+}
+
+/// The indices of the `sel.len()` largest values of `p`, largest first
+/// (equal values by index; NaN as the smallest).
+pub fn top_k(p: &[f32], sel: &mut [usize]) {
+    let mut idx: Vec<usize> = (0..p.len()).collect();
+    let key = |i: usize| if p[i].is_nan() { f32::NEG_INFINITY } else { p[i] };
+    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    sel.copy_from_slice(&idx[..sel.len()]);
+}
+
 /// The scalar reference of [`softmax_fixed`].
 pub fn softmax_fixed_scalar(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));

@@ -5,8 +5,9 @@
 //! architectures against llama.cpp; the output is gibberish.
 //!
 //!     synth_gguf --like REAL.gguf --shape 1.5b|7b|NAME=dim,layers,heads,kv_heads,ff[,head_dim]
-//!         [--arch llama|qwen2|qwen3|gemma3|smollm3|granite] [--window N] [--type q4_k] [--head-type q6_k]
-//!         [--scale 0.002] [--name NAME] [--rope-freqs F,F,...] [--rope-linear F] [--out FILE]
+//!         [--arch llama|qwen2|qwen3|qwen3moe|gemma3|smollm3|granite|phi3] [--window N] [--type q4_k] [--head-type q6_k]
+//!         [--scale 0.002] [--name NAME] [--rope-freqs F,F,...] [--rope-linear F]
+//!         [--experts COUNT,USED,FF] [--out FILE]
 //!     synth_gguf --like REAL.gguf --tokenizer-only --out FILE
 //!
 //! `--tokenizer-only` writes the tokenizer's metadata and no tensors: a
@@ -24,10 +25,12 @@
 //! Granite 3's multipliers in the metadata). The vocabulary is the
 //! `--like` model's. `--rope-freqs` writes Llama 3.1's `rope_freqs` tensor
 //! (the values repeated over the rotated pairs), `--rope-linear` linear
-//! RoPE scaling by the factor given.
+//! RoPE scaling by the factor given, `--experts` a mixture of experts in
+//! every layer (`qwen3moe` has 8 of `ff / 4`, 2 used, by default; a
+//! `llama` file with experts is Mixtral's layout).
 
 use snug_kernels::GgmlType;
-use snug_model::gguf::GgufFile;
+use snug_model::gguf::{GgufFile, Value};
 use snug_model::testing::synth::{self, Shape, Spec};
 
 fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
@@ -77,6 +80,7 @@ fn run() -> Result<(), String> {
     let like = GgufFile::open(std::path::Path::new(like)).map_err(|e| e.to_string())?;
     let shape_name = arg(&args, "--shape").unwrap_or("1.5b");
     let arch = arg(&args, "--arch").unwrap_or("llama").to_string();
+    let arch_name = arch.clone();
     let spec = Spec {
         name: arg(&args, "--name").map_or(format!("synthetic {arch} {shape_name}"), str::to_string),
         arch,
@@ -96,7 +100,29 @@ fn run() -> Result<(), String> {
         rope_linear: arg(&args, "--rope-linear")
             .map(|x| x.parse().map_err(|_| "--rope-linear: a number".to_string()))
             .transpose()?,
-        extra: Vec::new(),
+        extra: match arg(&args, "--experts") {
+            None => Vec::new(),
+            Some(e) => {
+                let v: Vec<u32> = e
+                    .split(',')
+                    .map(|x| x.parse().map_err(|_| format!("--experts: not a number: {x}")))
+                    .collect::<Result<_, _>>()?;
+                let [count, used, ff] = v[..] else {
+                    return Err("--experts COUNT,USED,FF".into());
+                };
+                let k = |n: &str| format!("{arch_name}.{n}");
+                let mut v = vec![
+                    (k("expert_count"), Value::U32(count)),
+                    (k("expert_used_count"), Value::U32(used)),
+                ];
+                // llama.cpp takes a `llama` file's expert width from
+                // `feed_forward_length`.
+                if arch_name != "llama" {
+                    v.push((k("expert_feed_forward_length"), Value::U32(ff)));
+                }
+                v
+            }
+        },
     };
     let out = arg(&args, "--out").map_or(format!("synth-{shape_name}.gguf"), str::to_string);
     let bytes = synth::write(&like.header, &spec, std::path::Path::new(&out)).map_err(|e| format!("{out}: {e}"))?;

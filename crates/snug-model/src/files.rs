@@ -22,7 +22,7 @@ pub struct ModelFiles {
 }
 
 /// The matrices the decoder multiplies by, by name, in the order they are
-/// packed: each layer's seven, then the output head (the embedding table
+/// packed: each layer's seven (or Phi-3's fused ones), then the output head (the embedding table
 /// where the head is tied).
 fn decoder_matrices(file: &GgufFile) -> Vec<String> {
     let layers = file
@@ -35,6 +35,8 @@ fn decoder_matrices(file: &GgufFile) -> Vec<String> {
             "attn_q",
             "attn_k",
             "attn_v",
+            // Phi-3's query, key and value matrices in one.
+            "attn_qkv",
             "attn_output",
             "ffn_gate",
             "ffn_up",

@@ -33,6 +33,11 @@ pub struct Geometry {
     /// global). The split is fixed by the architecture, not stored in files.
     pub sliding_window_layers: Option<u64>,
     pub rms_eps: Option<f64>,
+    /// A mixture of experts: experts per layer, used per token, and an
+    /// expert's feed-forward width.
+    pub experts: Option<u64>,
+    pub experts_used: Option<u64>,
+    pub expert_feed_forward: Option<u64>,
 }
 
 /// Tokenizer facts.
@@ -110,6 +115,9 @@ impl ModelInfo {
                 u("attention.sliding_window"),
             ),
             rms_eps: f("attention.layer_norm_rms_epsilon"),
+            experts: u("expert_count"),
+            experts_used: u("expert_used_count"),
+            expert_feed_forward: u("expert_feed_forward_length"),
         };
         let mut tensor_types: BTreeMap<String, TypeUsage> = BTreeMap::new();
         let mut parameters = 0u64;

@@ -402,6 +402,14 @@ pub fn cmd_info(a: InfoArgs) -> Result<()> {
         opt(g.key_length),
         opt(g.value_length)
     )?;
+    if let Some(e) = g.experts {
+        writeln!(
+            out,
+            "experts:         {e} a layer, {} used per token, feed-forward {}",
+            opt(g.experts_used),
+            opt(g.expert_feed_forward.or(g.feed_forward))
+        )?;
+    }
     if let Some(w) = g.sliding_window {
         match g.sliding_window_layers {
             Some(n) => writeln!(out, "sliding window:  {w} tokens on {n} of {} layers", opt(g.layers))?,

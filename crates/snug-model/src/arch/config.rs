@@ -47,6 +47,11 @@ pub struct Config {
     pub residual_scale: f32,
     /// Divisor of the logits (they are multiplied by its reciprocal).
     pub logit_scale: f32,
+    /// Experts of a mixture-of-experts block (0: dense blocks), experts
+    /// each row takes, and an expert's feed-forward width.
+    pub experts: usize,
+    pub experts_used: usize,
+    pub ff_expert: usize,
 }
 
 impl Config {
@@ -134,6 +139,30 @@ impl Config {
             residual_scale = set("residual_scale").unwrap_or(1.0);
             logit_scale = set("logit_scale").unwrap_or(1.0);
         }
+        let experts = h.get_u64(&key("expert_count")).map_or(0, |v| v as usize);
+        let experts_used = h.get_u64(&key("expert_used_count")).map_or(0, |v| v as usize);
+        if experts > 0 {
+            if experts_used == 0 || experts_used > experts || experts > 512 {
+                return Err(ModelError::Bad(format!(
+                    "{experts_used} experts used of {experts} is not supported"
+                )));
+            }
+            // Softmax over the experts (1) is the gating snug runs;
+            // sigmoid gating (DeepSeek's) differs.
+            if let Some(g) = h.get_u64(&key("expert_gating_func")).filter(|&g| g != 1) {
+                return Err(ModelError::Bad(format!(
+                    "expert gating function {g} is not supported (softmax is)"
+                )));
+            }
+            if h.get_u64(&key("expert_shared_count")).is_some_and(|n| n > 0) {
+                return Err(ModelError::Bad("shared experts are not supported".into()));
+            }
+        }
+        let ff_expert = if experts > 0 {
+            h.get_u64(&key("expert_feed_forward_length")).map_or(ff, |v| v as usize)
+        } else {
+            0
+        };
         Ok(Config {
             arch,
             dim,
@@ -157,6 +186,9 @@ impl Config {
             attn_scale,
             residual_scale,
             logit_scale,
+            experts,
+            experts_used,
+            ff_expert,
         })
     }
 

@@ -130,8 +130,29 @@ pub const GEMMA3: Description = Description {
     multipliers: false,
 };
 
+/// Phi-3 and Phi-4: as Llama with half-split RoPE, and queries scaled
+/// before attention in llama.cpp's graph (its files fuse the query, key
+/// and value matrices into `attn_qkv` and the gate and up matrices into
+/// one `ffn_up` of twice the width, found in the file). Phi-3's sliding
+/// window is ignored, as llama.cpp ignores it.
+pub const PHI3: Description = Description {
+    name: "phi3",
+    rope_layout: RopeLayout::Halves,
+    llama_cpp_prescales_queries: true,
+    ..LLAMA
+};
+
+/// Qwen3's mixture-of-experts models: Qwen3's attention, every layer's
+/// feed-forward block a mixture of experts (`expert_count`,
+/// `expert_used_count`, `ffn_gate_inp` and the `ffn_*_exps` tensors, found
+/// in the file; a `llama` file with them is Mixtral-style).
+pub const QWEN3MOE: Description = Description {
+    name: "qwen3moe",
+    ..QWEN3
+};
+
 /// Every supported architecture.
-pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &QWEN3, &GEMMA3, &SMOLLM3, &GRANITE];
+pub const ARCHITECTURES: &[&Description] = &[&LLAMA, &QWEN2, &QWEN3, &QWEN3MOE, &GEMMA3, &SMOLLM3, &GRANITE, &PHI3];
 
 /// The description named `name`, if snug supports it.
 pub fn describe(name: &str) -> Option<&'static Description> {

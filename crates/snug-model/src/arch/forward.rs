@@ -50,10 +50,46 @@ pub struct Layer<M, V> {
     pub k_norm: Option<V>,
     pub post_attn_norm: Option<V>,
     pub ffn_norm: V,
-    pub w_gate: M,
-    pub w_up: M,
-    pub w_down: M,
+    pub ffn: Ffn<M>,
     pub post_ffn_norm: Option<V>,
+}
+
+/// A layer's feed-forward block.
+#[derive(Clone)]
+pub enum Ffn<M> {
+    /// `down(act(gate x) * up x)`.
+    Dense { gate: M, up: M, down: M },
+    /// A mixture of experts.
+    Experts(Experts<M>),
+}
+
+/// A mixture-of-experts block: the router scores every expert for a row
+/// (`router x`, softmax), the row's `used` best experts each run a dense
+/// block, and their outputs are summed weighted by their scores
+/// (renormalized over the chosen ones). Which experts a row takes and the
+/// order of their sum depend on the row alone.
+#[derive(Clone)]
+pub struct Experts<M> {
+    /// `experts x dim`.
+    pub router: M,
+    /// Per expert, as a dense block's.
+    pub gate: Vec<M>,
+    pub up: Vec<M>,
+    pub down: Vec<M>,
+    /// Experts per row.
+    pub used: usize,
+}
+
+impl<M> Ffn<M> {
+    /// Every matrix of the block (the router first, then each expert's).
+    pub fn matrices(&self) -> Vec<&M> {
+        match self {
+            Ffn::Dense { gate, up, down } => vec![gate, up, down],
+            Ffn::Experts(e) => std::iter::once(&e.router)
+                .chain(e.gate.iter().zip(&e.up).zip(&e.down).flat_map(|((g, u), d)| [g, u, d]))
+                .collect(),
+        }
+    }
 }
 
 /// What a forward pass hands back for the rows that ask.
@@ -193,13 +229,18 @@ pub fn forward<'w, B: Backend>(
         B::add_norm(ws, Buf::X, residual, Buf::H, n * dim, &layer.ffn_norm, c.rms_eps);
         trace(ws, "ffn_inp", l, Buf::X, n * dim);
         trace(ws, "ffn_norm", l, Buf::H, n * dim);
-        B::matmul(ws, &layer.w_gate, Buf::H, Buf::Gate, n);
-        B::matmul(ws, &layer.w_up, Buf::H, Buf::Up, n);
-        trace(ws, "ffn_gate", l, Buf::Gate, n * c.ff);
-        trace(ws, "ffn_up", l, Buf::Up, n * c.ff);
-        B::gated(ws, c.arch.activation, n, c.ff);
-        trace(ws, "ffn_act", l, Buf::Gate, n * c.ff);
-        B::matmul(ws, &layer.w_down, Buf::Gate, Buf::O, n);
+        match &layer.ffn {
+            Ffn::Dense { gate, up, down } => {
+                B::matmul(ws, gate, Buf::H, Buf::Gate, n);
+                B::matmul(ws, up, Buf::H, Buf::Up, n);
+                trace(ws, "ffn_gate", l, Buf::Gate, n * c.ff);
+                trace(ws, "ffn_up", l, Buf::Up, n * c.ff);
+                B::gated(ws, c.arch.activation, n, c.ff);
+                trace(ws, "ffn_act", l, Buf::Gate, n * c.ff);
+                B::matmul(ws, down, Buf::Gate, Buf::O, n);
+            }
+            Ffn::Experts(e) => B::experts(ws, e, c, n),
+        }
         trace(ws, "ffn_out", l, Buf::O, n * dim);
         if let Some(pn) = &layer.post_ffn_norm {
             B::rms_norm(ws, Buf::O, n * dim, pn, c.rms_eps);

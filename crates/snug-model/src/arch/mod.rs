@@ -13,7 +13,7 @@ mod weights;
 
 pub use config::Config;
 pub use describe::{Activation, Description};
-pub use forward::{forward, BatchRow, Head, KvView, Layer, Weights};
+pub use forward::{forward, BatchRow, Experts, Ffn, Head, KvView, Layer, Weights};
 pub use weights::Model;
 
 /// Why a model cannot be loaded.

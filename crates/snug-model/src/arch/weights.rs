@@ -3,10 +3,11 @@
 
 use snug_kernels::ggml::Numerics;
 use snug_kernels::matmul::{f32_data, is_float, matmul_supports, Weight};
+use snug_kernels::panel::{panel_bytes, PANEL_ROWS};
 use snug_kernels::GgmlType;
 
 use super::config::Config;
-use super::forward::{forward, BatchRow, Head, KvView, Layer, Weights};
+use super::forward::{forward, BatchRow, Experts, Ffn, Head, KvView, Layer, Weights};
 use super::ModelError;
 use crate::backend::{Backend, Cpu, CpuWorkspace, LlamaCpp, Native, WorkspaceSize};
 use crate::files::ModelFiles;
@@ -108,15 +109,93 @@ impl<'a> Model<'a> {
                 format!("type {} cannot be looked up", embed.ty),
             ));
         }
+        // Phi-3's LongRoPE: per-pair factors chosen by context length and
+        // an attention factor; not implemented, so refused.
+        if file.tensor("rope_factors_long.weight").is_some() || file.tensor("rope_factors_short.weight").is_some() {
+            return Err(ModelError::Bad(
+                "LongRoPE (rope_factors_long/short) is not supported (none, linear, and Llama 3.1's rope_freqs are)"
+                    .into(),
+            ));
+        }
         let mut layers = Vec::with_capacity(c.layers);
         for l in 0..c.layers {
             let n = |s: &str| format!("blk.{l}.{s}");
             let (qk, post) = (c.arch.qk_norms, c.arch.post_norms);
+            // Query, key and value matrices, apart or fused in rows.
+            let (wq, wk, wv) = if file.tensor(&n("attn_qkv.weight")).is_some() {
+                let qkv = matrix(&n("attn_qkv.weight"), (nh + 2 * nkv) * hd, c.dim)?;
+                (
+                    rows_of(&qkv, 0, nh * hd),
+                    rows_of(&qkv, nh * hd, nkv * hd),
+                    rows_of(&qkv, (nh + nkv) * hd, nkv * hd),
+                )
+            } else {
+                (
+                    matrix(&n("attn_q.weight"), nh * hd, c.dim)?,
+                    matrix(&n("attn_k.weight"), nkv * hd, c.dim)?,
+                    matrix(&n("attn_v.weight"), nkv * hd, c.dim)?,
+                )
+            };
+            let ffn = if c.experts > 0 {
+                // Each expert's matrix is one slice of a 3-D tensor.
+                let stack = |name: &str, rows: usize, cols: usize| -> Result<Vec<Weight<'a>>, ModelError> {
+                    let t = get(name)?;
+                    if t.dims.as_slice() != [cols as u64, rows as u64, c.experts as u64] {
+                        return Err(bad(
+                            name,
+                            format!("shape {:?}, expected [{cols}, {rows}, {}]", t.dims, c.experts),
+                        ));
+                    }
+                    if !snug_kernels::dot::supports(t.ty) {
+                        return Err(bad(
+                            name,
+                            format!(
+                                "type {} is not supported for experts (snug runs the quantized types: {})",
+                                t.ty,
+                                crate::gguf::supported_types()
+                            ),
+                        ));
+                    }
+                    let data = file.tensor_data(t);
+                    let per = data.len() / c.experts;
+                    Ok((0..c.experts)
+                        .map(|e| Weight {
+                            ty: t.ty,
+                            rows,
+                            cols,
+                            data: &data[e * per..(e + 1) * per],
+                            packed: None,
+                        })
+                        .collect())
+                };
+                let fe = c.ff_expert;
+                Ffn::Experts(Experts {
+                    router: matrix(&n("ffn_gate_inp.weight"), c.experts, c.dim)?,
+                    gate: stack(&n("ffn_gate_exps.weight"), fe, c.dim)?,
+                    up: stack(&n("ffn_up_exps.weight"), fe, c.dim)?,
+                    down: stack(&n("ffn_down_exps.weight"), c.dim, fe)?,
+                    used: c.experts_used,
+                })
+            } else if file.tensor(&n("ffn_gate.weight")).is_some() {
+                Ffn::Dense {
+                    gate: matrix(&n("ffn_gate.weight"), c.ff, c.dim)?,
+                    up: matrix(&n("ffn_up.weight"), c.ff, c.dim)?,
+                    down: matrix(&n("ffn_down.weight"), c.dim, c.ff)?,
+                }
+            } else {
+                // Gate and up fused (gate rows first).
+                let up = matrix(&n("ffn_up.weight"), 2 * c.ff, c.dim)?;
+                Ffn::Dense {
+                    gate: rows_of(&up, 0, c.ff),
+                    up: rows_of(&up, c.ff, c.ff),
+                    down: matrix(&n("ffn_down.weight"), c.dim, c.ff)?,
+                }
+            };
             layers.push(Layer {
                 attn_norm: vector(&n("attn_norm.weight"), c.dim)?,
-                wq: matrix(&n("attn_q.weight"), nh * hd, c.dim)?,
-                wk: matrix(&n("attn_k.weight"), nkv * hd, c.dim)?,
-                wv: matrix(&n("attn_v.weight"), nkv * hd, c.dim)?,
+                wq,
+                wk,
+                wv,
                 wo: matrix(&n("attn_output.weight"), c.dim, nh * hd)?,
                 bq: opt_vector(&n("attn_q.bias"), nh * hd)?,
                 bk: opt_vector(&n("attn_k.bias"), nkv * hd)?,
@@ -137,9 +216,7 @@ impl<'a> Model<'a> {
                     None
                 },
                 ffn_norm: vector(&n("ffn_norm.weight"), c.dim)?,
-                w_gate: matrix(&n("ffn_gate.weight"), c.ff, c.dim)?,
-                w_up: matrix(&n("ffn_up.weight"), c.ff, c.dim)?,
-                w_down: matrix(&n("ffn_down.weight"), c.dim, c.ff)?,
+                ffn,
                 post_ffn_norm: if post {
                     Some(vector(&n("post_ffw_norm.weight"), c.dim)?)
                 } else {
@@ -169,8 +246,9 @@ impl<'a> Model<'a> {
     pub fn packed_matrices(&self) -> usize {
         let w = &self.weights;
         let mut n = w.layers.iter().fold(0, |n, l| {
-            n + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                .iter()
+            n + [&l.wq, &l.wk, &l.wv, &l.wo]
+                .into_iter()
+                .chain(l.ffn.matrices())
                 .filter(|w| w.packed.is_some())
                 .count()
         });
@@ -197,9 +275,17 @@ impl<'a> Model<'a> {
                         wk: strip(&l.wk),
                         wv: strip(&l.wv),
                         wo: strip(&l.wo),
-                        w_gate: strip(&l.w_gate),
-                        w_up: strip(&l.w_up),
-                        w_down: strip(&l.w_down),
+                        ffn: match &l.ffn {
+                            Ffn::Dense { gate, up, down } => Ffn::Dense {
+                                gate: strip(gate),
+                                up: strip(up),
+                                down: strip(down),
+                            },
+                            Ffn::Experts(e) => Ffn::Experts(Experts {
+                                router: strip(&e.router),
+                                ..e.clone()
+                            }),
+                        },
                         ..l.clone()
                     })
                     .collect(),
@@ -212,16 +298,42 @@ impl<'a> Model<'a> {
 
     /// Bytes of tensor data the forward pass reads per token (all weights,
     /// as panels where they are packed, but the embedding table, of which
-    /// one row is read).
+    /// one row is read, and of a mixture of experts the router and the
+    /// experts a token uses).
     pub fn bytes_read_per_token(&self) -> u64 {
         let w = |w: &Weight| w.packed.map_or(w.data.len(), |p| p.len()) as u64;
         let per_layer: u64 = self
             .weights
             .layers
             .iter()
-            .map(|l| w(&l.wq) + w(&l.wk) + w(&l.wv) + w(&l.wo) + w(&l.w_gate) + w(&l.w_up) + w(&l.w_down))
+            .map(|l| {
+                let ffn = match &l.ffn {
+                    Ffn::Dense { gate, up, down } => w(gate) + w(up) + w(down),
+                    Ffn::Experts(e) => w(&e.router) + e.used as u64 * (w(&e.gate[0]) + w(&e.up[0]) + w(&e.down[0])),
+                };
+                w(&l.wq) + w(&l.wk) + w(&l.wv) + w(&l.wo) + ffn
+            })
             .sum();
         per_layer + w(&self.weights.output) + self.weights.embed.row_bytes() as u64
+    }
+}
+
+/// Rows `start..start + count` of `w`, as a matrix of their own (a fused
+/// tensor's part). Where the part starts on a panel boundary, it keeps
+/// the whole tensor's packed panels from there (a last panel shared with
+/// the next part computes rows that are not written).
+fn rows_of<'a>(w: &Weight<'a>, start: usize, count: usize) -> Weight<'a> {
+    let rb = w.row_bytes();
+    let packed = w.packed.filter(|_| start.is_multiple_of(PANEL_ROWS)).map(|p| {
+        let pb = panel_bytes(w.ty, w.cols);
+        &p[start / PANEL_ROWS * pb..(start + count).div_ceil(PANEL_ROWS) * pb]
+    });
+    Weight {
+        ty: w.ty,
+        rows: count,
+        cols: w.cols,
+        data: &w.data[start * rb..(start + count) * rb],
+        packed,
     }
 }
 
@@ -251,7 +363,11 @@ impl Model<'_> {
         };
         let mut arena = Vec::new();
         for l in &self.weights.layers {
-            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            let Ffn::Dense { gate, up, down } = &l.ffn else {
+                // (A float reference of expert blocks is not built.)
+                return Vec::new();
+            };
+            for w in [&l.wq, &l.wk, &l.wv, &l.wo, gate, up, down] {
                 arena.push(deq(w));
             }
         }
@@ -260,7 +376,7 @@ impl Model<'_> {
     }
 
     /// This model with its matrices replaced by `arena` (from
-    /// [`Model::dequantized_buffers`]).
+    /// [`Model::dequantized_buffers`]; a model of dense blocks).
     pub fn with_f32_matrices<'b>(&'b self, arena: &'b [Vec<f32>]) -> Model<'b> {
         let w = &self.weights;
         let layers = w
@@ -280,9 +396,14 @@ impl Model<'_> {
                 k_norm: l.k_norm,
                 post_attn_norm: l.post_attn_norm,
                 ffn_norm: l.ffn_norm,
-                w_gate: to_f32(&l.w_gate, arena, 7 * i + 4),
-                w_up: to_f32(&l.w_up, arena, 7 * i + 5),
-                w_down: to_f32(&l.w_down, arena, 7 * i + 6),
+                ffn: match &l.ffn {
+                    Ffn::Dense { gate, up, down } => Ffn::Dense {
+                        gate: to_f32(gate, arena, 7 * i + 4),
+                        up: to_f32(up, arena, 7 * i + 5),
+                        down: to_f32(down, arena, 7 * i + 6),
+                    },
+                    Ffn::Experts(_) => panic!("with_f32_matrices: a model of dense blocks"),
+                },
                 post_ffn_norm: l.post_ffn_norm,
             })
             .collect();

@@ -15,7 +15,7 @@ use snug_kernels::pool::{SendPtr, ThreadPool};
 use snug_kernels::vec::committed;
 
 use super::{Backend, Buf, WorkspaceSize};
-use crate::arch::{trace::trace, Activation, BatchRow, Config, KvView};
+use crate::arch::{trace::trace, Activation, BatchRow, Config, Experts, KvView};
 
 /// Rows a thread takes through the pages of a lossy KV cache together.
 /// Each page's codes are decoded once for the block, so a longer block
@@ -36,6 +36,7 @@ pub struct CpuWorkspace {
     mm: MatmulScratch,
     ropes: [Rope; 2], // [global, local]
     pool: ThreadPool,
+    moe: MoeScratch,
     /// Sums of pre-RoPE keys and of queries, gathered while set (the key
     /// basis' calibration); position 0 is left out.
     pub probe: Option<KeyStats>,
@@ -67,9 +68,10 @@ impl CpuWorkspace {
                     ))
                 })
                 .collect(),
-            mm: MatmulScratch::with_capacity(rows, c.ff.max(c.dim).max(qd)),
+            mm: MatmulScratch::with_capacity(rows, c.ff.max(c.ff_expert).max(c.dim).max(qd)),
             ropes: [c.rope(false), c.rope(true)],
             pool: ThreadPool::new(threads),
+            moe: MoeScratch::new(c, rows),
             probe: None,
         }
     }
@@ -85,7 +87,7 @@ impl CpuWorkspace {
             .iter()
             .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).bytes())
             .sum();
-        self.bufs.iter().map(|v| v.capacity() * 4).sum::<usize>() + attn + self.mm.bytes()
+        self.bufs.iter().map(|v| v.capacity() * 4).sum::<usize>() + attn + self.mm.bytes() + self.moe.bytes()
     }
 
     fn buf(&mut self, b: Buf) -> &mut [f32] {
@@ -106,6 +108,53 @@ impl CpuWorkspace {
     }
 }
 
+/// Scratch of a mixture-of-experts block, sized for the largest batch
+/// (empty for a model of dense blocks).
+struct MoeScratch {
+    /// Router scores, `rows x experts`.
+    logits: Vec<f32>,
+    /// Each row's experts and weights, `rows x used`.
+    sel: Vec<usize>,
+    weight: Vec<f32>,
+    /// The rows one expert takes (row, rank), their inputs and outputs.
+    rows: Vec<(usize, usize)>,
+    input: Vec<f32>,
+    down: Vec<f32>,
+    /// Every row's expert outputs, `rows x used x dim`.
+    out: Vec<f32>,
+}
+
+impl MoeScratch {
+    fn new(c: &Config, rows: usize) -> MoeScratch {
+        let (ne, k) = if c.experts > 0 {
+            (c.experts, c.experts_used)
+        } else {
+            (0, 0)
+        };
+        let dim = if ne > 0 { c.dim } else { 0 };
+        MoeScratch {
+            logits: committed(0.0, rows * ne),
+            sel: committed(0, rows * k),
+            weight: committed(0.0, rows * k),
+            rows: Vec::with_capacity(if ne > 0 { rows } else { 0 }),
+            input: committed(0.0, rows * dim),
+            down: committed(0.0, rows * dim),
+            out: committed(0.0, rows * k * dim),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        (self.logits.capacity()
+            + self.weight.capacity()
+            + self.input.capacity()
+            + self.down.capacity()
+            + self.out.capacity())
+            * 4
+            + self.sel.capacity() * std::mem::size_of::<usize>()
+            + self.rows.capacity() * std::mem::size_of::<(usize, usize)>()
+    }
+}
+
 /// Where the two CPU backends' arithmetic differs.
 pub trait CpuArithmetic: Sync + Send + 'static {
     /// See [`Backend::LLAMA_CPP_GRAPH`].
@@ -123,6 +172,9 @@ pub trait CpuArithmetic: Sync + Send + 'static {
     fn attend(kv: &KvStorage, layer: usize, kv_head: usize, rows: &mut [AttnRow], scale: f32, s: &mut AttnScratch);
     /// `gate = act(gate) * up`, rows of `width`.
     fn gated(pool: &ThreadPool, act: Activation, gate: &mut [f32], up: &[f32], width: usize);
+    /// A row's `sel.len()` experts from its router `logits`, best first,
+    /// and their weights.
+    fn route(logits: &[f32], sel: &mut [usize], weights: &mut [f32]);
 }
 
 /// snug's own arithmetic: every kernel fixes a row's reduction order, and
@@ -162,6 +214,10 @@ impl CpuArithmetic for Native {
             Activation::Gelu => par_zip(pool, gate, up, ops::gelu_mul),
         }
     }
+
+    fn route(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
+        ops::route_experts(logits, sel, weights)
+    }
 }
 
 impl CpuArithmetic for LlamaCpp {
@@ -197,6 +253,10 @@ impl CpuArithmetic for LlamaCpp {
             Activation::Silu if width.is_multiple_of(16) => par_zip(pool, gate, up, |g, u| ggml::silu_mul(g, u, 16)),
             Activation::Silu => ggml::silu_mul(gate, up, width),
         }
+    }
+
+    fn route(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
+        ggml::route_experts(logits, sel, weights)
     }
 }
 
@@ -311,6 +371,85 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         let (i, j) = (Buf::Up as usize, Buf::Gate as usize);
         let (up, gate) = split2(&mut ws.bufs, i, j);
         A::gated(&ws.pool, act, &mut gate[..len], &up[..len], width)
+    }
+
+    fn experts(ws: &mut CpuWorkspace, e: &Experts<Weight<'_>>, c: &Config, n: usize) {
+        let (dim, ne, k, fe) = (c.dim, c.experts, e.used, c.ff_expert);
+        let CpuWorkspace {
+            bufs, pool, mm, moe, ..
+        } = ws;
+        let m = &mut *moe;
+        // Router scores, then each row's experts and weights.
+        A::matmul(pool, &e.router, &bufs[Buf::H as usize], n, &mut m.logits[..n * ne], mm);
+        for r in 0..n {
+            A::route(
+                &m.logits[r * ne..(r + 1) * ne],
+                &mut m.sel[r * k..(r + 1) * k],
+                &mut m.weight[r * k..(r + 1) * k],
+            );
+        }
+        // Each expert on the rows that chose it (a product's rows are
+        // independent, so a row's bits do not depend on who else chose it).
+        for x in 0..ne {
+            m.rows.clear();
+            for r in 0..n {
+                if let Some(j) = m.sel[r * k..(r + 1) * k].iter().position(|&s| s == x) {
+                    m.rows.push((r, j));
+                }
+            }
+            let rows = m.rows.len();
+            if rows == 0 {
+                continue;
+            }
+            let h = &bufs[Buf::H as usize];
+            for (i, &(r, _)) in m.rows.iter().enumerate() {
+                m.input[i * dim..(i + 1) * dim].copy_from_slice(&h[r * dim..(r + 1) * dim]);
+            }
+            let input = &m.input[..rows * dim];
+            A::matmul(
+                pool,
+                &e.gate[x],
+                input,
+                rows,
+                &mut bufs[Buf::Gate as usize][..rows * fe],
+                mm,
+            );
+            A::matmul(
+                pool,
+                &e.up[x],
+                input,
+                rows,
+                &mut bufs[Buf::Up as usize][..rows * fe],
+                mm,
+            );
+            let (up, gate) = split2(bufs, Buf::Up as usize, Buf::Gate as usize);
+            A::gated(pool, c.arch.activation, &mut gate[..rows * fe], &up[..rows * fe], fe);
+            A::matmul(
+                pool,
+                &e.down[x],
+                &gate[..rows * fe],
+                rows,
+                &mut m.down[..rows * dim],
+                mm,
+            );
+            for (i, &(r, j)) in m.rows.iter().enumerate() {
+                let at = (r * k + j) * dim;
+                m.out[at..at + dim].copy_from_slice(&m.down[i * dim..(i + 1) * dim]);
+            }
+        }
+        // The weighted sum, in the order of the row's experts: each
+        // product rounded, then added.
+        let o = &mut bufs[Buf::O as usize][..n * dim];
+        for r in 0..n {
+            let w = &m.weight[r * k..(r + 1) * k];
+            for (d, o) in o[r * dim..(r + 1) * dim].iter_mut().enumerate() {
+                let mut acc = w[0] * m.out[r * k * dim + d];
+                for (j, &wj) in w.iter().enumerate().skip(1) {
+                    acc += wj * m.out[(r * k + j) * dim + d];
+                }
+                *o = acc;
+            }
+        }
     }
 
     fn gather_rows(ws: &mut CpuWorkspace, from: Buf, to: Buf, width: usize, which: &[usize]) {

@@ -23,7 +23,7 @@ pub use snug_kernels::kv::KvStore;
 
 use snug_kernels::kv::KvSlot;
 
-use crate::arch::{Activation, BatchRow, Config, Head, KvView};
+use crate::arch::{Activation, BatchRow, Config, Experts, Head, KvView};
 
 /// Element `i` to read and element `j` (another) to write, of one slice:
 /// how a backend reads one of its buffers while it writes another.
@@ -86,7 +86,7 @@ impl Buf {
             Buf::X | Buf::H | Buf::O | Buf::Sel => c.dim,
             Buf::Q | Buf::Attn => c.heads * c.head_dim,
             Buf::K | Buf::V => c.kv_heads * c.head_dim,
-            Buf::Gate | Buf::Up => c.ff,
+            Buf::Gate | Buf::Up => c.ff.max(c.ff_expert),
         }
     }
 }
@@ -209,6 +209,10 @@ pub trait Backend: Sync {
         kv: &KvView<Self::Kv>,
         scale: f32,
     );
+
+    /// A mixture-of-experts feed-forward block ([`Experts`]) on the first
+    /// `rows` rows of [`Buf::H`], into [`Buf::O`].
+    fn experts(ws: &mut Self::Workspace, e: &Experts<Self::Matrix<'_>>, c: &Config, rows: usize);
 
     /// `gate = act(gate) * up` over the first `rows` rows.
     fn gated(ws: &mut Self::Workspace, act: Activation, rows: usize, width: usize);

@@ -52,8 +52,13 @@ pub struct Spec {
     /// `llama`, `qwen2` (adds Q/K/V biases), `qwen3` (adds per-head Q/K
     /// norms), `gemma3` (Q/K norms, post-block norms, a tied head and a
     /// sliding window on five layers of six), `smollm3` (Llama's tensors;
-    /// every fourth layer without RoPE) or `granite` (Llama's tensors;
-    /// Granite 3's four multipliers in the metadata).
+    /// every fourth layer without RoPE), `granite` (Llama's tensors;
+    /// Granite 3's four multipliers in the metadata), `phi3` (fused
+    /// query/key/value and gate/up matrices) or `qwen3moe` (Qwen3's
+    /// attention, a mixture of experts in every layer: 8 experts of
+    /// `ff / 4`, 2 used, unless `extra` sets `ARCH.expert_count`,
+    /// `ARCH.expert_used_count`, `ARCH.expert_feed_forward_length`; any
+    /// architecture given an `expert_count` there gets experts).
     pub arch: String,
     pub shape: Shape,
     /// The matrices' type, and the output head's (untied architectures).
@@ -83,7 +88,9 @@ pub struct Spec {
 }
 
 /// The architectures [`write`] knows.
-pub const ARCHS: [&str; 6] = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite"];
+pub const ARCHS: [&str; 8] = [
+    "llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "qwen3moe",
+];
 
 /// Writes the model `spec` describes to `out`, with `like`'s tokenizer.
 /// Returns the bytes of weights written.
@@ -157,6 +164,35 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
         meta.push((k("attention.scale"), Value::F32(0.015625)));
         meta.push((k("logit_scale"), Value::F32(8.0)));
     }
+    // Experts: from `extra`, or Qwen3-MoE's defaults.
+    let extra_u = |name: &str| {
+        spec.extra
+            .iter()
+            .find(|(key, _)| *key == k(name))
+            .and_then(|(_, v)| match v {
+                Value::U32(x) => Some(*x as usize),
+                Value::U64(x) => Some(*x as usize),
+                _ => None,
+            })
+    };
+    let experts = extra_u("expert_count").unwrap_or(if arch == "qwen3moe" { 8 } else { 0 });
+    let (used, ff_expert) = (
+        extra_u("expert_used_count").unwrap_or(2),
+        // (llama.cpp reads a `llama` file's expert width from
+        // `feed_forward_length`.)
+        extra_u("expert_feed_forward_length").unwrap_or(if arch == "qwen3moe" { ff / 4 } else { ff }),
+    );
+    if experts > 0 {
+        for (name, v) in [
+            ("expert_count", experts),
+            ("expert_used_count", used),
+            ("expert_feed_forward_length", ff_expert),
+        ] {
+            if extra_u(name).is_none() && (arch == "qwen3moe" || name != "expert_feed_forward_length") {
+                meta.push((k(name), Value::U32(v as u32)));
+            }
+        }
+    }
     if let Some(f) = spec.rope_linear {
         meta.push((k("rope.scaling.type"), Value::String("linear".into())));
         meta.push((k("rope.scaling.factor"), Value::F32(f)));
@@ -187,15 +223,20 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
             };
             let v = |n: &str, len: usize| (format!("blk.{l}.{n}"), vec![len as u64], GgmlType::F32);
             tensors.push(v("attn_norm.weight", dim));
-            tensors.push(m("attn_q", dim, heads * hd));
-            tensors.push(m("attn_k", dim, kv_heads * hd));
-            tensors.push(m("attn_v", dim, kv_heads * hd));
+            if arch == "phi3" {
+                // Phi-3's fused matrices.
+                tensors.push(m("attn_qkv", dim, (heads + 2 * kv_heads) * hd));
+            } else {
+                tensors.push(m("attn_q", dim, heads * hd));
+                tensors.push(m("attn_k", dim, kv_heads * hd));
+                tensors.push(m("attn_v", dim, kv_heads * hd));
+            }
             if arch == "qwen2" {
                 tensors.push(v("attn_q.bias", heads * hd));
                 tensors.push(v("attn_k.bias", kv_heads * hd));
                 tensors.push(v("attn_v.bias", kv_heads * hd));
             }
-            if arch == "gemma3" || arch == "qwen3" {
+            if arch == "gemma3" || arch == "qwen3" || arch == "qwen3moe" {
                 tensors.push(v("attn_q_norm.weight", hd));
                 tensors.push(v("attn_k_norm.weight", hd));
             }
@@ -205,8 +246,26 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
             }
             tensors.push(m("attn_output", heads * hd, dim));
             tensors.push(v("ffn_norm.weight", dim));
-            tensors.push(m("ffn_gate", dim, ff));
-            tensors.push(m("ffn_up", dim, ff));
+            if experts > 0 {
+                let e = |n: &str, cols: usize, rows: usize| {
+                    let dims = vec![cols as u64, rows as u64, experts as u64];
+                    (format!("blk.{l}.{n}.weight"), dims, spec.ty)
+                };
+                tensors.push((
+                    format!("blk.{l}.ffn_gate_inp.weight"),
+                    vec![dim as u64, experts as u64],
+                    GgmlType::F32,
+                ));
+                tensors.push(e("ffn_gate_exps", dim, ff_expert));
+                tensors.push(e("ffn_up_exps", dim, ff_expert));
+                tensors.push(e("ffn_down_exps", ff_expert, dim));
+                continue;
+            } else if arch == "phi3" {
+                tensors.push(m("ffn_up", dim, 2 * ff));
+            } else {
+                tensors.push(m("ffn_gate", dim, ff));
+                tensors.push(m("ffn_up", dim, ff));
+            }
             tensors.push(m("ffn_down", ff, dim));
         }
         tensors.push(("output_norm.weight".into(), vec![dim as u64], GgmlType::F32));
@@ -248,6 +307,17 @@ pub fn write(like: &GgufHeader, spec: &Spec, out: &Path) -> std::io::Result<u64>
         let n: u64 = dims.iter().product();
         let data: Vec<u8> = if let (true, Some(f)) = (name == "rope_freqs.weight", &rope_freqs) {
             f.iter().flat_map(|x| x.to_le_bytes()).collect()
+        } else if name.ends_with("ffn_gate_inp.weight") {
+            // Router scores a few units apart, so a row's experts are
+            // clear choices.
+            random_tensor(GgmlType::F16, n as usize, &mut seed, 0.125)
+                .chunks_exact(2)
+                .flat_map(|c| {
+                    half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]))
+                        .to_f32()
+                        .to_le_bytes()
+                })
+                .collect()
         } else if name.ends_with("norm.weight") {
             // Near one, not all equal: a norm's weights then matter.
             (0..n)
