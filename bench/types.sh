@@ -21,7 +21,7 @@ cargo build --release -p snug >&2
 cargo build --release -p snug-model --example synth_gguf >&2
 like=$(target/release/snug pull smollm2-135m | tail -n 1)
 for ty in $types; do
-  f="$out/synth-$shape-$ty.gguf"
+  f="$out/synth-${shape%%=*}-$ty.gguf"
   target/release/examples/synth_gguf --like "$like" --shape "$shape" --type "$ty" --head-type q6_k --out "$f" 2>/dev/null
   # llama.cpp's AMX repacking crashes on some of these files on AMX
   # machines: then without repacking (said in the output).

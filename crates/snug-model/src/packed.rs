@@ -130,6 +130,10 @@ fn fill(file: &GgufFile, plan: &Plan, out: &mut [u8]) {
                 s.spawn(move || pack_matrix(t.ty, src, r1 - r0, cols, chunk));
             }
         });
+        // The products read the panels from now on: the rows just read
+        // need not stay resident (they are read again from the file if
+        // anything asks), so packing a model never holds it twice.
+        file.release(data);
     }
 }
 
