@@ -1,0 +1,28 @@
+#!/bin/sh
+# The CUDA backend against the CPU's on synthesized files of the layers
+# and types added last: the SmolLM2 shape, smollm3 (layers without RoPE),
+# phi3 (fused matrices split at load), llama with F16 and with BF16
+# matrices, and a qwen3moe file (which the CUDA backend refuses). One call,
+# from the repository root, with .gpu/ carried: gpucheck.gz (`cargo build
+# --release -p snug-cuda --example gpucheck`, stripped), synth.gz (the
+# `synth_gguf` example of snug-model) and tok.gguf (`synth_gguf --like
+# SmolLM2 --tokenizer-only`). Prints, per file, gpucheck's bitwise fields.
+set -u
+K=/tmp/layers; mkdir -p $K; cp -r .gpu/. $K/; cd $K
+for f in synth gpucheck; do gunzip -c $f.gz > $f; chmod +x $f; done
+nvrtc=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -1)
+export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2>/dev/null
+./synth --like tok.gguf --arch smollm3 --shape "s=512,8,8,2,1536" --type q8_0 --head-type q8_0 --scale 0.02 --out s3.gguf 2>/dev/null
+./synth --like tok.gguf --arch phi3 --shape "p=512,4,8,2,1536" --type q8_0 --head-type q8_0 --scale 0.02 --name "synthetic phi" --out phi.gguf 2>/dev/null
+./synth --like tok.gguf --shape "f=512,4,8,2,1536" --type f16 --head-type q8_0 --scale 0.02 --out f16.gguf 2>/dev/null
+./synth --like tok.gguf --shape "b=512,4,8,2,1536" --type bf16 --head-type q8_0 --scale 0.02 --out bf16.gguf 2>/dev/null
+./synth --like tok.gguf --arch qwen3moe --shape "m=512,4,8,2,1536" --type q8_0 --head-type q8_0 --scale 0.02 --out moe.gguf 2>/dev/null
+for m in smol s3 phi f16 bf16; do
+  ./gpucheck $m.gguf --prompt 40 --gen 8 --pp 64 --tg 8 --out $m.json > $m.log 2>&1
+  python3 -c "
+import json; d=json.load(open('$m.json'))
+print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy'))})" || tail -3 $m.log
+done
+# Refused at upload: the error gpucheck stops on.
+./gpucheck moe.gguf --prompt 8 --gen 2 2>&1 | grep -m1 -i "experts"
