@@ -231,6 +231,23 @@ impl PackedWeights {
         })
     }
 
+    /// Removes the cache files in `dir` packed from a model file named as
+    /// `model` is (when the model is removed). How many were removed.
+    pub fn remove_cached(dir: &Path, model: &Path) -> usize {
+        let Some(stem) = model.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+            return 0;
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+        entries
+            .flatten()
+            .filter(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                n.starts_with(&format!("{stem}-")) && n.ends_with(".snugpack")
+            })
+            .filter(|e| std::fs::remove_file(e.path()).is_ok())
+            .count()
+    }
+
     /// The packed panels of tensor `name`, if it was packed.
     pub fn get(&self, name: &str) -> Option<&[u8]> {
         let &(at, len) = self.at.get(name)?;

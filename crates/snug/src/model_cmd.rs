@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use snug_model::catalog;
 use snug_model::info::ModelInfo;
+use snug_model::packed::PackedWeights;
 use snug_model::pull::{self, PullError, PullOutcome};
 use snug_model::remote::{self, RemoteName};
 use snug_model::{EncodeOptions, GgufFile, Tokenizer};
@@ -167,6 +168,7 @@ pub fn cmd_rm(a: crate::RmArgs) -> Result<()> {
             Removal::Alias(e) => remove_alias(&e, &cache)?,
             Removal::Remote(name, path) => {
                 if remote::remove(&cache, &path).with_context(|| format!("removing {}", path.display()))? {
+                    PackedWeights::remove_cached(&cache.join("packed"), &path);
                     eprintln!("removed {name} ({})", path.display());
                 } else {
                     eprintln!("{name} is not in the cache");
@@ -196,6 +198,8 @@ fn remove_alias(e: &catalog::CatalogEntry, cache: &Path) -> Result<()> {
         std::fs::remove_file(&path)
     }
     .with_context(|| format!("removing {}", path.display()))?;
+    // Its panels, packed at load, go with it.
+    PackedWeights::remove_cached(&cache.join("packed"), &path);
     eprintln!("removed {} ({})", e.alias, path.display());
     Ok(())
 }

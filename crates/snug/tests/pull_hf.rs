@@ -252,4 +252,29 @@ fn a_real_model_pulled_from_the_hub_runs_offline_by_its_hf_name() {
     let from_hub = run(&format!("hf:{repo}/smollm2-135m-instruct-q4_1.gguf"));
     assert!(from_hub.starts_with(" Paris."), "{from_hub}");
     assert_eq!(from_hub, run(model.to_str().unwrap()));
+    // Run once with panels packed into the cache; removing the model
+    // removes its panels too.
+    let name = format!("hf:{repo}/smollm2-135m-instruct-q4_1.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .env("SNUG_HOME", &s.home)
+        .env("SNUG_PACK", "cache")
+        .env("HF_ENDPOINT", DEAD_ENDPOINT)
+        .args(["run", &name, "-p", "Hi", "-n", "1", "-t", "2"])
+        .output()
+        .unwrap();
+    ok(&out);
+    let packs = || {
+        std::fs::read_dir(s.home.join("packed"))
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".snugpack"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    if snug_kernels::panel::available(snug_kernels::GgmlType::Q4_1) {
+        assert_eq!(packs(), 1);
+    }
+    ok(&s.snug_at(DEAD_ENDPOINT, &["rm", &name]));
+    assert_eq!(packs(), 0);
 }
