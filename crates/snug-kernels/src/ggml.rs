@@ -408,21 +408,7 @@ impl OnlineHead<'_> {
 /// Whether [`dot_quant`] follows ggml's order for weight type `ty` (the
 /// types of the models snug pulls; others take snug's own order).
 pub fn dot_supports(ty: GgmlType) -> bool {
-    matches!(
-        ty,
-        GgmlType::Q4_0
-            | GgmlType::Q4_1
-            | GgmlType::Q5_0
-            | GgmlType::Q8_0
-            | GgmlType::Q2K
-            | GgmlType::Q3K
-            | GgmlType::Q4K
-            | GgmlType::Q5K
-            | GgmlType::Q6K
-            | GgmlType::IQ4NL
-            | GgmlType::IQ4XS
-            | GgmlType::MXFP4
-    )
+    crate::dot::supports(ty) && ty != GgmlType::Q5_1
 }
 
 /// The eight 32-bit lanes of one 32-element block's integer products as

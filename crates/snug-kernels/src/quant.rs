@@ -162,27 +162,10 @@ impl GgmlType {
         }
     }
 
-    /// Whether [`dequantize`] supports this type.
+    /// Whether [`dequantize`] supports this type: the float types and
+    /// every type the dot products take.
     pub fn can_dequantize(self) -> bool {
-        matches!(
-            self,
-            GgmlType::F32
-                | GgmlType::F16
-                | GgmlType::BF16
-                | GgmlType::Q4_0
-                | GgmlType::Q4_1
-                | GgmlType::Q5_0
-                | GgmlType::Q5_1
-                | GgmlType::Q8_0
-                | GgmlType::Q2K
-                | GgmlType::Q3K
-                | GgmlType::Q4K
-                | GgmlType::Q5K
-                | GgmlType::Q6K
-                | GgmlType::IQ4NL
-                | GgmlType::IQ4XS
-                | GgmlType::MXFP4
-        )
+        matches!(self, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) || crate::dot::supports(self)
     }
 
     /// Bytes taken by `n` elements, or `None` if `n` is not a whole number

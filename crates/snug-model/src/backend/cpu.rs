@@ -406,22 +406,9 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
                 m.input[i * dim..(i + 1) * dim].copy_from_slice(&h[r * dim..(r + 1) * dim]);
             }
             let input = &m.input[..rows * dim];
-            A::matmul(
-                pool,
-                &e.gate[x],
-                input,
-                rows,
-                &mut bufs[Buf::Gate as usize][..rows * fe],
-                mm,
-            );
-            A::matmul(
-                pool,
-                &e.up[x],
-                input,
-                rows,
-                &mut bufs[Buf::Up as usize][..rows * fe],
-                mm,
-            );
+            for (w, to) in [(&e.gate[x], Buf::Gate), (&e.up[x], Buf::Up)] {
+                A::matmul(pool, w, input, rows, &mut bufs[to as usize][..rows * fe], mm);
+            }
             let (up, gate) = split2(bufs, Buf::Up as usize, Buf::Gate as usize);
             A::gated(pool, c.arch.activation, &mut gate[..rows * fe], &up[..rows * fe], fe);
             A::matmul(
