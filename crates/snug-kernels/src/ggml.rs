@@ -314,17 +314,17 @@ pub fn dot_f32(x: &[f32], y: &[f32]) -> f32 {
     sum
 }
 
-/// A row's experts as llama.cpp's graph chooses them: `soft_max` of the
+/// A row's experts as llama.cpp's graph chooses them (`p` as long as
+/// `logits`, for the probabilities): `soft_max` of the
 /// router scores (each 16 from the maximum through [`v_expf`], folded by
 /// [`reduce16`], the rest through `expf`, all summed in f64; then every
 /// value times the sum's reciprocal rounded to f32), `argsort_top_k`
 /// (largest first), their probabilities summed in f64, the sum rounded to
 /// f32 and clamped below by [`crate::ops::EXPERT_SUM_MIN`], each divided
 /// by it.
-pub fn route_experts(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
+pub fn route_experts(logits: &[f32], p: &mut [f32], sel: &mut [usize], weights: &mut [f32]) {
     let n = logits.len();
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut p = vec![0f32; n];
     let mut sum = 0f64;
     let mut i = 0;
     while i + 16 <= n {
@@ -342,7 +342,7 @@ pub fn route_experts(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
     }
     let inv = (1.0 / sum) as f32;
     p.iter_mut().for_each(|v| *v *= inv);
-    crate::ops::top_k(&p, sel);
+    crate::ops::top_k(p, sel);
     let mut s = 0f64;
     for &e in sel.iter() {
         s += p[e] as f64;

@@ -200,13 +200,13 @@ pub fn softmax_fixed(x: &mut [f32]) {
 pub const EXPERT_SUM_MIN: f32 = 6.103_515_6e-5;
 
 /// A row's experts from its router scores: the softmax of `logits`
-/// ([`softmax_fixed`]), the `sel.len()` highest (ties to the lower index),
-/// best first, and their probabilities divided by their sum (summed in
-/// that order, at least [`EXPERT_SUM_MIN`]).
-pub fn route_experts(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
-    let mut p = logits.to_vec();
-    softmax_fixed(&mut p);
-    top_k(&p, sel);
+/// ([`softmax_fixed`], into `p`, as long), the `sel.len()` highest (ties to
+/// the lower index), best first, and their probabilities divided by their
+/// sum (summed in that order, at least [`EXPERT_SUM_MIN`]).
+pub fn route_experts(logits: &[f32], p: &mut [f32], sel: &mut [usize], weights: &mut [f32]) {
+    p.copy_from_slice(logits);
+    softmax_fixed(p);
+    top_k(p, sel);
     let mut sum = 0f32;
     for &e in sel.iter() {
         sum += p[e];
@@ -218,12 +218,19 @@ pub fn route_experts(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
 }
 
 /// The indices of the `sel.len()` largest values of `p`, largest first
-/// (equal values by index; NaN as the smallest).
+/// (equal values by index; NaN as the smallest): a scan per place, no
+/// allocation (a row takes a few experts of at most a few hundred).
 pub fn top_k(p: &[f32], sel: &mut [usize]) {
-    let mut idx: Vec<usize> = (0..p.len()).collect();
     let key = |i: usize| if p[i].is_nan() { f32::NEG_INFINITY } else { p[i] };
-    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
-    sel.copy_from_slice(&idx[..sel.len()]);
+    for k in 0..sel.len() {
+        let mut best = None;
+        for i in (0..p.len()).filter(|i| !sel[..k].contains(i)) {
+            if best.is_none_or(|b| key(i).total_cmp(&key(b)).is_gt()) {
+                best = Some(i);
+            }
+        }
+        sel[k] = best.unwrap_or(0);
+    }
 }
 
 /// The scalar reference of [`softmax_fixed`].
@@ -534,6 +541,19 @@ pub(crate) mod x86_512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_k_takes_the_largest_first_ties_to_the_lower_index() {
+        let p = [0.1, 0.5, f32::NAN, 0.5, 0.9, 0.0];
+        let mut sel = [0usize; 4];
+        top_k(&p, &mut sel);
+        assert_eq!(sel, [4, 1, 3, 0]);
+        let (mut probs, mut w) = ([0f32; 6], [0f32; 2]);
+        let mut two = [0usize; 2];
+        route_experts(&[1.0, 3.0, 2.0, 0.0, -1.0, 3.0], &mut probs, &mut two, &mut w);
+        assert_eq!(two, [1, 5]);
+        assert_eq!(w, [0.5, 0.5]);
+    }
 
     fn head(d: usize) -> Vec<f32> {
         (0..d).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect()

@@ -111,8 +111,9 @@ impl CpuWorkspace {
 /// Scratch of a mixture-of-experts block, sized for the largest batch
 /// (empty for a model of dense blocks).
 struct MoeScratch {
-    /// Router scores, `rows x experts`.
+    /// Router scores, `rows x experts`, and one row's probabilities.
     logits: Vec<f32>,
+    probs: Vec<f32>,
     /// Each row's experts and weights, `rows x used`.
     sel: Vec<usize>,
     weight: Vec<f32>,
@@ -134,6 +135,7 @@ impl MoeScratch {
         let dim = if ne > 0 { c.dim } else { 0 };
         MoeScratch {
             logits: committed(0.0, rows * ne),
+            probs: committed(0.0, ne),
             sel: committed(0, rows * k),
             weight: committed(0.0, rows * k),
             rows: Vec::with_capacity(if ne > 0 { rows } else { 0 }),
@@ -145,6 +147,7 @@ impl MoeScratch {
 
     fn bytes(&self) -> usize {
         (self.logits.capacity()
+            + self.probs.capacity()
             + self.weight.capacity()
             + self.input.capacity()
             + self.down.capacity()
@@ -173,8 +176,8 @@ pub trait CpuArithmetic: Sync + Send + 'static {
     /// `gate = act(gate) * up`, rows of `width`.
     fn gated(pool: &ThreadPool, act: Activation, gate: &mut [f32], up: &[f32], width: usize);
     /// A row's `sel.len()` experts from its router `logits`, best first,
-    /// and their weights.
-    fn route(logits: &[f32], sel: &mut [usize], weights: &mut [f32]);
+    /// and their weights (`probs`: scratch as long as `logits`).
+    fn route(logits: &[f32], probs: &mut [f32], sel: &mut [usize], weights: &mut [f32]);
 }
 
 /// snug's own arithmetic: every kernel fixes a row's reduction order, and
@@ -215,8 +218,8 @@ impl CpuArithmetic for Native {
         }
     }
 
-    fn route(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
-        ops::route_experts(logits, sel, weights)
+    fn route(logits: &[f32], probs: &mut [f32], sel: &mut [usize], weights: &mut [f32]) {
+        ops::route_experts(logits, probs, sel, weights)
     }
 }
 
@@ -255,8 +258,8 @@ impl CpuArithmetic for LlamaCpp {
         }
     }
 
-    fn route(logits: &[f32], sel: &mut [usize], weights: &mut [f32]) {
-        ggml::route_experts(logits, sel, weights)
+    fn route(logits: &[f32], probs: &mut [f32], sel: &mut [usize], weights: &mut [f32]) {
+        ggml::route_experts(logits, probs, sel, weights)
     }
 }
 
@@ -384,6 +387,7 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         for r in 0..n {
             A::route(
                 &m.logits[r * ne..(r + 1) * ne],
+                &mut m.probs,
                 &mut m.sel[r * k..(r + 1) * k],
                 &mut m.weight[r * k..(r + 1) * k],
             );
