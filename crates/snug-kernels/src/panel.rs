@@ -39,7 +39,21 @@
 //! | Q5_0, Q5_1 | as Q4, plus after `qs` one vector of high bits, rearranged (see [`q5_high_bits`]) |
 //! | Q8_0 | `qs` words 0..8, each byte XOR 0x80 (unsigned); `d` |
 //! | Q4_K | `d`, `dmin` 16 x f16 each; scales `[8][16]` u8; minimums `[4][16][2]` u8; `qs` words 0..32 |
+//! | Q5_K | as Q4_K, then `qh` words 0..8 |
 //! | Q6_K | scales `[16][16]` i8; `d` 16 x f16; per half: `ql` words 0..8, `qh` words 0..8, `ql` words 8..16 |
+//! | Q3_K | scales `[16][16]` i8 (less 32); `d`; `qs` words 0..16; `hmask` words 0..8 |
+//! | Q2_K | `d`, `dmin`; the scale-and-minimum bytes `[8][16][2]`; `qs` words 0..16 |
+//! | IQ4_NL | as Q4_0 (the kernel looks each nibble up in the level table) |
+//! | MXFP4 | `qs` words 0..4; the E8M0 exponents, 16 bytes |
+//! | IQ4_XS | `d`; scales `[8][16]` i8 (less 32); `qs` words 0..32 (block j: words 4j..4j+4) |
+//!
+//! The types with a level table (IQ4_NL, IQ4_XS, MXFP4) store the
+//! nibbles; one `vpshufb` turns 64 of them into their levels plus an
+//! offset (128, or 12 for MXFP4) that makes them unsigned. Q3_K's levels
+//! are made unsigned with 4 added; every offset is taken back out exactly
+//! through the activation sums ([`activation_aux`]). Q2_K to Q5_K and the
+//! level-table types run on panels with AVX-512 VNNI only; on an AVX2
+//! machine they use the row-at-a-time kernels (same bits).
 
 use crate::cpu::{simd, Simd};
 use crate::dot::BlockQ8;
@@ -70,12 +84,24 @@ pub fn tiles(n: usize) -> impl Iterator<Item = (usize, usize)> {
 
 /// Whether panels run on this machine for weight type `ty`.
 pub fn available(ty: GgmlType) -> bool {
-    matches!(simd(), Simd::Avx2 | Simd::Avx512Vnni) && supports(ty)
+    match simd() {
+        Simd::Avx512Vnni => supports(ty),
+        Simd::Avx2 => supports_avx2(ty),
+        Simd::Scalar => false,
+    }
 }
 
-/// The weight types panels handle. (Q5_K, which none of the supported
-/// model files use, runs on the row-at-a-time kernels.)
+/// The weight types panels handle (with AVX-512 VNNI).
 pub fn supports(ty: GgmlType) -> bool {
+    supports_avx2(ty)
+        || matches!(
+            ty,
+            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K | GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4
+        )
+}
+
+/// The weight types whose panels also have an AVX2 kernel.
+fn supports_avx2(ty: GgmlType) -> bool {
     matches!(
         ty,
         GgmlType::Q4_0
@@ -92,13 +118,18 @@ pub fn supports(ty: GgmlType) -> bool {
 /// 256-element super-block.
 const fn unit_bytes(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::Q4_0 => 256 + 32,
+        GgmlType::Q4_0 | GgmlType::IQ4NL => 256 + 32,
+        GgmlType::MXFP4 => 256 + 16,
         GgmlType::Q4_1 => 256 + 64,
         GgmlType::Q5_0 => 256 + 64 + 32,
         GgmlType::Q5_1 => 256 + 64 + 64,
         GgmlType::Q8_0 => 512 + 32,
         GgmlType::Q4K => Q4K_QS + 2048,
+        GgmlType::Q5K => Q5K_QH + 512,
         GgmlType::Q6K => Q6K_HALF + 2 * 1536,
+        GgmlType::Q3K => Q3K_HM + 512,
+        GgmlType::Q2K => Q2K_QS + 1024,
+        GgmlType::IQ4XS => IQ4XS_QS + 2048,
         _ => 0,
     }
 }
@@ -116,6 +147,21 @@ const Q6K_D: usize = 256;
 /// Q6_K: each 128-element half holds `ql` words 0..8, then the half's `qh`
 /// words, then `ql` words 8..16 (1536 bytes).
 const Q6K_HALF: usize = 288;
+/// Q5_K: Q4_K's layout, then the high bits.
+const Q5K_QH: usize = Q4K_QS + 2048;
+const Q3K_SC: usize = 0;
+const Q3K_D: usize = 256;
+const Q3K_QS: usize = 288;
+const Q3K_HM: usize = Q3K_QS + 1024;
+const Q2K_D: usize = 0;
+const Q2K_DMIN: usize = 32;
+/// Q2_K: the raw scale bytes (scale in the low nibble, minimum in the
+/// high), block j's two at `32 j + 2 lane`.
+const Q2K_SC: usize = 64;
+const Q2K_QS: usize = 320;
+const IQ4XS_D: usize = 0;
+const IQ4XS_SC: usize = 32;
+const IQ4XS_QS: usize = 160;
 
 /// Bytes of one panel of 16 rows of `cols` elements.
 pub fn panel_bytes(ty: GgmlType, cols: usize) -> usize {
@@ -134,18 +180,30 @@ fn level_offset(ty: GgmlType) -> i32 {
     match ty {
         GgmlType::Q4_0 => 8,
         GgmlType::Q5_0 => 16,
-        GgmlType::Q8_0 => 128,
+        GgmlType::Q8_0 | GgmlType::IQ4NL | GgmlType::IQ4XS => 128,
+        GgmlType::MXFP4 => 12,
         _ => 0,
     }
+}
+
+/// The offset added to the levels of a type with a level table, and the
+/// table (levels plus offset, as unsigned bytes).
+fn level_table(ty: GgmlType) -> [u8; 16] {
+    let (levels, off) = match ty {
+        GgmlType::MXFP4 => (&crate::quant::MXFP4_LEVELS, 12),
+        _ => (&crate::quant::IQ4_LEVELS, 128),
+    };
+    std::array::from_fn(|i| (levels[i] as i32 + off) as u8)
 }
 
 /// 32-bit values per activation row that panels read beside the row's
 /// blocks ([`activation_aux`]), for rows of `n_blocks` 32-element blocks.
 pub fn aux_len(ty: GgmlType, n_blocks: usize) -> usize {
     match ty {
-        // Per 16 elements: -32 times their activation sum; then per block
-        // its two 16-element sums as 16-bit halves (for the AVX2 kernel).
-        GgmlType::Q6K => n_blocks * 3,
+        // Per 16 elements: -32 (Q6_K), -4 (Q3_K) or 0 (Q2_K) times their
+        // activation sum; then per block its two 16-element sums as 16-bit
+        // halves (for Q2_K's minimums and the AVX2 kernel).
+        GgmlType::Q6K | GgmlType::Q3K | GgmlType::Q2K => n_blocks * 3,
         // Per pair of blocks: their two activation sums as 16-bit halves.
         GgmlType::Q4K | GgmlType::Q5K => n_blocks / 2,
         // Per block: -offset times its activation sum.
@@ -158,12 +216,17 @@ pub fn aux_len(ty: GgmlType, n_blocks: usize) -> usize {
 pub fn activation_aux(ty: GgmlType, act: &[BlockQ8], out: &mut [i32]) {
     assert_eq!(out.len(), aux_len(ty, act.len()), "activation_aux: length");
     match ty {
-        GgmlType::Q6K => {
+        GgmlType::Q6K | GgmlType::Q3K | GgmlType::Q2K => {
+            let off = match ty {
+                GgmlType::Q6K => 32,
+                GgmlType::Q3K => 4,
+                _ => 0,
+            };
             let (starts, pairs) = out.split_at_mut(2 * act.len());
             for ((b, o), pair) in act.iter().zip(starts.chunks_exact_mut(2)).zip(pairs.iter_mut()) {
                 let s: [i32; 2] = std::array::from_fn(|h| b.qs[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum());
-                o[0] = -32 * s[0];
-                o[1] = -32 * s[1];
+                o[0] = -off * s[0];
+                o[1] = -off * s[1];
                 *pair = ((s[0] as u16 as u32) | ((s[1] as u16 as u32) << 16)) as i32;
             }
         }
@@ -249,6 +312,18 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                         o[p + 32 + 2 * lane..p + 32 + 2 * lane + 2].copy_from_slice(&b[2..4]);
                     }
                 }
+                GgmlType::IQ4NL | GgmlType::MXFP4 => {
+                    // GGUF block: d (f16) or e (E8M0), qs.
+                    let qs_at = if ty == GgmlType::IQ4NL { 2 } else { 1 };
+                    for t in 0..4 {
+                        copy(o, 64 * t, lane, &b[qs_at + 4 * t..qs_at + 4 * t + 4]);
+                    }
+                    if ty == GgmlType::IQ4NL {
+                        o[256 + 2 * lane..256 + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                    } else {
+                        o[256 + lane] = b[0];
+                    }
+                }
                 GgmlType::Q8_0 => {
                     for t in 0..8 {
                         let at = 2 + 4 * t;
@@ -257,9 +332,16 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                     }
                     o[512 + 2 * lane..512 + 2 * lane + 2].copy_from_slice(&b[0..2]);
                 }
-                GgmlType::Q4K => {
+                GgmlType::Q4K | GgmlType::Q5K => {
+                    // GGUF block: d, dmin, scales (12), [qh (32)], qs.
+                    let qs_at = if ty == GgmlType::Q4K { 16 } else { 48 };
                     for t in 0..32 {
-                        copy(o, Q4K_QS + 64 * t, lane, &b[16 + 4 * t..20 + 4 * t]);
+                        copy(o, Q4K_QS + 64 * t, lane, &b[qs_at + 4 * t..qs_at + 4 + 4 * t]);
+                    }
+                    if ty == GgmlType::Q5K {
+                        for t in 0..8 {
+                            copy(o, Q5K_QH + 64 * t, lane, &b[16 + 4 * t..20 + 4 * t]);
+                        }
                     }
                     o[Q4K_D + 2 * lane..Q4K_D + 2 * lane + 2].copy_from_slice(&b[0..2]);
                     o[Q4K_DMIN + 2 * lane..Q4K_DMIN + 2 * lane + 2].copy_from_slice(&b[2..4]);
@@ -283,6 +365,41 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                         o[Q6K_SC + 16 * g + lane] = b[192 + g];
                     }
                     o[Q6K_D + 2 * lane..Q6K_D + 2 * lane + 2].copy_from_slice(&b[208..210]);
+                }
+                GgmlType::Q3K => {
+                    // GGUF block: hmask (32), qs (64), scales (12), d.
+                    for t in 0..16 {
+                        copy(o, Q3K_QS + 64 * t, lane, &b[32 + 4 * t..36 + 4 * t]);
+                    }
+                    for t in 0..8 {
+                        copy(o, Q3K_HM + 64 * t, lane, &b[4 * t..4 * t + 4]);
+                    }
+                    for (g, s) in crate::quant::q3k_scales(&b[96..108]).into_iter().enumerate() {
+                        o[Q3K_SC + 16 * g + lane] = s as u8;
+                    }
+                    o[Q3K_D + 2 * lane..Q3K_D + 2 * lane + 2].copy_from_slice(&b[108..110]);
+                }
+                GgmlType::Q2K => {
+                    // GGUF block: scales (16), qs (64), d, dmin.
+                    for t in 0..16 {
+                        copy(o, Q2K_QS + 64 * t, lane, &b[16 + 4 * t..20 + 4 * t]);
+                    }
+                    for j in 0..8 {
+                        o[Q2K_SC + 32 * j + 2 * lane..Q2K_SC + 32 * j + 2 * lane + 2]
+                            .copy_from_slice(&b[2 * j..2 * j + 2]);
+                    }
+                    o[Q2K_D + 2 * lane..Q2K_D + 2 * lane + 2].copy_from_slice(&b[80..82]);
+                    o[Q2K_DMIN + 2 * lane..Q2K_DMIN + 2 * lane + 2].copy_from_slice(&b[82..84]);
+                }
+                GgmlType::IQ4XS => {
+                    // GGUF block: d, scales_h (2), scales_l (4), qs (128).
+                    for t in 0..32 {
+                        copy(o, IQ4XS_QS + 64 * t, lane, &b[8 + 4 * t..12 + 4 * t]);
+                    }
+                    for j in 0..8 {
+                        o[IQ4XS_SC + 16 * j + lane] = crate::quant::iq4xs_scale(b, j) as u8;
+                    }
+                    o[IQ4XS_D + 2 * lane..IQ4XS_D + 2 * lane + 2].copy_from_slice(&b[0..2]);
                 }
                 _ => unreachable!(),
             }

@@ -49,8 +49,15 @@ pub(crate) fn weights(ty: GgmlType, n_elems: usize, rng: &mut Rng) -> Vec<u8> {
     };
     for blk in w.chunks_exact_mut(ts) {
         if ty == GgmlType::MXFP4 {
-            // An E8M0 exponent: 2^-9 .. 2^-2 (halved).
-            blk[0] = 118 + (rng.next() % 8) as u8;
+            // An E8M0 exponent: 2^-9 .. 2^-2 (halved), and now and then
+            // one of the smallest three (subnormal halves and the first
+            // normal one).
+            let r = rng.next();
+            blk[0] = if r.is_multiple_of(16) {
+                (r / 16 % 3) as u8
+            } else {
+                118 + (r / 16 % 8) as u8
+            };
         }
         for &at in scale_at {
             let v = f16::from_f32(rng.f32() * 0.05);

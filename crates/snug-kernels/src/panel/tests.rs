@@ -26,7 +26,7 @@ fn panels_equal_the_scalar_reference_bitwise() {
         return;
     }
     let mut rng = Rng(42);
-    for ty in TYPES.into_iter().filter(|&t| supports(t)) {
+    for ty in TYPES.into_iter().filter(|&t| available(t)) {
         // Fewer than 8, exactly 8, and more than 8 blocks or super-blocks
         // (accumulator classes with no, one and two blocks).
         for n in [768, 2048, 2304, 4608] {

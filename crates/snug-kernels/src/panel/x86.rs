@@ -1,6 +1,9 @@
 use std::arch::x86_64::*;
 
-use super::{unit_bytes, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_HALF, Q6K_SC};
+use super::{
+    level_table, unit_bytes, IQ4XS_D, IQ4XS_QS, IQ4XS_SC, Q2K_D, Q2K_DMIN, Q2K_QS, Q2K_SC, Q3K_D, Q3K_HM, Q3K_QS,
+    Q3K_SC, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q5K_QH, Q6K_D, Q6K_HALF, Q6K_SC,
+};
 use crate::dot::BlockQ8;
 use crate::quant::GgmlType;
 
@@ -76,6 +79,36 @@ unsafe fn f16x16(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
 }
 
+/// Sixteen E8M0 exponents at `p` as the f32 halves of their scales
+/// ([`crate::quant::e8m0_half`]): `2^(e - 128)`, the two smallest as
+/// subnormals.
+#[inline(always)]
+unsafe fn e8m0x16(p: *const u8) -> __m512 {
+    let e = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+    let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+    let small = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+    let m = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(m, normal, small))
+}
+
+/// A level table in every 128-bit lane, for `vpshufb`.
+#[inline(always)]
+unsafe fn table(t: [u8; 16]) -> __m512i {
+    _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr() as *const __m128i))
+}
+
+/// Every byte's bit `from` moved to bit `to` (other bits left for the
+/// caller to mask). 16-bit shifts by at most 7 keep a byte's bits in
+/// that byte at the positions read.
+#[inline(always)]
+unsafe fn move_bit(v: __m512i, from: usize, to: usize) -> __m512i {
+    if from < to {
+        _mm512_sll_epi16(v, _mm_cvtsi32_si128((to - from) as i32))
+    } else {
+        _mm512_srl_epi16(v, _mm_cvtsi32_si128((from - to) as i32))
+    }
+}
+
 /// `a | (b & c)`.
 #[inline(always)]
 unsafe fn or_and(a: __m512i, b: __m512i, c: __m512i) -> __m512i {
@@ -142,28 +175,73 @@ impl<const R: usize> Tree<R> {
 const Q4: u8 = 0;
 const Q5: u8 = 1;
 const Q8: u8 = 2;
+/// Nibbles through a level table (IQ4_NL, MXFP4).
+const NL: u8 = 3;
+
+/// The 8 level vectors of the per-32-block unit at `q`: vector t holds
+/// elements 4t..4t+4 of the block of each of the 16 rows, unsigned.
+#[inline(always)]
+unsafe fn unpack_block<const KIND: u8>(q: *const u8, lut: __m512i) -> [__m512i; 8] {
+    let m0f = _mm512_set1_epi8(0x0f);
+    let m10 = _mm512_set1_epi8(0x10);
+    let mut w = [_mm512_setzero_si512(); 8];
+    if KIND == Q8 {
+        for t in 0..8 {
+            w[t] = load(q.add(t * 64));
+        }
+    } else if KIND == NL {
+        for t in 0..4 {
+            let (lo, hi) = nibbles(load(q.add(t * 64)), m0f);
+            w[t] = _mm512_shuffle_epi8(lut, lo);
+            w[t + 4] = _mm512_shuffle_epi8(lut, hi);
+        }
+    } else {
+        for t in 0..4 {
+            (w[t], w[t + 4]) = nibbles(load(q.add(t * 64)), m0f);
+        }
+        if KIND == Q5 {
+            // Element 4t + j's bit sits at bit 2t of byte j, element
+            // 16 + 4t + j's at bit 2t + 1: move each to bit 4.
+            let h = load(q.add(256));
+            w[0] = or_and(w[0], _mm512_slli_epi16::<4>(h), m10);
+            w[1] = or_and(w[1], _mm512_slli_epi16::<2>(h), m10);
+            w[2] = or_and(w[2], h, m10);
+            w[3] = or_and(w[3], _mm512_srli_epi16::<2>(h), m10);
+            w[4] = or_and(w[4], _mm512_slli_epi16::<3>(h), m10);
+            w[5] = or_and(w[5], _mm512_slli_epi16::<1>(h), m10);
+            w[6] = or_and(w[6], _mm512_srli_epi16::<1>(h), m10);
+            w[7] = or_and(w[7], _mm512_srli_epi16::<3>(h), m10);
+        }
+    }
+    w
+}
+
+/// Bytes of levels (and high bits) before a per-32-block unit's scales.
+const fn blocks_d_at(kind: u8) -> usize {
+    match kind {
+        Q8 => 512,
+        Q5 => 320,
+        _ => 256,
+    }
+}
 
 /// Per-32-block types: accumulator class `c` takes blocks c, c+8, ...
-/// `KIND`: nibbles (Q4), nibbles and high bits (Q5) or bytes (Q8);
-/// `MIN`: a per-block minimum (Q4_1, Q5_1); `OFF`: a level offset taken
-/// out through `aux`.
+/// `KIND`: nibbles (Q4), nibbles and high bits (Q5), bytes (Q8) or
+/// nibbles looked up in `lut` (NL); `MIN`: a per-block minimum (Q4_1,
+/// Q5_1); `OFF`: a level offset taken out through `aux`; `E8`: the scale
+/// is an E8M0 exponent byte (MXFP4), not an f16.
 #[inline(always)]
-unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const E8: bool, const R: usize>(
     mut p: *const u8,
     ub: usize,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
     aux: &[&[i32]],
+    lut: __m512i,
     out: Out,
 ) {
-    let m0f = _mm512_set1_epi8(0x0f);
-    let m10 = _mm512_set1_epi8(0x10);
-    // Bytes of levels (and high bits) before the scales.
-    let d_at = match KIND {
-        Q8 => 512,
-        Q5 => 320,
-        _ => 256,
-    };
+    let d_at = blocks_d_at(KIND);
     let mut tree = Tree::<R>::new();
     for c in 0..8 {
         let mut acc = [_mm512_setzero_ps(); R];
@@ -172,31 +250,8 @@ unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: 
             let q = p;
             prefetch(q, ub, out.prefetch);
             p = p.add(ub);
-            let mut w = [_mm512_setzero_si512(); 8];
-            if KIND == Q8 {
-                for t in 0..8 {
-                    w[t] = load(q.add(t * 64));
-                }
-            } else {
-                for t in 0..4 {
-                    (w[t], w[t + 4]) = nibbles(load(q.add(t * 64)), m0f);
-                }
-                if KIND == Q5 {
-                    // Element 4t + j's bit sits at bit 2t of byte j,
-                    // element 16 + 4t + j's at bit 2t + 1: move each to
-                    // bit 4.
-                    let h = load(q.add(256));
-                    w[0] = or_and(w[0], _mm512_slli_epi16::<4>(h), m10);
-                    w[1] = or_and(w[1], _mm512_slli_epi16::<2>(h), m10);
-                    w[2] = or_and(w[2], h, m10);
-                    w[3] = or_and(w[3], _mm512_srli_epi16::<2>(h), m10);
-                    w[4] = or_and(w[4], _mm512_slli_epi16::<3>(h), m10);
-                    w[5] = or_and(w[5], _mm512_slli_epi16::<1>(h), m10);
-                    w[6] = or_and(w[6], _mm512_srli_epi16::<1>(h), m10);
-                    w[7] = or_and(w[7], _mm512_srli_epi16::<3>(h), m10);
-                }
-            }
-            let dw = f16x16(q.add(d_at));
+            let w = unpack_block::<KIND>(q, lut);
+            let dw = if E8 { e8m0x16(q.add(d_at)) } else { f16x16(q.add(d_at)) };
             let mw = if MIN {
                 f16x16(q.add(d_at + 32))
             } else {
@@ -260,14 +315,44 @@ unsafe fn block_isum<const R: usize, const TWO: bool, const HI: bool>(
     }
 }
 
-/// Q4_K: accumulator class `c` takes super-blocks c, c+8, ...
+/// Block `j`'s level vectors of a Q4_K or Q5_K (`FIVE`) unit at `q`.
+/// Q4_K's odd blocks are high nibbles left in place (16 times their
+/// level; see [`block_isum`]).
 #[inline(always)]
-unsafe fn dot_q4k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], aux: &[&[i32]], out: Out) {
-    let ub = unit_bytes(GgmlType::Q4K);
-    let n_sb = n_blocks / 8;
-    let neg = _mm512_set1_epi32(i32::MIN);
+unsafe fn unpack_q4k<const FIVE: bool>(q: *const u8, j: usize) -> [__m512i; 8] {
     let m0f = _mm512_set1_epi8(0x0f);
     let mf0 = _mm512_set1_epi8(0xf0_u8 as i8);
+    let m10 = _mm512_set1_epi8(0x10);
+    let (pair, h) = (j / 2, j % 2);
+    let mut w = [_mm512_setzero_si512(); 8];
+    for t in 0..8 {
+        let v = load(q.add(Q4K_QS + (pair * 8 + t) * 64));
+        w[t] = if FIVE {
+            // Q5_K: the nibble at bits 0..4 and bit j of the `qh` byte
+            // at bit 4.
+            let lo = if h == 0 { v } else { _mm512_srli_epi16::<4>(v) };
+            let hb = move_bit(load(q.add(Q5K_QH + t * 64)), j, 4);
+            or_and(_mm512_and_si512(lo, m0f), hb, m10)
+        } else {
+            _mm512_and_si512(v, if h == 0 { m0f } else { mf0 })
+        };
+    }
+    w
+}
+
+/// Q4_K, and Q5_K (`FIVE`: a high bit per element): accumulator class
+/// `c` takes super-blocks c, c+8, ...
+#[inline(always)]
+unsafe fn dot_q4k<const R: usize, const FIVE: bool>(
+    mut p: *const u8,
+    n_blocks: usize,
+    acts: &[&[BlockQ8]],
+    aux: &[&[i32]],
+    out: Out,
+) {
+    let ub = unit_bytes(if FIVE { GgmlType::Q5K } else { GgmlType::Q4K });
+    let n_sb = n_blocks / 8;
+    let neg = _mm512_set1_epi32(i32::MIN);
     let zero = _mm512_setzero_si512();
     let mut tree = Tree::<R>::new();
     for c in 0..8 {
@@ -285,14 +370,10 @@ unsafe fn dot_q4k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[B
                 // half loads the words again (from L1) rather than keep
                 // sixteen vectors live beside a tile's sums.
                 for h in 0..2 {
-                    let mut w = [zero; 8];
-                    for t in 0..8 {
-                        let v = load(q.add(Q4K_QS + (pair * 8 + t) * 64));
-                        w[t] = _mm512_and_si512(v, if h == 0 { m0f } else { mf0 });
-                    }
                     let j = 2 * pair + h;
+                    let w = unpack_q4k::<FIVE>(q, j);
                     let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(Q4K_SC + 16 * j) as *const __m128i));
-                    if h == 0 {
+                    if h == 0 || FIVE {
                         block_isum::<R, false, false>(&w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
                     } else {
                         block_isum::<R, false, true>(&w, acts, sb * 8 + j, [[0; 2]; R], s, zero, &mut isum);
@@ -326,6 +407,35 @@ unsafe fn dot_q4k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[B
     tree.store(out);
 }
 
+/// Block 4 half + k's level vectors of a Q6_K unit at `q`: low (k < 2) or
+/// high nibbles of `ql` words 0..8 (k even) or 8..16 (k odd) of the half,
+/// and bits 2k, 2k + 1 of its `qh` bytes at bits 4, 5.
+#[inline(always)]
+unsafe fn unpack_q6k(q: *const u8, half: usize, k: usize) -> [__m512i; 8] {
+    let m0f = _mm512_set1_epi8(0x0f);
+    let m30 = _mm512_set1_epi8(0x30);
+    let hq = q.add(Q6K_HALF + 1536 * half + 512);
+    let lq = q.add(Q6K_HALF + 1536 * half + (k & 1) * 1024);
+    let mut w = [_mm512_setzero_si512(); 8];
+    for t in 0..8 {
+        let l = load(lq.add(t * 64));
+        let h = load(hq.add(t * 64));
+        let lo = if k < 2 {
+            _mm512_and_si512(l, m0f)
+        } else {
+            _mm512_and_si512(_mm512_srli_epi16::<4>(l), m0f)
+        };
+        let hs = match k {
+            0 => _mm512_slli_epi16::<4>(h),
+            1 => _mm512_slli_epi16::<2>(h),
+            2 => h,
+            _ => _mm512_srli_epi16::<2>(h),
+        };
+        w[t] = or_and(lo, hs, m30);
+    }
+    w
+}
+
 /// Q6_K: accumulator class `c` takes super-blocks c, c+8, ... Levels
 /// are offset by 32 (taken out through `aux`, per 16 elements), scales
 /// are signed bytes per 16 elements, no minimum.
@@ -333,8 +443,6 @@ unsafe fn dot_q4k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[B
 unsafe fn dot_q6k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], aux: &[&[i32]], out: Out) {
     let ub = unit_bytes(GgmlType::Q6K);
     let n_sb = n_blocks / 8;
-    let m0f = _mm512_set1_epi8(0x0f);
-    let m30 = _mm512_set1_epi8(0x30);
     let mut tree = Tree::<R>::new();
     for c in 0..8 {
         let mut acc = [_mm512_setzero_ps(); R];
@@ -344,31 +452,13 @@ unsafe fn dot_q6k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[B
             p = p.add(ub);
             let mut isum = [_mm512_setzero_si512(); R];
             for half in 0..2 {
-                let hq = q.add(Q6K_HALF + 1536 * half + 512);
                 // Blocks 0 and 2 share their `ql` words, as do 1 and 3.
                 for k in [0, 2, 1, 3] {
                     prefetch_part(q, ub, 4 * half + k, 8, out.prefetch);
                     // Block 4 * half + k: low (k < 2) or high nibbles of
                     // `ql` words 0..8 (k even) or 8..16 (k odd), and
                     // bits 2k, 2k + 1 of the `qh` bytes.
-                    let lq = q.add(Q6K_HALF + 1536 * half + (k & 1) * 1024);
-                    let mut w = [_mm512_setzero_si512(); 8];
-                    for t in 0..8 {
-                        let l = load(lq.add(t * 64));
-                        let h = load(hq.add(t * 64));
-                        let lo = if k < 2 {
-                            _mm512_and_si512(l, m0f)
-                        } else {
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(l), m0f)
-                        };
-                        let hs = match k {
-                            0 => _mm512_slli_epi16::<4>(h),
-                            1 => _mm512_slli_epi16::<2>(h),
-                            2 => h,
-                            _ => _mm512_srli_epi16::<2>(h),
-                        };
-                        w[t] = or_and(lo, hs, m30);
-                    }
+                    let w = unpack_q6k(q, half, k);
                     let blk = sb * 8 + 4 * half + k;
                     let g = 2 * (4 * half + k);
                     let s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(Q6K_SC + 16 * g) as *const __m128i));
@@ -393,8 +483,157 @@ unsafe fn dot_q6k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[B
     tree.store(out);
 }
 
+/// Block j's level vectors of a Q3_K (`THREE`) or Q2_K unit at `q`: bits
+/// 2(j % 4).. of `qs` words 8(j / 4).., and for Q3_K bit j of the
+/// `hmask` bytes as 4.
 #[inline(always)]
-unsafe fn dot_r<const R: usize>(
+unsafe fn unpack_q23k<const THREE: bool>(q: *const u8, j: usize) -> [__m512i; 8] {
+    let m03 = _mm512_set1_epi8(0x03);
+    let m04 = _mm512_set1_epi8(0x04);
+    let qs_at = if THREE { Q3K_QS } else { Q2K_QS };
+    let (half, k) = (j / 4, j % 4);
+    let mut w = [_mm512_setzero_si512(); 8];
+    for t in 0..8 {
+        let l = load(q.add(qs_at + (8 * half + t) * 64));
+        let lo = _mm512_and_si512(_mm512_srl_epi16(l, _mm_cvtsi32_si128(2 * k as i32)), m03);
+        w[t] = if THREE {
+            or_and(lo, move_bit(load(q.add(Q3K_HM + t * 64)), j, 2), m04)
+        } else {
+            lo
+        };
+    }
+    w
+}
+
+/// Q2_K's scales and minimums of block j, per lane (groups 2j and 2j + 1).
+#[inline(always)]
+unsafe fn q2k_scales(q: *const u8, j: usize) -> (__m512i, __m512i, __m512i) {
+    let m0f = _mm512_set1_epi32(0x0f);
+    let m0f16 = _mm512_set1_epi16(0x0f);
+    // Per lane the bytes of groups 2j and 2j + 1 as 16-bit halves: scales
+    // in the low nibbles, minimums high.
+    let raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q.add(Q2K_SC + 32 * j) as *const __m256i));
+    (
+        _mm512_and_si512(raw, m0f),
+        _mm512_and_si512(_mm512_srli_epi32::<16>(raw), m0f),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m0f16),
+    )
+}
+
+/// Signed byte scales, 16 lanes, at `p`.
+#[inline(always)]
+unsafe fn i8x16(p: *const u8) -> __m512i {
+    _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))
+}
+
+/// Q3_K (`THREE`) and Q2_K: accumulator class `c` takes super-blocks c,
+/// c+8, ... Two-bit levels from `qs`; Q3_K adds its `hmask` bit as 4
+/// (levels offset by 4, taken out through `aux`, per 16 elements) and
+/// has signed scales per 16 elements, Q2_K four-bit scales and minimums.
+#[inline(always)]
+unsafe fn dot_q23k<const R: usize, const THREE: bool>(
+    mut p: *const u8,
+    n_blocks: usize,
+    acts: &[&[BlockQ8]],
+    aux: &[&[i32]],
+    out: Out,
+) {
+    let ub = unit_bytes(if THREE { GgmlType::Q3K } else { GgmlType::Q2K });
+    let n_sb = n_blocks / 8;
+    let neg = _mm512_set1_epi32(i32::MIN);
+    let zero = _mm512_setzero_si512();
+    let mut tree = Tree::<R>::new();
+    for c in 0..8 {
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut sb = c;
+        while sb < n_sb {
+            let q = p;
+            p = p.add(ub);
+            let mut isum = [zero; R];
+            let mut msum = [zero; R];
+            for j in 0..8 {
+                prefetch_part(q, ub, j, 8, out.prefetch);
+                let w = unpack_q23k::<THREE>(q, j);
+                let blk = sb * 8 + j;
+                let (s0, s1, mins) = if THREE {
+                    (i8x16(q.add(Q3K_SC + 32 * j)), i8x16(q.add(Q3K_SC + 32 * j + 16)), zero)
+                } else {
+                    q2k_scales(q, j)
+                };
+                let mut start = [[0i32; 2]; R];
+                for r in 0..R {
+                    let x = aux.get_unchecked(r);
+                    if THREE {
+                        start[r] = [*x.get_unchecked(2 * blk), *x.get_unchecked(2 * blk + 1)];
+                    } else {
+                        let pair = _mm512_set1_epi32(*x.get_unchecked(2 * n_blocks + blk));
+                        msum[r] = _mm512_dpwssd_epi32(msum[r], mins, pair);
+                    }
+                }
+                block_isum::<R, true, false>(&w, acts, blk, start, s0, s1, &mut isum);
+            }
+            let d = f16x16(q.add(if THREE { Q3K_D } else { Q2K_D }));
+            for r in 0..R {
+                let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
+            }
+            if !THREE {
+                let dmin = f16x16(q.add(Q2K_DMIN));
+                for r in 0..R {
+                    let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                    let cm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), neg));
+                    acc[r] = _mm512_fmadd_ps(cm, _mm512_cvtepi32_ps(msum[r]), acc[r]);
+                }
+            }
+            sb += 8;
+        }
+        tree.push(c, &acc);
+    }
+    tree.store(out);
+}
+
+/// IQ4_XS: accumulator class `c` takes super-blocks c, c+8, ... Nibbles
+/// through the level table (offset by 128, taken out through `aux` per
+/// block), a signed scale per 32 elements, no minimum.
+#[inline(always)]
+unsafe fn dot_iq4xs<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], aux: &[&[i32]], out: Out) {
+    let ub = unit_bytes(GgmlType::IQ4XS);
+    let n_sb = n_blocks / 8;
+    let lut = table(level_table(GgmlType::IQ4XS));
+    let zero = _mm512_setzero_si512();
+    let mut tree = Tree::<R>::new();
+    for c in 0..8 {
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut sb = c;
+        while sb < n_sb {
+            let q = p;
+            p = p.add(ub);
+            let mut isum = [zero; R];
+            for j in 0..8 {
+                prefetch_part(q, ub, j, 8, out.prefetch);
+                let w = unpack_block::<NL>(q.add(IQ4XS_QS + 256 * j), lut);
+                let blk = sb * 8 + j;
+                let s = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(IQ4XS_SC + 16 * j) as *const __m128i));
+                let mut start = [[0i32; 2]; R];
+                for r in 0..R {
+                    start[r][0] = *aux.get_unchecked(r).get_unchecked(blk);
+                }
+                block_isum::<R, false, false>(&w, acts, blk, start, s, zero, &mut isum);
+            }
+            let d = f16x16(q.add(IQ4XS_D));
+            for r in 0..R {
+                let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
+            }
+            sb += 8;
+        }
+        tree.push(c, &acc);
+    }
+    tree.store(out);
+}
+
+#[inline(always)]
+pub(super) unsafe fn dot_r<const R: usize>(
     p: *const u8,
     ty: GgmlType,
     n_blocks: usize,
@@ -403,14 +642,27 @@ unsafe fn dot_r<const R: usize>(
     out: Out,
 ) {
     let ub = unit_bytes(ty);
+    let z = _mm512_setzero_si512();
     match ty {
-        GgmlType::Q4_0 => dot_blocks::<Q4, false, true, R>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q4_1 => dot_blocks::<Q4, true, false, R>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q5_0 => dot_blocks::<Q5, false, true, R>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q5_1 => dot_blocks::<Q5, true, false, R>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q8_0 => dot_blocks::<Q8, false, true, R>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q4K => dot_q4k::<R>(p, n_blocks, acts, aux, out),
+        GgmlType::Q4_0 => dot_blocks::<Q4, false, true, false, R>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::Q4_1 => dot_blocks::<Q4, true, false, false, R>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::Q5_0 => dot_blocks::<Q5, false, true, false, R>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::Q5_1 => dot_blocks::<Q5, true, false, false, R>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::Q8_0 => dot_blocks::<Q8, false, true, false, R>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::IQ4NL => {
+            let lut = table(level_table(ty));
+            dot_blocks::<NL, false, true, false, R>(p, ub, n_blocks, acts, aux, lut, out)
+        }
+        GgmlType::MXFP4 => {
+            let lut = table(level_table(ty));
+            dot_blocks::<NL, false, true, true, R>(p, ub, n_blocks, acts, aux, lut, out)
+        }
+        GgmlType::Q4K => dot_q4k::<R, false>(p, n_blocks, acts, aux, out),
+        GgmlType::Q5K => dot_q4k::<R, true>(p, n_blocks, acts, aux, out),
         GgmlType::Q6K => dot_q6k::<R>(p, n_blocks, acts, aux, out),
+        GgmlType::Q3K => dot_q23k::<R, true>(p, n_blocks, acts, aux, out),
+        GgmlType::Q2K => dot_q23k::<R, false>(p, n_blocks, acts, aux, out),
+        GgmlType::IQ4XS => dot_iq4xs::<R>(p, n_blocks, acts, aux, out),
         _ => unreachable!(),
     }
 }
