@@ -6,7 +6,8 @@
 # the same file and threads: pp512 and tg64.
 #
 # Usage: bench/types.sh LLAMA_BIN_DIR [OUT] [TYPES...]
-#   SHAPE (default 1.5b: Qwen2.5-1.5B's), THREADS (2), REPS (2)
+#   SHAPE (default 1.5b: Qwen2.5-1.5B's), ARCH (llama), EXPERTS
+#   (COUNT,USED,FF: a mixture of experts), THREADS (2), REPS (2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$1
@@ -22,7 +23,8 @@ cargo build --release -p snug-model --example synth_gguf >&2
 like=$(target/release/snug pull smollm2-135m | tail -n 1)
 for ty in $types; do
   f="$out/synth-${shape%%=*}-$ty.gguf"
-  target/release/examples/synth_gguf --like "$like" --shape "$shape" --type "$ty" --head-type q6_k --out "$f" 2>/dev/null
+  target/release/examples/synth_gguf --like "$like" --shape "$shape" --arch "${ARCH:-llama}" \
+    ${EXPERTS:+--experts "$EXPERTS"} --type "$ty" --head-type q6_k --out "$f" 2>/dev/null
   # llama.cpp's AMX repacking crashes on some of these files on AMX
   # machines: then without repacking (said in the output).
   if ! "$bin/llama-bench" -m "$f" -t "$threads" -p 512 -n 64 -fa 0,1 -r "$reps" -o md > "$out/llama-$ty.md" 2>/dev/null; then

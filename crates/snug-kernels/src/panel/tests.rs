@@ -82,3 +82,67 @@ fn panels_equal_the_scalar_reference_bitwise() {
         }
     }
 }
+
+/// The AVX2 panel kernels, run directly, on any machine with AVX2 (an
+/// AVX-512 machine otherwise takes the AVX-512 kernels and never runs
+/// these).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_panels_equal_the_scalar_reference_bitwise() {
+    if !Simd::available().contains(&Simd::Avx2) {
+        eprintln!("no AVX2 here");
+        return;
+    }
+    let mut rng = Rng(7);
+    for ty in TYPES.into_iter().filter(|&t| supports_avx2(t)) {
+        for n in [768, 2304, 4608] {
+            let nb = n / QK8;
+            for n_w in [16, 5] {
+                let ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
+                let flat: Vec<u8> = ws.concat();
+                let mut packed = vec![0u8; packed_matrix_bytes(ty, n_w, n)];
+                pack_matrix(ty, &flat, n_w, n, &mut packed);
+                let acts: Vec<Vec<BlockQ8>> = (0..9)
+                    .map(|r| {
+                        let x: Vec<f32> = (0..n).map(|_| rng.f32() * (0.5 + r as f32)).collect();
+                        let mut q = vec![BlockQ8::default(); nb];
+                        quantize_row(act_format(ty), &x, &mut q);
+                        q
+                    })
+                    .collect();
+                let aux: Vec<Vec<i32>> = acts
+                    .iter()
+                    .map(|a| {
+                        let mut v = vec![0; aux_len(ty, nb)];
+                        activation_aux(ty, a, &mut v);
+                        v
+                    })
+                    .collect();
+                let arefs: Vec<&[BlockQ8]> = acts.iter().map(|v| v.as_slice()).collect();
+                let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
+                for rows in [9, 8, 5, 4, 3, 2, 1] {
+                    let mut got = vec![f32::NAN; rows * PANEL_ROWS];
+                    let out = x86::Out {
+                        ptr: got.as_mut_ptr(),
+                        stride: PANEL_ROWS,
+                        mask: u16::MAX,
+                        prefetch: true,
+                    };
+                    // SAFETY: AVX2 checked; `rows` rows of 16 outputs.
+                    unsafe { avx2::dot(packed.as_ptr(), ty, nb, &arefs[..rows], &xrefs[..rows], out) };
+                    for w in 0..n_w {
+                        let mut want = vec![0f32; rows];
+                        dot_rows_with(Simd::Scalar, ty, &ws[w], &arefs[..rows], &mut want);
+                        for r in 0..rows {
+                            assert_eq!(
+                                got[r * PANEL_ROWS + w].to_bits(),
+                                want[r].to_bits(),
+                                "{ty} AVX2 n {n} rows {n_w}x{rows} at ({w}, {r})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
