@@ -41,6 +41,12 @@ fn decoder_matrices(file: &GgufFile) -> Vec<String> {
             "ffn_gate",
             "ffn_up",
             "ffn_down",
+            // A mixture of experts: the router, and every expert's
+            // matrices stacked in one tensor each.
+            "ffn_gate_inp",
+            "ffn_gate_exps",
+            "ffn_up_exps",
+            "ffn_down_exps",
         ] {
             names.push(format!("blk.{l}.{m}.weight"));
         }

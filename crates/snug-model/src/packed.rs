@@ -73,6 +73,20 @@ fn fnv(h: &mut u64, bytes: &[u8]) {
     }
 }
 
+/// A packable tensor's columns and rows: a matrix's, or a stack of
+/// experts' matrices (`[cols, rows, experts]`) as one matrix of all their
+/// rows, where each expert's rows fill whole panels (so that expert e's
+/// panels are the e-th equal part of the packed bytes).
+fn shape(t: &TensorInfo) -> Option<(usize, usize)> {
+    match *t.dims.as_slice() {
+        [cols, rows] => Some((cols as usize, rows as usize)),
+        [cols, rows, experts] if (rows as usize).is_multiple_of(panel::PANEL_ROWS) => {
+            Some((cols as usize, (rows * experts) as usize))
+        }
+        _ => None,
+    }
+}
+
 fn plan<'f>(file: &'f GgufFile, names: &[&str]) -> Plan<'f> {
     let mut key = 0xcbf2_9ce4_8422_2325u64;
     fnv(&mut key, &LAYOUT_VERSION.to_le_bytes());
@@ -86,10 +100,10 @@ fn plan<'f>(file: &'f GgufFile, names: &[&str]) -> Plan<'f> {
     let mut seen = std::collections::HashSet::new();
     for &name in names {
         let Some(t) = file.tensor(name) else { continue };
-        if !seen.insert(name) || !panel::available(t.ty) || t.dims.len() != 2 {
+        let Some((cols, rows)) = shape(t) else { continue };
+        if !seen.insert(name) || !panel::available(t.ty) {
             continue;
         }
-        let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
         if !cols.is_multiple_of(t.ty.block_size()) {
             continue;
         }
@@ -114,7 +128,7 @@ fn fill(file: &GgufFile, plan: &Plan, out: &mut [u8]) {
     out[16..24].copy_from_slice(&(plan.total as u64).to_le_bytes());
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     for &(t, at) in &plan.tensors {
-        let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+        let Some((cols, rows)) = shape(t) else { continue };
         let len = packed_matrix_bytes(t.ty, rows, cols);
         let dst = &mut out[at..at + len];
         let data = file.tensor_data(t);
@@ -299,7 +313,8 @@ fn index(plan: &Plan) -> HashMap<String, (usize, usize)> {
     plan.tensors
         .iter()
         .map(|&(t, at)| {
-            let len = packed_matrix_bytes(t.ty, t.dims[1] as usize, t.dims[0] as usize);
+            let (cols, rows) = shape(t).unwrap_or((0, 0));
+            let len = packed_matrix_bytes(t.ty, rows, cols);
             (t.name.clone(), (at, len))
         })
         .collect()

@@ -89,3 +89,62 @@ fn cache_file_is_built_once_verified_and_rebuilt_when_wrong() {
     let _ = std::fs::remove_file(&blocker);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A stack of experts' matrices (`[cols, rows, experts]`) packs as one
+/// matrix of all their rows, expert e's panels its e-th equal part: the
+/// same bytes as packing expert e's rows alone.
+#[test]
+fn expert_stacks_pack_expert_by_expert() {
+    use snug_model::testing::synth::{self, Shape, Spec};
+    let Some(like) = model_path("smollm2-135m") else { return };
+    if !panel::available(snug_kernels::GgmlType::Q4K) {
+        eprintln!("no panels here: nothing is packed");
+        return;
+    }
+    let like = GgufFile::open(&like).unwrap();
+    let dir = temp_dir("experts");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("moe.gguf");
+    let spec = Spec {
+        arch: "qwen3moe".into(),
+        shape: Shape {
+            dim: 256,
+            layers: 1,
+            heads: 4,
+            kv_heads: 2,
+            // Experts of 256 (a quarter), one Q4_K super-block a row.
+            ff: 1024,
+            head_dim: 64,
+        },
+        ty: snug_kernels::GgmlType::Q4K,
+        head_ty: snug_kernels::GgmlType::Q6K,
+        window: 0,
+        scale: 0.002,
+        name: "experts".into(),
+        rope_freqs: None,
+        rope_linear: None,
+        extra: Vec::new(),
+        tokenizer_only: false,
+    };
+    synth::write(&like.header, &spec, &path).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    let names = ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight"];
+    let packed = PackedWeights::open_or_build(&file, &names, &dir.join("packed"))
+        .unwrap()
+        .unwrap();
+    for name in names {
+        let t = file.tensor(name).unwrap();
+        let (cols, rows, experts) = (t.dims[0] as usize, t.dims[1] as usize, t.dims[2] as usize);
+        let got = packed.get(name).unwrap();
+        let data = file.tensor_data(t);
+        let (per, pper) = (data.len() / experts, packed_matrix_bytes(t.ty, rows, cols));
+        assert_eq!(got.len(), experts * pper, "{name}: packed length");
+        for e in 0..experts {
+            let mut want = vec![0u8; pper];
+            pack_matrix(t.ty, &data[e * per..(e + 1) * per], rows, cols, &mut want);
+            assert!(got[e * pper..(e + 1) * pper] == want[..], "{name}: expert {e}'s panels");
+        }
+    }
+    drop(packed);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -158,13 +158,17 @@ impl<'a> Model<'a> {
                     }
                     let data = file.tensor_data(t);
                     let per = data.len() / c.experts;
+                    // Packed, the stack is one matrix of every expert's
+                    // rows, each expert's in whole panels.
+                    let pk = packed.and_then(|p| p.get(name)).filter(|pk| pk.len() % c.experts == 0);
+                    let pper = pk.map_or(0, |pk| pk.len() / c.experts);
                     Ok((0..c.experts)
                         .map(|e| Weight {
                             ty: t.ty,
                             rows,
                             cols,
                             data: &data[e * per..(e + 1) * per],
-                            packed: None,
+                            packed: pk.map(|pk| &pk[e * pper..(e + 1) * pper]),
                         })
                         .collect())
                 };
