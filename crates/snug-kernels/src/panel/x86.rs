@@ -436,53 +436,6 @@ unsafe fn unpack_q6k(q: *const u8, half: usize, k: usize) -> [__m512i; 8] {
     w
 }
 
-/// Q6_K: accumulator class `c` takes super-blocks c, c+8, ... Levels
-/// are offset by 32 (taken out through `aux`, per 16 elements), scales
-/// are signed bytes per 16 elements, no minimum.
-#[inline(always)]
-unsafe fn dot_q6k<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], aux: &[&[i32]], out: Out) {
-    let ub = unit_bytes(GgmlType::Q6K);
-    let n_sb = n_blocks / 8;
-    let mut tree = Tree::<R>::new();
-    for c in 0..8 {
-        let mut acc = [_mm512_setzero_ps(); R];
-        let mut sb = c;
-        while sb < n_sb {
-            let q = p;
-            p = p.add(ub);
-            let mut isum = [_mm512_setzero_si512(); R];
-            for half in 0..2 {
-                // Blocks 0 and 2 share their `ql` words, as do 1 and 3.
-                for k in [0, 2, 1, 3] {
-                    prefetch_part(q, ub, 4 * half + k, 8, out.prefetch);
-                    // Block 4 * half + k: low (k < 2) or high nibbles of
-                    // `ql` words 0..8 (k even) or 8..16 (k odd), and
-                    // bits 2k, 2k + 1 of the `qh` bytes.
-                    let w = unpack_q6k(q, half, k);
-                    let blk = sb * 8 + 4 * half + k;
-                    let g = 2 * (4 * half + k);
-                    let s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(Q6K_SC + 16 * g) as *const __m128i));
-                    let s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(Q6K_SC + 16 * (g + 1)) as *const __m128i));
-                    let mut start = [[0i32; 2]; R];
-                    for r in 0..R {
-                        let x = aux.get_unchecked(r);
-                        start[r] = [*x.get_unchecked(2 * blk), *x.get_unchecked(2 * blk + 1)];
-                    }
-                    block_isum::<R, true, false>(&w, acts, blk, start, s0, s1, &mut isum);
-                }
-            }
-            let d = f16x16(q.add(Q6K_D));
-            for r in 0..R {
-                let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
-            }
-            sb += 8;
-        }
-        tree.push(c, &acc);
-    }
-    tree.store(out);
-}
-
 /// Block j's level vectors of a Q3_K (`THREE`) or Q2_K unit at `q`: bits
 /// 2(j % 4).. of `qs` words 8(j / 4).., and for Q3_K bit j of the
 /// `hmask` bytes as 4.
@@ -526,22 +479,42 @@ unsafe fn i8x16(p: *const u8) -> __m512i {
     _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))
 }
 
-/// Q3_K (`THREE`) and Q2_K: accumulator class `c` takes super-blocks c,
-/// c+8, ... Two-bit levels from `qs`; Q3_K adds its `hmask` bit as 4
-/// (levels offset by 4, taken out through `aux`, per 16 elements) and
-/// has signed scales per 16 elements, Q2_K four-bit scales and minimums.
+/// The K-quants with no minimum or with Q2_K's per 16 elements: Q6_K, Q3_K,
+/// Q2_K and IQ4_XS (`KIND`). Accumulator class `c` takes super-blocks c,
+/// c+8, ... Each block's levels are summed with one signed scale per 16
+/// elements (Q6_K and Q3_K, their level offsets of 32 and 4 taken out
+/// through `aux`; Q2_K with its minimums from its 16-element activation
+/// sums) or per 32 (IQ4_XS, its table offset of 128 through `aux`).
 #[inline(always)]
-unsafe fn dot_q23k<const R: usize, const THREE: bool>(
+unsafe fn dot_k<const R: usize, const KIND: u8>(
     mut p: *const u8,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
     aux: &[&[i32]],
     out: Out,
 ) {
-    let ub = unit_bytes(if THREE { GgmlType::Q3K } else { GgmlType::Q2K });
+    let ty = match KIND {
+        K6 => GgmlType::Q6K,
+        K3 => GgmlType::Q3K,
+        K2 => GgmlType::Q2K,
+        _ => GgmlType::IQ4XS,
+    };
+    let ub = unit_bytes(ty);
     let n_sb = n_blocks / 8;
     let neg = _mm512_set1_epi32(i32::MIN);
+    let lut = if KIND == KXS {
+        table(level_table(ty))
+    } else {
+        _mm512_setzero_si512()
+    };
     let zero = _mm512_setzero_si512();
+    // Q6_K's blocks 0 and 2 of a half share their `ql` words, as do 1 and
+    // 3: taken one after the other (the sum is of integers, in any order).
+    let order: [usize; 8] = if KIND == K6 {
+        [0, 2, 1, 3, 4, 6, 5, 7]
+    } else {
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    };
     let mut tree = Tree::<R>::new();
     for c in 0..8 {
         let mut acc = [_mm512_setzero_ps(); R];
@@ -551,33 +524,51 @@ unsafe fn dot_q23k<const R: usize, const THREE: bool>(
             p = p.add(ub);
             let mut isum = [zero; R];
             let mut msum = [zero; R];
-            for j in 0..8 {
+            for j in order {
                 prefetch_part(q, ub, j, 8, out.prefetch);
-                let w = unpack_q23k::<THREE>(q, j);
+                let w = match KIND {
+                    K6 => unpack_q6k(q, j / 4, j % 4),
+                    K3 => unpack_q23k::<true>(q, j),
+                    K2 => unpack_q23k::<false>(q, j),
+                    _ => unpack_block::<NL>(q.add(IQ4XS_QS + 256 * j), lut),
+                };
                 let blk = sb * 8 + j;
-                let (s0, s1, mins) = if THREE {
-                    (i8x16(q.add(Q3K_SC + 32 * j)), i8x16(q.add(Q3K_SC + 32 * j + 16)), zero)
-                } else {
-                    q2k_scales(q, j)
+                let (s0, s1, mins) = match KIND {
+                    K6 => (i8x16(q.add(Q6K_SC + 32 * j)), i8x16(q.add(Q6K_SC + 32 * j + 16)), zero),
+                    K3 => (i8x16(q.add(Q3K_SC + 32 * j)), i8x16(q.add(Q3K_SC + 32 * j + 16)), zero),
+                    K2 => q2k_scales(q, j),
+                    _ => (i8x16(q.add(IQ4XS_SC + 16 * j)), zero, zero),
                 };
                 let mut start = [[0i32; 2]; R];
                 for r in 0..R {
                     let x = aux.get_unchecked(r);
-                    if THREE {
-                        start[r] = [*x.get_unchecked(2 * blk), *x.get_unchecked(2 * blk + 1)];
-                    } else {
-                        let pair = _mm512_set1_epi32(*x.get_unchecked(2 * n_blocks + blk));
-                        msum[r] = _mm512_dpwssd_epi32(msum[r], mins, pair);
+                    match KIND {
+                        K6 | K3 => start[r] = [*x.get_unchecked(2 * blk), *x.get_unchecked(2 * blk + 1)],
+                        K2 => {
+                            let pair = _mm512_set1_epi32(*x.get_unchecked(2 * n_blocks + blk));
+                            msum[r] = _mm512_dpwssd_epi32(msum[r], mins, pair);
+                        }
+                        _ => start[r][0] = *x.get_unchecked(blk),
                     }
                 }
-                block_isum::<R, true, false>(&w, acts, blk, start, s0, s1, &mut isum);
+                if KIND == KXS {
+                    block_isum::<R, false, false>(&w, acts, blk, start, s0, s1, &mut isum);
+                } else {
+                    block_isum::<R, true, false>(&w, acts, blk, start, s0, s1, &mut isum);
+                }
             }
-            let d = f16x16(q.add(if THREE { Q3K_D } else { Q2K_D }));
+            let d_at = match KIND {
+                K6 => Q6K_D,
+                K3 => Q3K_D,
+                K2 => Q2K_D,
+                _ => IQ4XS_D,
+            };
+            let d = f16x16(q.add(d_at));
             for r in 0..R {
                 let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
             }
-            if !THREE {
+            if KIND == K2 {
                 let dmin = f16x16(q.add(Q2K_DMIN));
                 for r in 0..R {
                     let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
@@ -592,45 +583,11 @@ unsafe fn dot_q23k<const R: usize, const THREE: bool>(
     tree.store(out);
 }
 
-/// IQ4_XS: accumulator class `c` takes super-blocks c, c+8, ... Nibbles
-/// through the level table (offset by 128, taken out through `aux` per
-/// block), a signed scale per 32 elements, no minimum.
-#[inline(always)]
-unsafe fn dot_iq4xs<const R: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], aux: &[&[i32]], out: Out) {
-    let ub = unit_bytes(GgmlType::IQ4XS);
-    let n_sb = n_blocks / 8;
-    let lut = table(level_table(GgmlType::IQ4XS));
-    let zero = _mm512_setzero_si512();
-    let mut tree = Tree::<R>::new();
-    for c in 0..8 {
-        let mut acc = [_mm512_setzero_ps(); R];
-        let mut sb = c;
-        while sb < n_sb {
-            let q = p;
-            p = p.add(ub);
-            let mut isum = [zero; R];
-            for j in 0..8 {
-                prefetch_part(q, ub, j, 8, out.prefetch);
-                let w = unpack_block::<NL>(q.add(IQ4XS_QS + 256 * j), lut);
-                let blk = sb * 8 + j;
-                let s = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(IQ4XS_SC + 16 * j) as *const __m128i));
-                let mut start = [[0i32; 2]; R];
-                for r in 0..R {
-                    start[r][0] = *aux.get_unchecked(r).get_unchecked(blk);
-                }
-                block_isum::<R, false, false>(&w, acts, blk, start, s, zero, &mut isum);
-            }
-            let d = f16x16(q.add(IQ4XS_D));
-            for r in 0..R {
-                let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
-            }
-            sb += 8;
-        }
-        tree.push(c, &acc);
-    }
-    tree.store(out);
-}
+/// [`dot_k`]'s kinds.
+const K6: u8 = 0;
+const K3: u8 = 1;
+const K2: u8 = 2;
+const KXS: u8 = 3;
 
 #[inline(always)]
 pub(super) unsafe fn dot_r<const R: usize>(
@@ -659,10 +616,10 @@ pub(super) unsafe fn dot_r<const R: usize>(
         }
         GgmlType::Q4K => dot_q4k::<R, false>(p, n_blocks, acts, aux, out),
         GgmlType::Q5K => dot_q4k::<R, true>(p, n_blocks, acts, aux, out),
-        GgmlType::Q6K => dot_q6k::<R>(p, n_blocks, acts, aux, out),
-        GgmlType::Q3K => dot_q23k::<R, true>(p, n_blocks, acts, aux, out),
-        GgmlType::Q2K => dot_q23k::<R, false>(p, n_blocks, acts, aux, out),
-        GgmlType::IQ4XS => dot_iq4xs::<R>(p, n_blocks, acts, aux, out),
+        GgmlType::Q6K => dot_k::<R, K6>(p, n_blocks, acts, aux, out),
+        GgmlType::Q3K => dot_k::<R, K3>(p, n_blocks, acts, aux, out),
+        GgmlType::Q2K => dot_k::<R, K2>(p, n_blocks, acts, aux, out),
+        GgmlType::IQ4XS => dot_k::<R, KXS>(p, n_blocks, acts, aux, out),
         _ => unreachable!(),
     }
 }
