@@ -134,7 +134,7 @@ const fn unit_bytes(ty: GgmlType) -> usize {
     }
 }
 
-// Offsets inside a Q4_K and a Q6_K packed super-block. The scales come
+// Offsets inside each K-quant's packed super-block. The scales come
 // first and the levels in the order the kernel first touches them, so that
 // a panel is read front to back.
 const Q4K_D: usize = 0;

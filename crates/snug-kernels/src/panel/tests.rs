@@ -19,6 +19,29 @@ fn tiles_cover_the_rows_evenly() {
     }
 }
 
+/// Random activation rows of `n` elements, quantized for `ty`, with
+/// their panel aux values (row r's values grow with r).
+fn activations(ty: GgmlType, n: usize, rows: usize, rng: &mut Rng) -> (Vec<Vec<BlockQ8>>, Vec<Vec<i32>>) {
+    let nb = n / QK8;
+    let acts: Vec<Vec<BlockQ8>> = (0..rows)
+        .map(|r| {
+            let x: Vec<f32> = (0..n).map(|_| rng.f32() * (0.5 + r as f32)).collect();
+            let mut q = vec![BlockQ8::default(); nb];
+            quantize_row(act_format(ty), &x, &mut q);
+            q
+        })
+        .collect();
+    let aux = acts
+        .iter()
+        .map(|a| {
+            let mut v = vec![0; aux_len(ty, nb)];
+            activation_aux(ty, a, &mut v);
+            v
+        })
+        .collect();
+    (acts, aux)
+}
+
 #[test]
 fn panels_equal_the_scalar_reference_bitwise() {
     if !available(GgmlType::Q8_0) {
@@ -30,27 +53,11 @@ fn panels_equal_the_scalar_reference_bitwise() {
         // Fewer than 8, exactly 8, and more than 8 blocks or super-blocks
         // (accumulator classes with no, one and two blocks).
         for n in [768, 2048, 2304, 4608] {
-            let nb = n / QK8;
             for n_w in [16, 5, 1] {
                 let ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
                 let wrefs: Vec<&[u8]> = ws.iter().map(|v| v.as_slice()).collect();
                 let n_r = 17;
-                let acts: Vec<Vec<BlockQ8>> = (0..n_r)
-                    .map(|r| {
-                        let x: Vec<f32> = (0..n).map(|_| rng.f32() * (0.5 + r as f32)).collect();
-                        let mut q = vec![BlockQ8::default(); nb];
-                        quantize_row(act_format(ty), &x, &mut q);
-                        q
-                    })
-                    .collect();
-                let aux: Vec<Vec<i32>> = acts
-                    .iter()
-                    .map(|a| {
-                        let mut v = vec![0; aux_len(ty, nb)];
-                        activation_aux(ty, a, &mut v);
-                        v
-                    })
-                    .collect();
+                let (acts, aux) = activations(ty, n, n_r, &mut rng);
                 let arefs: Vec<&[BlockQ8]> = acts.iter().map(|v| v.as_slice()).collect();
                 let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
                 let mut panel = Panel::new();
@@ -102,22 +109,7 @@ fn avx2_panels_equal_the_scalar_reference_bitwise() {
                 let flat: Vec<u8> = ws.concat();
                 let mut packed = vec![0u8; packed_matrix_bytes(ty, n_w, n)];
                 pack_matrix(ty, &flat, n_w, n, &mut packed);
-                let acts: Vec<Vec<BlockQ8>> = (0..9)
-                    .map(|r| {
-                        let x: Vec<f32> = (0..n).map(|_| rng.f32() * (0.5 + r as f32)).collect();
-                        let mut q = vec![BlockQ8::default(); nb];
-                        quantize_row(act_format(ty), &x, &mut q);
-                        q
-                    })
-                    .collect();
-                let aux: Vec<Vec<i32>> = acts
-                    .iter()
-                    .map(|a| {
-                        let mut v = vec![0; aux_len(ty, nb)];
-                        activation_aux(ty, a, &mut v);
-                        v
-                    })
-                    .collect();
+                let (acts, aux) = activations(ty, n, 9, &mut rng);
                 let arefs: Vec<&[BlockQ8]> = acts.iter().map(|v| v.as_slice()).collect();
                 let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
                 for rows in [9, 8, 5, 4, 3, 2, 1] {
