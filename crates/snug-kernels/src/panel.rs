@@ -186,14 +186,14 @@ fn level_offset(ty: GgmlType) -> i32 {
     }
 }
 
-/// The offset added to the levels of a type with a level table, and the
-/// table (levels plus offset, as unsigned bytes).
+/// The level table of IQ4_NL, IQ4_XS or MXFP4 as the kernels look it up:
+/// each level plus [`level_offset`], as an unsigned byte.
 fn level_table(ty: GgmlType) -> [u8; 16] {
-    let (levels, off) = match ty {
-        GgmlType::MXFP4 => (&crate::quant::MXFP4_LEVELS, 12),
-        _ => (&crate::quant::IQ4_LEVELS, 128),
+    let levels = match ty {
+        GgmlType::MXFP4 => &crate::quant::MXFP4_LEVELS,
+        _ => &crate::quant::IQ4_LEVELS,
     };
-    std::array::from_fn(|i| (levels[i] as i32 + off) as u8)
+    std::array::from_fn(|i| (levels[i] as i32 + level_offset(ty)) as u8)
 }
 
 /// 32-bit values per activation row that panels read beside the row's
@@ -286,6 +286,10 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
     let copy = |o: &mut [u8], at: usize, lane: usize, w: &[u8]| {
         o[at + 4 * lane..at + 4 * lane + 4].copy_from_slice(w);
     };
+    // Two bytes (an f16, or a pair of scale bytes) of one lane.
+    let copy2 = |o: &mut [u8], at: usize, lane: usize, w: &[u8]| {
+        o[at + 2 * lane..at + 2 * lane + 2].copy_from_slice(w);
+    };
     for u in 0..units {
         let slot = unit_slot(u, units);
         let o = &mut out[slot * ub..(slot + 1) * ub];
@@ -307,9 +311,9 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                         copy(o, p, lane, &q5_high_bits(h).to_le_bytes());
                         p += 64;
                     }
-                    o[p + 2 * lane..p + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                    copy2(o, p, lane, &b[0..2]);
                     if min {
-                        o[p + 32 + 2 * lane..p + 32 + 2 * lane + 2].copy_from_slice(&b[2..4]);
+                        copy2(o, p + 32, lane, &b[2..4]);
                     }
                 }
                 GgmlType::IQ4NL | GgmlType::MXFP4 => {
@@ -319,7 +323,7 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                         copy(o, 64 * t, lane, &b[qs_at + 4 * t..qs_at + 4 * t + 4]);
                     }
                     if ty == GgmlType::IQ4NL {
-                        o[256 + 2 * lane..256 + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                        copy2(o, 256, lane, &b[0..2]);
                     } else {
                         o[256 + lane] = b[0];
                     }
@@ -330,7 +334,7 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                         let w = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) ^ 0x8080_8080;
                         copy(o, 64 * t, lane, &w.to_le_bytes());
                     }
-                    o[512 + 2 * lane..512 + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                    copy2(o, 512, lane, &b[0..2]);
                 }
                 GgmlType::Q4K | GgmlType::Q5K => {
                     // GGUF block: d, dmin, scales (12), [qh (32)], qs.
@@ -343,8 +347,8 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                             copy(o, Q5K_QH + 64 * t, lane, &b[16 + 4 * t..20 + 4 * t]);
                         }
                     }
-                    o[Q4K_D + 2 * lane..Q4K_D + 2 * lane + 2].copy_from_slice(&b[0..2]);
-                    o[Q4K_DMIN + 2 * lane..Q4K_DMIN + 2 * lane + 2].copy_from_slice(&b[2..4]);
+                    copy2(o, Q4K_D, lane, &b[0..2]);
+                    copy2(o, Q4K_DMIN, lane, &b[2..4]);
                     for j in 0..8 {
                         let (sc, m) = crate::quant::scale_min_k4(j, &b[4..16]);
                         o[Q4K_SC + 16 * j + lane] = sc;
@@ -364,7 +368,7 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                     for g in 0..16 {
                         o[Q6K_SC + 16 * g + lane] = b[192 + g];
                     }
-                    o[Q6K_D + 2 * lane..Q6K_D + 2 * lane + 2].copy_from_slice(&b[208..210]);
+                    copy2(o, Q6K_D, lane, &b[208..210]);
                 }
                 GgmlType::Q3K => {
                     // GGUF block: hmask (32), qs (64), scales (12), d.
@@ -377,7 +381,7 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                     for (g, s) in crate::quant::q3k_scales(&b[96..108]).into_iter().enumerate() {
                         o[Q3K_SC + 16 * g + lane] = s as u8;
                     }
-                    o[Q3K_D + 2 * lane..Q3K_D + 2 * lane + 2].copy_from_slice(&b[108..110]);
+                    copy2(o, Q3K_D, lane, &b[108..110]);
                 }
                 GgmlType::Q2K => {
                     // GGUF block: scales (16), qs (64), d, dmin.
@@ -385,11 +389,10 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                         copy(o, Q2K_QS + 64 * t, lane, &b[16 + 4 * t..20 + 4 * t]);
                     }
                     for j in 0..8 {
-                        o[Q2K_SC + 32 * j + 2 * lane..Q2K_SC + 32 * j + 2 * lane + 2]
-                            .copy_from_slice(&b[2 * j..2 * j + 2]);
+                        copy2(o, Q2K_SC + 32 * j, lane, &b[2 * j..2 * j + 2]);
                     }
-                    o[Q2K_D + 2 * lane..Q2K_D + 2 * lane + 2].copy_from_slice(&b[80..82]);
-                    o[Q2K_DMIN + 2 * lane..Q2K_DMIN + 2 * lane + 2].copy_from_slice(&b[82..84]);
+                    copy2(o, Q2K_D, lane, &b[80..82]);
+                    copy2(o, Q2K_DMIN, lane, &b[82..84]);
                 }
                 GgmlType::IQ4XS => {
                     // GGUF block: d, scales_h (2), scales_l (4), qs (128).
@@ -399,7 +402,7 @@ pub fn pack_panel(ty: GgmlType, rows: &[&[u8]], out: &mut [u8]) {
                     for j in 0..8 {
                         o[IQ4XS_SC + 16 * j + lane] = crate::quant::iq4xs_scale(b, j) as u8;
                     }
-                    o[IQ4XS_D + 2 * lane..IQ4XS_D + 2 * lane + 2].copy_from_slice(&b[0..2]);
+                    copy2(o, IQ4XS_D, lane, &b[0..2]);
                 }
                 _ => unreachable!(),
             }

@@ -61,7 +61,9 @@ pub enum PackMode {
 }
 
 struct Plan<'f> {
-    tensors: Vec<(&'f TensorInfo, usize)>,
+    /// Each packed tensor, its offset in the file, and its columns and rows
+    /// ([`shape`]).
+    tensors: Vec<(&'f TensorInfo, usize, usize, usize)>,
     total: usize,
     key: u64,
 }
@@ -113,7 +115,7 @@ fn plan<'f>(file: &'f GgufFile, names: &[&str]) -> Plan<'f> {
         fnv(&mut key, &(cols as u64).to_le_bytes());
         fnv(&mut key, &(rows as u64).to_le_bytes());
         fnv(&mut key, &t.offset.to_le_bytes());
-        tensors.push((t, total));
+        tensors.push((t, total, cols, rows));
         total += packed_matrix_bytes(t.ty, rows, cols).next_multiple_of(ALIGN);
     }
     Plan { tensors, total, key }
@@ -127,8 +129,7 @@ fn fill(file: &GgufFile, plan: &Plan, out: &mut [u8]) {
     out[8..16].copy_from_slice(&plan.key.to_le_bytes());
     out[16..24].copy_from_slice(&(plan.total as u64).to_le_bytes());
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    for &(t, at) in &plan.tensors {
-        let Some((cols, rows)) = shape(t) else { continue };
+    for &(t, at, cols, rows) in &plan.tensors {
         let len = packed_matrix_bytes(t.ty, rows, cols);
         let dst = &mut out[at..at + len];
         let data = file.tensor_data(t);
@@ -312,11 +313,7 @@ impl PackedWeights {
 fn index(plan: &Plan) -> HashMap<String, (usize, usize)> {
     plan.tensors
         .iter()
-        .map(|&(t, at)| {
-            let (cols, rows) = shape(t).unwrap_or((0, 0));
-            let len = packed_matrix_bytes(t.ty, rows, cols);
-            (t.name.clone(), (at, len))
-        })
+        .map(|&(t, at, cols, rows)| (t.name.clone(), (at, packed_matrix_bytes(t.ty, rows, cols))))
         .collect()
 }
 

@@ -216,15 +216,6 @@ unsafe fn unpack_block<const KIND: u8>(q: *const u8, lut: __m512i) -> [__m512i; 
     w
 }
 
-/// Bytes of levels (and high bits) before a per-32-block unit's scales.
-const fn blocks_d_at(kind: u8) -> usize {
-    match kind {
-        Q8 => 512,
-        Q5 => 320,
-        _ => 256,
-    }
-}
-
 /// Per-32-block types: accumulator class `c` takes blocks c, c+8, ...
 /// `KIND`: nibbles (Q4), nibbles and high bits (Q5), bytes (Q8) or
 /// nibbles looked up in `lut` (NL); `MIN`: a per-block minimum (Q4_1,
@@ -241,7 +232,12 @@ unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const E8:
     lut: __m512i,
     out: Out,
 ) {
-    let d_at = blocks_d_at(KIND);
+    // Bytes of levels (and high bits) before the scales.
+    let d_at = match KIND {
+        Q8 => 512,
+        Q5 => 320,
+        _ => 256,
+    };
     let mut tree = Tree::<R>::new();
     for c in 0..8 {
         let mut acc = [_mm512_setzero_ps(); R];
@@ -315,6 +311,29 @@ unsafe fn block_isum<const R: usize, const TWO: bool, const HI: bool>(
     }
 }
 
+/// A super-block's float step for each activation row r, in the
+/// reference's order: `acc += isum * (d * da)`, then, with minimums,
+/// `acc += -(dmin * da) * msum` (`da`: the row's activation scale).
+#[inline(always)]
+unsafe fn super_block_step<const R: usize>(
+    acc: &mut [__m512; R],
+    acts: &[&[BlockQ8]],
+    sb: usize,
+    d: __m512,
+    isum: &[__m512i; R],
+    min: Option<(__m512, &[__m512i; R])>,
+) {
+    for r in 0..R {
+        let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
+        if let Some((dmin, msum)) = min {
+            let neg = _mm512_set1_epi32(i32::MIN);
+            let cm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), neg));
+            acc[r] = _mm512_fmadd_ps(cm, _mm512_cvtepi32_ps(msum[r]), acc[r]);
+        }
+    }
+}
+
 /// Block `j`'s level vectors of a Q4_K or Q5_K (`FIVE`) unit at `q`.
 /// Q4_K's odd blocks are high nibbles left in place (16 times their
 /// level; see [`block_isum`]).
@@ -352,7 +371,6 @@ unsafe fn dot_q4k<const R: usize, const FIVE: bool>(
 ) {
     let ub = unit_bytes(if FIVE { GgmlType::Q5K } else { GgmlType::Q4K });
     let n_sb = n_blocks / 8;
-    let neg = _mm512_set1_epi32(i32::MIN);
     let zero = _mm512_setzero_si512();
     let mut tree = Tree::<R>::new();
     for c in 0..8 {
@@ -380,26 +398,19 @@ unsafe fn dot_q4k<const R: usize, const FIVE: bool>(
                     }
                 }
             }
-            let d = f16x16(q.add(Q4K_D));
-            for r in 0..R {
-                let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
-            }
-            let dmin = f16x16(q.add(Q4K_DMIN));
             let mut mv = [zero; 4];
             for k in 0..4 {
                 mv[k] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q.add(Q4K_MINS + 32 * k) as *const __m256i));
             }
+            let mut msum = [zero; R];
             for r in 0..R {
                 let x = aux.get_unchecked(r);
-                let mut msum = zero;
                 for k in 0..4 {
-                    msum = _mm512_dpwssd_epi32(msum, mv[k], _mm512_set1_epi32(*x.get_unchecked(sb * 4 + k)));
+                    msum[r] = _mm512_dpwssd_epi32(msum[r], mv[k], _mm512_set1_epi32(*x.get_unchecked(sb * 4 + k)));
                 }
-                let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                let cm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), neg));
-                acc[r] = _mm512_fmadd_ps(cm, _mm512_cvtepi32_ps(msum), acc[r]);
             }
+            let (d, dmin) = (f16x16(q.add(Q4K_D)), f16x16(q.add(Q4K_DMIN)));
+            super_block_step(&mut acc, acts, sb, d, &isum, Some((dmin, &msum)));
             sb += 8;
         }
         tree.push(c, &acc);
@@ -501,7 +512,6 @@ unsafe fn dot_k<const R: usize, const KIND: u8>(
     };
     let ub = unit_bytes(ty);
     let n_sb = n_blocks / 8;
-    let neg = _mm512_set1_epi32(i32::MIN);
     let lut = if KIND == KXS {
         table(level_table(ty))
     } else {
@@ -563,19 +573,8 @@ unsafe fn dot_k<const R: usize, const KIND: u8>(
                 K2 => Q2K_D,
                 _ => IQ4XS_D,
             };
-            let d = f16x16(q.add(d_at));
-            for r in 0..R {
-                let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, da), acc[r]);
-            }
-            if KIND == K2 {
-                let dmin = f16x16(q.add(Q2K_DMIN));
-                for r in 0..R {
-                    let da = _mm512_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                    let cm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), neg));
-                    acc[r] = _mm512_fmadd_ps(cm, _mm512_cvtepi32_ps(msum[r]), acc[r]);
-                }
-            }
+            let min = (KIND == K2).then(|| (f16x16(q.add(Q2K_DMIN)), &msum));
+            super_block_step(&mut acc, acts, sb, f16x16(q.add(d_at)), &isum, min);
             sb += 8;
         }
         tree.push(c, &acc);
