@@ -83,7 +83,7 @@ fn shape(t: &TensorInfo) -> Option<(usize, usize)> {
     match *t.dims.as_slice() {
         [cols, rows] => Some((cols as usize, rows as usize)),
         [cols, rows, experts] if (rows as usize).is_multiple_of(panel::PANEL_ROWS) => {
-            Some((cols as usize, (rows * experts) as usize))
+            Some((cols as usize, usize::try_from(rows.checked_mul(experts)?).ok()?))
         }
         _ => None,
     }
