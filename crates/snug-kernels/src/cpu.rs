@@ -97,3 +97,63 @@ pub fn simd() -> Simd {
         cap.min(best)
     })
 }
+
+static AMX_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static AMX: OnceLock<bool> = OnceLock::new();
+
+/// Turns the AMX tile kernels off, for comparing them with the vector
+/// kernels (they compute the same bits). Takes effect only before the
+/// first kernel asks ([`amx`]); returns whether it did.
+pub fn disable_amx() -> bool {
+    AMX_OFF.store(true, Ordering::Relaxed);
+    AMX.get().is_none()
+}
+
+/// The kernels in use, for reports: the SIMD level's name, with `+amx`
+/// where products of many rows run on AMX tiles.
+pub fn kernels_name() -> &'static str {
+    if amx() {
+        "avx512-vnni+amx"
+    } else {
+        simd().name()
+    }
+}
+
+/// Whether the matrix products of many rows use AMX tiles (Intel's
+/// Advanced Matrix Extensions, int8): the level is AVX-512 VNNI, the CPU
+/// has AMX-TILE and AMX-INT8, and the operating system grants this
+/// process the tile state (Linux 5.16 on, asked once here).
+pub fn amx() -> bool {
+    *AMX.get_or_init(|| simd() == Simd::Avx512Vnni && !AMX_OFF.load(Ordering::Relaxed) && amx_granted())
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn amx_granted() -> bool {
+    // CPUID leaf 7: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+    let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+    if leaf.edx & (3 << 24) != 3 << 24 {
+        return false;
+    }
+    // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the tile data
+    // state is granted per process on request; older kernels refuse.
+    let ret: i64;
+    // SAFETY: a plain system call with integer arguments; it reads and
+    // writes no memory of ours.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") 158i64 => ret,
+            in("rdi") 0x1023i64,
+            in("rsi") 18i64,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn amx_granted() -> bool {
+    false
+}

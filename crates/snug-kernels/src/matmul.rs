@@ -64,6 +64,9 @@ pub struct MatmulScratch {
     q8: Vec<BlockQ8>,
     /// Per activation row, the values panels read beside its blocks.
     aux: Vec<i32>,
+    /// The activation rows' bytes, row after row, where AMX tiles read
+    /// them ([`panel::amx_available`]); rows up to a multiple of 32.
+    bytes: Vec<i8>,
 }
 
 impl MatmulScratch {
@@ -72,17 +75,22 @@ impl MatmulScratch {
         MatmulScratch {
             q8: crate::vec::committed(BlockQ8::default(), rows * cols.div_ceil(QK8)),
             aux: crate::vec::committed(0, rows * aux_len(GgmlType::Q6K, cols.div_ceil(QK8))),
+            bytes: if rows >= AMX_MIN_ROWS && panel::amx_available(GgmlType::Q4K) {
+                crate::vec::committed(0, rows.next_multiple_of(32) * cols)
+            } else {
+                Vec::new()
+            },
         }
     }
 
     pub fn bytes(&self) -> usize {
-        self.q8.capacity() * std::mem::size_of::<BlockQ8>() + self.aux.capacity() * 4
+        self.q8.capacity() * std::mem::size_of::<BlockQ8>() + self.aux.capacity() * 4 + self.bytes.capacity()
     }
 }
 
 use crate::pool::SendPtr;
 
-struct SendBlocks(*mut BlockQ8, *mut i32);
+struct SendBlocks(*mut BlockQ8, *mut i32, *mut i8);
 // SAFETY: tasks write disjoint blocks (see where the tasks are made).
 unsafe impl Sync for SendBlocks {}
 
@@ -102,6 +110,17 @@ const ROWS_PER_PASS: usize = 64;
 /// the real models 4- and 8-row forwards were faster with panels).
 pub const PANEL_MIN_ROWS: usize = 3;
 
+/// From this many activation rows on, products with packed Q4_K or Q6_K panels
+/// run on AMX tiles where the CPU has them ([`panel::amx_available`]).
+/// A task first expands its panel's levels (`PanelRef::amx_expand`),
+/// which pays off over many rows; a tile product costs the same for 1
+/// and 16 rows.
+pub const AMX_MIN_ROWS: usize = 16;
+
+/// The activation bytes one AMX task takes at most (rows of them, 32 to
+/// 128): half of a 2 MiB L2.
+const AMX_BLOCK_BYTES: usize = 1 << 20;
+
 thread_local! {
     /// The activations rounded to f16 or bf16 (llama.cpp's numerics).
     static ACTS_ROUNDED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -110,6 +129,7 @@ thread_local! {
     /// Each thread's panel, reused across calls (it grows to the longest
     /// weight row it has packed).
     static PANEL: RefCell<Panel> = RefCell::new(Panel::new());
+
 }
 
 /// `out` (`n_rows x w.rows`) = `x` (`n_rows x w.cols`) times `w` transposed.
@@ -160,6 +180,10 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     }
     let format = act_format(w.ty);
     let ty = w.ty;
+    let amx = packed.is_some() && n_rows >= AMX_MIN_ROWS && panel::amx_available(ty);
+    if amx && scratch.bytes.len() < n_rows.next_multiple_of(32) * k {
+        scratch.bytes.resize(n_rows.next_multiple_of(32) * k, 0);
+    }
     if n_rows <= SERIAL_QUANTIZE_ROWS {
         // A few rows quantize faster than a hand-off to the pool.
         for (r, xr) in x.chunks_exact(k).enumerate() {
@@ -170,7 +194,12 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
             }
         }
     } else {
-        let q8_ptr = SendBlocks(scratch.q8.as_mut_ptr(), scratch.aux.as_mut_ptr());
+        let bytes_len = scratch.bytes.len();
+        let q8_ptr = SendBlocks(
+            scratch.q8.as_mut_ptr(),
+            scratch.aux.as_mut_ptr(),
+            scratch.bytes.as_mut_ptr(),
+        );
         pool.run(n_rows, &|r| {
             let qp = &q8_ptr;
             // SAFETY: each row's blocks and aux values are written by
@@ -181,10 +210,51 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
                 let aux = unsafe { std::slice::from_raw_parts_mut(qp.1.add(r * al), al) };
                 activation_aux(ty, blocks, aux);
             }
+            if amx {
+                // SAFETY: each row's bytes are written by exactly one task.
+                unsafe { panel::amx_place_row_raw(blocks, r, qp.2, bytes_len) };
+            }
         });
     }
     let q8 = &scratch.q8[..n_rows * nb];
     let aux = &scratch.aux[..n_rows * al];
+    if let (true, Some(pk)) = (amx, packed) {
+        // Tasks: blocks of activation rows (as many as keep their bytes
+        // within half of a core's L2 for the whole task) times panels,
+        // block by block, so that each thread's claims keep to a block.
+        let block = (AMX_BLOCK_BYTES / k).clamp(32, panel::AMX_ROWS) / 32 * 32;
+        let n_blocks_rows = n_rows.div_ceil(block);
+        let bytes = &scratch.bytes[..n_rows.next_multiple_of(32) * k];
+        pool.run(n_blocks_rows * tasks, &|task| {
+            let op = &out_ptr;
+            let (r0, t) = (task / tasks * block, task % tasks);
+            let m = (n_rows - r0).min(block);
+            let o0 = t * FEATURES_PER_TASK;
+            let lanes = (n - o0).min(FEATURES_PER_TASK);
+            let panel = PanelRef::of_matrix(ty, k, pk, t);
+            let acts: [&[BlockQ8]; panel::AMX_ROWS] = std::array::from_fn(|i| {
+                let r = r0 + i.min(m - 1);
+                &q8[r * nb..(r + 1) * nb]
+            });
+            let auxs: [&[i32]; panel::AMX_ROWS] = std::array::from_fn(|i| {
+                let r = r0 + i.min(m - 1);
+                &aux[r * al..(r + 1) * al]
+            });
+            // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`;
+            // each (r, o) is written by exactly one task.
+            unsafe {
+                panel.amx_dot_into(
+                    &bytes[r0 * k..],
+                    &acts[..m],
+                    &auxs[..m],
+                    lanes,
+                    op.0.add(r0 * n + o0),
+                    n,
+                )
+            };
+        });
+        return;
+    }
     if let Some(pk) = packed {
         // Panels packed at load: no per-task set-up beyond the panel's
         // place, the activation rows handed over in tiles (`panel::tiles`).

@@ -544,6 +544,108 @@ impl<'a> PanelRef<'a> {
     }
 }
 
+/// Activation rows one AMX call takes against a panel, at most
+/// ([`PanelRef::amx_dot_into`]).
+pub const AMX_ROWS: usize = 128;
+
+/// Whether products with weights of type `ty` can run on AMX tiles here
+/// ([`crate::cpu::amx`]; Q4_K and Q6_K, from packed panels).
+pub fn amx_available(ty: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && crate::cpu::amx()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        false
+    }
+}
+
+/// Writes activation row `r`'s bytes (its blocks, quantized for Q4_K)
+/// into `bytes`, the rows' buffer for [`PanelRef::amx_dot_into`]
+/// (`rows.next_multiple_of(32) * cols` long), where the tiles read them.
+pub fn amx_place_row(blocks: &[BlockQ8], r: usize, bytes: &mut [i8]) {
+    // SAFETY: the range written is checked.
+    unsafe { amx_place_row_raw(blocks, r, bytes.as_mut_ptr(), bytes.len()) }
+}
+
+/// As [`amx_place_row`] into a buffer several threads fill (each its own
+/// rows).
+///
+/// # Safety
+///
+/// `bytes` is valid for `len` bytes, and no other thread writes row `r`'s
+/// bytes.
+pub unsafe fn amx_place_row_raw(blocks: &[BlockQ8], r: usize, bytes: *mut i8, len: usize) {
+    assert!(blocks.len().is_multiple_of(8), "panel: whole super-blocks");
+    assert!(len >= (r / 32 + 1) * 32 * blocks.len() * 32, "panel: activation bytes");
+    #[cfg(target_arch = "x86_64")]
+    amx::place_row(blocks, r, bytes);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+impl PanelRef<'_> {
+    /// As [`PanelRef::dot_into`] for up to [`AMX_ROWS`] activation rows, on
+    /// AMX tiles (same bits). `bytes`: the rows' activation bytes as
+    /// [`amx_place_row`] lays them out, rows up to the next multiple of
+    /// 32 (those past `acts.len()` are read and ignored).
+    ///
+    /// # Safety
+    ///
+    /// As [`PanelRef::dot_into`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn amx_dot_into(
+        &self,
+        bytes: &[i8],
+        acts: &[&[BlockQ8]],
+        aux: &[&[i32]],
+        lanes: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let ty = self.ty;
+        assert!(amx_available(ty), "panels: no AMX for {ty}");
+        assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
+        assert!((1..=AMX_ROWS).contains(&acts.len()), "panel: 1 to {AMX_ROWS} rows");
+        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
+        assert_eq!(self.data.len(), panel_bytes(ty, self.n_blocks * 32), "panel: length");
+        assert!(
+            bytes.len() >= acts.len().next_multiple_of(32) * self.n_blocks * 32,
+            "panel: activation bytes"
+        );
+        assert!(
+            acts.iter().all(|a| a.len() == self.n_blocks),
+            "panel: activation length"
+        );
+        let al = aux_len(ty, self.n_blocks);
+        assert!(aux.iter().all(|a| a.len() == al), "panel: aux length");
+        let mask = if lanes == PANEL_ROWS {
+            u16::MAX
+        } else {
+            (1u16 << lanes) - 1
+        };
+        #[cfg(target_arch = "x86_64")]
+        {
+            let o = x86::Out {
+                ptr: out,
+                stride: out_stride,
+                mask,
+                prefetch: false,
+            };
+            // SAFETY: checked above; the caller vouches for the output.
+            if ty == GgmlType::Q6K {
+                amx::dot::<true>(self.data.as_ptr(), self.n_blocks, bytes.as_ptr(), acts, aux, o);
+            } else {
+                amx::dot::<false>(self.data.as_ptr(), self.n_blocks, bytes.as_ptr(), acts, aux, o);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (bytes, mask, out, out_stride);
+    }
+}
+
 /// Sixteen weight rows packed per call, for matrices that were not packed
 /// at load. The buffer grows to the longest row seen and is reused.
 #[derive(Default)]
@@ -605,6 +707,10 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // lane- and row-indexed register arrays
 mod x86;
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // row-indexed register arrays
+mod amx;
 
 #[cfg(test)]
 mod tests;

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use snug_engine::{Engine, EngineOptions, StepRow};
-use snug_kernels::cpu::simd;
+use snug_kernels::cpu::kernels_name;
 
 use crate::{open_model, BenchArgs};
 
@@ -237,7 +237,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             .map(|r| {
                 serde_json::json!({
                     "model": name, "test": r.test, "depth": r.depth, "threads": threads, "kv": r.kv,
-                    "simd": simd().name(), "tok_s_median": median(&r.samples),
+                    "simd": kernels_name(), "tok_s_median": median(&r.samples),
                     "tok_s_stddev": stddev(&r.samples), "samples": r.samples,
                 })
             })
@@ -255,7 +255,7 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         };
         println!(
             "| {name} | {threads} | {} | {} | {test} | {:.2} ± {:.2} |",
-            simd().name(),
+            kernels_name(),
             r.kv,
             median(&r.samples),
             stddev(&r.samples)

@@ -25,7 +25,7 @@ fn cache_path(model: &Path, threads: usize, panels: bool) -> Option<PathBuf> {
         .file_name()?
         .to_string_lossy()
         .replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_");
-    let simd = snug_kernels::cpu::simd().name();
+    let simd = snug_kernels::cpu::kernels_name();
     // Panels packed at load change the costs (the rows' bits stay).
     let simd = if panels {
         format!("{simd}-panels")

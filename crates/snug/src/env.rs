@@ -4,7 +4,7 @@
 //! | variable | what it does |
 //! |---|---|
 //! | `SNUG_HOME` | snug's cache directory (else `$XDG_CACHE_HOME/snug`, else `~/.cache/snug`) |
-//! | `SNUG_SIMD` | caps the kernels' SIMD level: `scalar`, `avx2`, `avx512` |
+//! | `SNUG_SIMD` | caps the kernels' level: `scalar`, `avx2`, `avx512` (AVX-512 VNNI without AMX tiles), `amx` (the default: everything the CPU has) |
 //! | `SNUG_NUMERICS` | the default of `--numerics` |
 //! | `SNUG_PACK` | where matrices are packed into panels: in a cache file (default), `memory`, or `off` |
 //! | `SNUG_PIP` | the pip program `snug pull` runs (else `python3 -m pip`) |
@@ -43,6 +43,7 @@ fn read() -> Env {
     let text = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     if let Some(level) = text("SNUG_SIMD").and_then(|v| snug_kernels::cpu::Simd::parse(&v)) {
         snug_kernels::cpu::limit(level);
+        snug_kernels::cpu::disable_amx();
     }
     snug_model::arch::trace::configure(snug_model::arch::trace::Trace {
         first_and_last: var("SNUG_TRACE").is_some(),

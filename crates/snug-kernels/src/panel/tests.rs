@@ -138,3 +138,71 @@ fn avx2_panels_equal_the_scalar_reference_bitwise() {
         }
     }
 }
+
+/// The AMX kernels against the scalar reference, where the CPU has AMX:
+/// every row count of a call, weights with extreme scales and levels.
+#[test]
+fn amx_panels_equal_the_scalar_reference_bitwise() {
+    if !amx_available(GgmlType::Q4K) {
+        eprintln!("no AMX here");
+        return;
+    }
+    let mut rng = Rng(11);
+    for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+        for n in [256, 2048, 2304, 4608] {
+            for n_w in [16, 5] {
+                let mut ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
+                // One row of the largest products of scale and level: Q4_K's
+                // 63 * 15, Q6_K's -128 * -32.
+                for b in ws[0].chunks_exact_mut(ty.type_size()) {
+                    if ty == GgmlType::Q4K {
+                        b[4..16].fill(0xff);
+                        b[16..].fill(0xff);
+                    } else {
+                        b[..192].fill(0);
+                        b[192..208].fill(0x80);
+                    }
+                }
+                let flat: Vec<u8> = ws.concat();
+                let mut packed = vec![0u8; packed_matrix_bytes(ty, n_w, n)];
+                pack_matrix(ty, &flat, n_w, n, &mut packed);
+                let panel = PanelRef::of_matrix(ty, n, &packed, 0);
+                let n_r = AMX_ROWS;
+                let (acts, aux) = activations(ty, n, n_r, &mut rng);
+                let arefs: Vec<&[BlockQ8]> = acts.iter().map(|v| v.as_slice()).collect();
+                let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
+                let mut bytes = vec![0i8; n_r * n];
+                for (r, a) in acts.iter().enumerate() {
+                    amx_place_row(a, r, &mut bytes);
+                }
+                for rows in [128, 127, 100, 64, 33, 32, 31, 17, 16, 15, 2, 1] {
+                    let mut got = vec![f32::NAN; rows * PANEL_ROWS];
+                    // SAFETY: `rows` rows of 16 outputs.
+                    unsafe {
+                        panel.amx_dot_into(
+                            &bytes,
+                            &arefs[..rows],
+                            &xrefs[..rows],
+                            n_w,
+                            got.as_mut_ptr(),
+                            PANEL_ROWS,
+                        )
+                    };
+                    for w in 0..n_w {
+                        let mut want = vec![0f32; rows];
+                        dot_rows_with(Simd::Scalar, ty, &ws[w], &arefs[..rows], &mut want);
+                        for r in 0..rows {
+                            assert_eq!(
+                                got[r * PANEL_ROWS + w].to_bits(),
+                                want[r].to_bits(),
+                                "{ty} AMX n {n} rows {n_w}x{rows} at ({w}, {r}): {} vs {}",
+                                got[r * PANEL_ROWS + w],
+                                want[r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

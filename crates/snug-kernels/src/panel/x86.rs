@@ -75,7 +75,7 @@ unsafe fn load(p: *const u8) -> __m512i {
 
 /// Sixteen f16 values at `p` as f32.
 #[inline(always)]
-unsafe fn f16x16(p: *const u8) -> __m512 {
+pub(super) unsafe fn f16x16(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
 }
 
@@ -128,7 +128,7 @@ unsafe fn nibbles(v: __m512i, m0f: __m512i) -> (__m512i, __m512i) {
 /// `((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))`, for 16 lanes and
 /// `R` activation rows, built as the classes finish (a few registers
 /// instead of an array of all eight).
-struct Tree<const R: usize> {
+pub(super) struct Tree<const R: usize> {
     pending: [__m512; R],
     low: [__m512; R],
     high: [__m512; R],
@@ -136,7 +136,7 @@ struct Tree<const R: usize> {
 
 impl<const R: usize> Tree<R> {
     #[inline(always)]
-    unsafe fn new() -> Self {
+    pub(super) unsafe fn new() -> Self {
         Tree {
             pending: [_mm512_setzero_ps(); R],
             low: [_mm512_setzero_ps(); R],
@@ -146,7 +146,7 @@ impl<const R: usize> Tree<R> {
 
     /// Takes class `c`'s accumulators (classes in order 0..8).
     #[inline(always)]
-    unsafe fn push(&mut self, c: usize, acc: &[__m512; R]) {
+    pub(super) unsafe fn push(&mut self, c: usize, acc: &[__m512; R]) {
         for r in 0..R {
             match c {
                 0 | 2 | 4 | 6 => self.pending[r] = acc[r],
@@ -166,6 +166,14 @@ impl<const R: usize> Tree<R> {
     #[inline(always)]
     unsafe fn store(&self, out: Out) {
         for r in 0..R {
+            _mm512_mask_storeu_ps(out.ptr.add(r * out.stride), out.mask, self.low[r]);
+        }
+    }
+
+    /// As [`Tree::store`], the first `rows` rows only.
+    #[inline(always)]
+    pub(super) unsafe fn store_rows(&self, out: Out, rows: usize) {
+        for r in 0..rows.min(R) {
             _mm512_mask_storeu_ps(out.ptr.add(r * out.stride), out.mask, self.low[r]);
         }
     }
@@ -315,7 +323,7 @@ unsafe fn block_isum<const R: usize, const TWO: bool, const HI: bool>(
 /// reference's order: `acc += isum * (d * da)`, then, with minimums,
 /// `acc += -(dmin * da) * msum` (`da`: the row's activation scale).
 #[inline(always)]
-unsafe fn super_block_step<const R: usize>(
+pub(super) unsafe fn super_block_step<const R: usize>(
     acc: &mut [__m512; R],
     acts: &[&[BlockQ8]],
     sb: usize,
@@ -422,7 +430,7 @@ unsafe fn dot_q4k<const R: usize, const FIVE: bool>(
 /// high nibbles of `ql` words 0..8 (k even) or 8..16 (k odd) of the half,
 /// and bits 2k, 2k + 1 of its `qh` bytes at bits 4, 5.
 #[inline(always)]
-unsafe fn unpack_q6k(q: *const u8, half: usize, k: usize) -> [__m512i; 8] {
+pub(super) unsafe fn unpack_q6k(q: *const u8, half: usize, k: usize) -> [__m512i; 8] {
     let m0f = _mm512_set1_epi8(0x0f);
     let m30 = _mm512_set1_epi8(0x30);
     let hq = q.add(Q6K_HALF + 1536 * half + 512);
