@@ -110,10 +110,10 @@ const ROWS_PER_PASS: usize = 64;
 /// the real models 4- and 8-row forwards were faster with panels).
 pub const PANEL_MIN_ROWS: usize = 3;
 
-/// From this many activation rows on, products with packed Q4_K or Q6_K panels
+/// From this many activation rows on, products with packed K-quant panels
 /// run on AMX tiles where the CPU has them ([`panel::amx_available`]).
-/// A task first expands its panel's levels (`PanelRef::amx_expand`),
-/// which pays off over many rows; a tile product costs the same for 1
+/// A task expands its panel's levels a super-block at a time, which
+/// pays off over many rows; a tile product costs the same for 1
 /// and 16 rows.
 pub const AMX_MIN_ROWS: usize = 16;
 

@@ -549,11 +549,11 @@ impl<'a> PanelRef<'a> {
 pub const AMX_ROWS: usize = 128;
 
 /// Whether products with weights of type `ty` can run on AMX tiles here
-/// ([`crate::cpu::amx`]; Q4_K and Q6_K, from packed panels).
+/// ([`crate::cpu::amx`]; Q4_K, Q5_K, Q6_K and Q3_K, from packed panels).
 pub fn amx_available(ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && crate::cpu::amx()
+        matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q3K) && crate::cpu::amx()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -635,10 +635,12 @@ impl PanelRef<'_> {
                 prefetch: false,
             };
             // SAFETY: checked above; the caller vouches for the output.
-            if ty == GgmlType::Q6K {
-                amx::dot::<true>(self.data.as_ptr(), self.n_blocks, bytes.as_ptr(), acts, aux, o);
-            } else {
-                amx::dot::<false>(self.data.as_ptr(), self.n_blocks, bytes.as_ptr(), acts, aux, o);
+            let (p, nb, a) = (self.data.as_ptr(), self.n_blocks, bytes.as_ptr());
+            match ty {
+                GgmlType::Q4K => amx::dot::<{ amx::Q4K }>(p, nb, a, acts, aux, o),
+                GgmlType::Q5K => amx::dot::<{ amx::Q5K }>(p, nb, a, acts, aux, o),
+                GgmlType::Q6K => amx::dot::<{ amx::Q6K }>(p, nb, a, acts, aux, o),
+                _ => amx::dot::<{ amx::Q3K }>(p, nb, a, acts, aux, o),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

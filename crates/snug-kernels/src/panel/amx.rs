@@ -1,6 +1,6 @@
-//! Q4_K and Q6_K panels against many activation rows on AMX tiles
-//! (Intel's Advanced Matrix Extensions, int8), with the very bits of the
-//! vector kernels (`x86::dot_q4k`, `x86::dot_k`).
+//! Q4_K, Q5_K, Q6_K and Q3_K panels against many activation rows on AMX
+//! tiles (Intel's Advanced Matrix Extensions, int8), with the very bits
+//! of the vector kernels (`x86::dot_q4k`, `x86::dot_k`).
 //!
 //! The vector kernel spends most of its time not in `vpdpbusd` but in
 //! scaling each 32-element block's sum by the block's 6-bit scale
@@ -13,9 +13,10 @@
 //! 256-element super-block for 16 activation rows and 16 weight rows:
 //! `256 * high + low` is exactly the integer the vector kernel builds
 //! block by block. Q6_K's expanded weights are `scale * (level - 32)`
-//! (-4064 to 4096, its scale signed and per 16 elements), whose high
-//! byte is signed: the high tiles take `tdpbssd` (signed both), which
-//! Q4_K's high bytes (0 to 3) read the same way. Only then are the tiles
+//! (-4064 to 4096, its scale signed and per 16 elements), Q3_K's `scale *
+//! (level - 4)`, whose high byte is signed: the high tiles take
+//! `tdpbssd` (signed both), which Q4_K's and Q5_K's high bytes (0 to 7)
+//! read the same way. Only then are the tiles
 //! read back, once per
 //! super-block, for the same float steps in the same order.
 //!
@@ -33,8 +34,8 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use super::x86::{f16x16, super_block_step, unpack_q6k, Out, Tree};
-use super::{unit_bytes, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_SC};
+use super::x86::{f16x16, i8x16, super_block_step, unpack_q23k, unpack_q4k, unpack_q6k, Out, Tree};
+use super::{unit_bytes, Q3K_D, Q3K_SC, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_SC};
 use crate::dot::BlockQ8;
 use crate::quant::GgmlType;
 
@@ -90,32 +91,75 @@ pub unsafe fn place_row(blocks: &[BlockQ8], r: usize, a: *mut i8) {
     }
 }
 
-/// Expands the Q4_K panel unit at `q` (one super-block of 16 rows) into
-/// `lv` ([`SUPER_BLOCK_BYTES`]): for step s (blocks 2s, 2s + 1), the high
-/// bytes of `scale * level` as 16 tile rows of 64 bytes, then the low
-/// bytes.
+/// The types the tiles take, as `dot`'s `KIND`.
+pub const Q4K: u8 = 0;
+pub const Q5K: u8 = 1;
+pub const Q6K: u8 = 2;
+pub const Q3K: u8 = 3;
+
+/// Expands the panel unit at `q` (one super-block of 16 rows) into `lv`
+/// ([`SUPER_BLOCK_BYTES`]): for step s (blocks 2s, 2s + 1), the high
+/// bytes of `scale * (level - offset)` as 16 tile rows of 64 bytes, then
+/// the low bytes. Q4_K and Q5_K: the block's scale (0 to 63), no offset
+/// (at most 63 * 31 = 1953); Q6_K and Q3_K: the 16-element group's
+/// signed scale, offsets 32 and 4 (-4064 to 4096; the high byte signed).
 #[inline(always)]
-unsafe fn expand_unit(q: *const u8, lv: *mut u8) {
+unsafe fn expand<const KIND: u8>(q: *const u8, lv: *mut u8) {
     let m0f = _mm512_set1_epi8(0x0f);
     let lo_byte = _mm512_set1_epi16(0x00ff);
     let hi_byte = _mm512_set1_epi16(0xff00_u16 as i16);
+    let off = _mm512_set1_epi16(match KIND {
+        Q6K => 32,
+        Q3K => 4,
+        _ => 0,
+    });
+    // A scale per 32-bit lane, in both 16-bit halves.
+    let both = |s: __m512i| {
+        _mm512_or_si512(
+            _mm512_and_si512(s, _mm512_set1_epi32(0xffff)),
+            _mm512_slli_epi32::<16>(s),
+        )
+    };
     for step in 0..4 {
         let dst = lv.add(step * 2048);
         for h in 0..2 {
-            // Block 2 step + h: low nibbles of the step's words, then
-            // high. Its scale per lane, in both 16-bit halves.
-            let s = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(Q4K_SC + 16 * (2 * step + h)) as *const __m128i));
-            let s16 = _mm512_or_si512(s, _mm512_slli_epi32::<16>(s));
+            let j = 2 * step + h;
+            let w = match KIND {
+                Q4K => {
+                    // Low nibbles of the step's words, then high.
+                    let mut w = [_mm512_setzero_si512(); 8];
+                    for (t, x) in w.iter_mut().enumerate() {
+                        let v = _mm512_loadu_si512(q.add(Q4K_QS + (step * 8 + t) * 64) as *const __m512i);
+                        *x = if h == 0 {
+                            _mm512_and_si512(v, m0f)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f)
+                        };
+                    }
+                    w
+                }
+                Q5K => unpack_q4k::<true>(q, j),
+                Q6K => unpack_q6k(q, j / 4, j % 4),
+                _ => unpack_q23k::<true>(q, j),
+            };
+            let (s0, s1) = match KIND {
+                Q4K | Q5K => {
+                    let s = both(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        q.add(Q4K_SC + 16 * j) as *const __m128i
+                    )));
+                    (s, s)
+                }
+                _ => {
+                    let at = if KIND == Q6K { Q6K_SC } else { Q3K_SC };
+                    (both(i8x16(q.add(at + 32 * j))), both(i8x16(q.add(at + 32 * j + 16))))
+                }
+            };
             for t in 0..8 {
-                let v = _mm512_loadu_si512(q.add(Q4K_QS + (step * 8 + t) * 64) as *const __m512i);
-                let w = if h == 0 {
-                    _mm512_and_si512(v, m0f)
-                } else {
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f)
-                };
-                // Even and odd bytes times the scale, as 16-bit words.
-                let pe = _mm512_mullo_epi16(_mm512_and_si512(w, lo_byte), s16);
-                let po = _mm512_mullo_epi16(_mm512_srli_epi16::<8>(w), s16);
+                let s16 = if t < 4 { s0 } else { s1 };
+                // Even and odd bytes, less the offset, times the scale,
+                // as 16-bit words.
+                let pe = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(w[t], lo_byte), off), s16);
+                let po = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16::<8>(w[t]), off), s16);
                 let high = _mm512_or_si512(_mm512_srli_epi16::<8>(pe), _mm512_and_si512(po, hi_byte));
                 let low = _mm512_or_si512(_mm512_and_si512(pe, lo_byte), _mm512_slli_epi16::<8>(po));
                 let row = 8 * h + t;
@@ -126,41 +170,8 @@ unsafe fn expand_unit(q: *const u8, lv: *mut u8) {
     }
 }
 
-/// Expands the Q6_K panel unit at `q` as [`expand_unit`] does Q4_K's,
-/// with `scale * (level - 32)` (-4064 to 4096; its high byte signed, for
-/// `tdpbssd`), the scale being the 16-element group's.
-#[inline(always)]
-unsafe fn expand_unit_q6k(q: *const u8, lv: *mut u8) {
-    let lo_byte = _mm512_set1_epi16(0x00ff);
-    let hi_byte = _mm512_set1_epi16(0xff00_u16 as i16);
-    let m32 = _mm512_set1_epi16(32);
-    for step in 0..4 {
-        let dst = lv.add(step * 2048);
-        for h in 0..2 {
-            let j = 2 * step + h;
-            let w = unpack_q6k(q, j / 4, j % 4);
-            for half in 0..2 {
-                let s = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(Q6K_SC + 32 * j + 16 * half) as *const __m128i));
-                let s16 = _mm512_or_si512(
-                    _mm512_and_si512(s, _mm512_set1_epi32(0xffff)),
-                    _mm512_slli_epi32::<16>(s),
-                );
-                for t in 4 * half..4 * half + 4 {
-                    let pe = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(w[t], lo_byte), m32), s16);
-                    let po = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16::<8>(w[t]), m32), s16);
-                    let high = _mm512_or_si512(_mm512_srli_epi16::<8>(pe), _mm512_and_si512(po, hi_byte));
-                    let low = _mm512_or_si512(_mm512_and_si512(pe, lo_byte), _mm512_slli_epi16::<8>(po));
-                    let row = 8 * h + t;
-                    _mm512_store_si512(dst.add(row * 64) as *mut __m512i, high);
-                    _mm512_store_si512(dst.add(1024 + row * 64) as *mut __m512i, low);
-                }
-            }
-        }
-    }
-}
-
-/// Up to [`ROWS`] activation rows (`acts.len()`) against the Q4_K panel
-/// (Q6_K: `SIX`) at `p`. `a`: the rows' bytes as [`place_row`] lays them out, up to the
+/// Up to [`ROWS`] activation rows (`acts.len()`) against the panel of
+/// type `KIND` at `p`. `a`: the rows' bytes as [`place_row`] lays them out, up to the
 /// next multiple of 32 rows.
 ///
 /// # Safety
@@ -168,7 +179,7 @@ unsafe fn expand_unit_q6k(q: *const u8, lv: *mut u8) {
 /// [`crate::cpu::amx`] is true; the shapes as said; as for `x86::dot`
 /// otherwise.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub unsafe fn dot<const SIX: bool>(
+pub unsafe fn dot<const KIND: u8>(
     p: *const u8,
     n_blocks: usize,
     a: *const i8,
@@ -182,7 +193,14 @@ pub unsafe fn dot<const SIX: bool>(
         CONFIGURED.set(true);
     }
     let rows = acts.len();
-    let ub = unit_bytes(if SIX { GgmlType::Q6K } else { GgmlType::Q4K });
+    let ty = match KIND {
+        Q4K => GgmlType::Q4K,
+        Q5K => GgmlType::Q5K,
+        Q6K => GgmlType::Q6K,
+        _ => GgmlType::Q3K,
+    };
+    let ub = unit_bytes(ty);
+    let mins = matches!(KIND, Q4K | Q5K);
     let n_sb = n_blocks / 8;
     let zero = _mm512_setzero_si512();
     #[repr(C, align(64))]
@@ -205,15 +223,16 @@ pub unsafe fn dot<const SIX: bool>(
         while sb < n_sb {
             let q = p.add(slot * ub);
             let mut mv = [zero; 4];
-            let (d, dmin) = if SIX {
-                expand_unit_q6k(q, b);
-                (f16x16(q.add(Q6K_D)), _mm512_setzero_ps())
-            } else {
-                expand_unit(q, b);
-                for (k, m) in mv.iter_mut().enumerate() {
-                    *m = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q.add(Q4K_MINS + 32 * k) as *const __m256i));
+            expand::<KIND>(q, b);
+            let (d, dmin) = match KIND {
+                Q4K | Q5K => {
+                    for (k, m) in mv.iter_mut().enumerate() {
+                        *m = _mm512_cvtepu8_epi16(_mm256_loadu_si256(q.add(Q4K_MINS + 32 * k) as *const __m256i));
+                    }
+                    (f16x16(q.add(Q4K_D)), f16x16(q.add(Q4K_DMIN)))
                 }
-                (f16x16(q.add(Q4K_D)), f16x16(q.add(Q4K_DMIN)))
+                Q6K => (f16x16(q.add(Q6K_D)), _mm512_setzero_ps()),
+                _ => (f16x16(q.add(Q3K_D)), _mm512_setzero_ps()),
             };
             for g0 in (0..rows).step_by(32) {
                 let a0 = a.add((g0 / 32 * n_sb + slot) * SUPER_BLOCK_BYTES);
@@ -277,7 +296,7 @@ pub unsafe fn dot<const SIX: bool>(
                     let low = _mm512_load_si512(cp.add(512 * g + 256 + 16 * rr) as *const __m512i);
                     let isum = [_mm512_add_epi32(_mm512_slli_epi32::<8>(high), low)];
                     let mut msum = [zero];
-                    if !SIX {
+                    if mins {
                         let x = aux.get_unchecked(r);
                         for (k, &m) in mv.iter().enumerate() {
                             msum[0] = _mm512_dpwssd_epi32(msum[0], m, _mm512_set1_epi32(*x.get_unchecked(sb * 4 + k)));
@@ -290,7 +309,7 @@ pub unsafe fn dot<const SIX: bool>(
                         sb,
                         d,
                         &isum,
-                        (!SIX).then_some((dmin, &msum)),
+                        mins.then_some((dmin, &msum)),
                     );
                     acc[r] = one[0];
                 }

@@ -148,19 +148,21 @@ fn amx_panels_equal_the_scalar_reference_bitwise() {
         return;
     }
     let mut rng = Rng(11);
-    for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q3K] {
         for n in [256, 2048, 2304, 4608] {
             for n_w in [16, 5] {
                 let mut ws: Vec<Vec<u8>> = (0..n_w).map(|_| weights(ty, n, &mut rng)).collect();
                 // One row of the largest products of scale and level: Q4_K's
-                // 63 * 15, Q6_K's -128 * -32.
+                // 63 * 15, Q5_K's 63 * 31, Q6_K's -128 * -32, Q3_K's -32 * -4.
                 for b in ws[0].chunks_exact_mut(ty.type_size()) {
-                    if ty == GgmlType::Q4K {
-                        b[4..16].fill(0xff);
-                        b[16..].fill(0xff);
-                    } else {
-                        b[..192].fill(0);
-                        b[192..208].fill(0x80);
+                    match ty {
+                        GgmlType::Q4K | GgmlType::Q5K => b[4..].fill(0xff),
+                        GgmlType::Q6K => {
+                            b[..192].fill(0);
+                            b[192..208].fill(0x80);
+                        }
+                        // hmask and qs zero (level -4), scales 0 (-32).
+                        _ => b[..108].fill(0),
                     }
                 }
                 let flat: Vec<u8> = ws.concat();

@@ -346,7 +346,7 @@ pub(super) unsafe fn super_block_step<const R: usize>(
 /// Q4_K's odd blocks are high nibbles left in place (16 times their
 /// level; see [`block_isum`]).
 #[inline(always)]
-unsafe fn unpack_q4k<const FIVE: bool>(q: *const u8, j: usize) -> [__m512i; 8] {
+pub(super) unsafe fn unpack_q4k<const FIVE: bool>(q: *const u8, j: usize) -> [__m512i; 8] {
     let m0f = _mm512_set1_epi8(0x0f);
     let mf0 = _mm512_set1_epi8(0xf0_u8 as i8);
     let m10 = _mm512_set1_epi8(0x10);
@@ -459,7 +459,7 @@ pub(super) unsafe fn unpack_q6k(q: *const u8, half: usize, k: usize) -> [__m512i
 /// 2(j % 4).. of `qs` words 8(j / 4).., and for Q3_K bit j of the
 /// `hmask` bytes as 4.
 #[inline(always)]
-unsafe fn unpack_q23k<const THREE: bool>(q: *const u8, j: usize) -> [__m512i; 8] {
+pub(super) unsafe fn unpack_q23k<const THREE: bool>(q: *const u8, j: usize) -> [__m512i; 8] {
     let m03 = _mm512_set1_epi8(0x03);
     let m04 = _mm512_set1_epi8(0x04);
     let qs_at = if THREE { Q3K_QS } else { Q2K_QS };
@@ -494,7 +494,7 @@ unsafe fn q2k_scales(q: *const u8, j: usize) -> (__m512i, __m512i, __m512i) {
 
 /// Signed byte scales, 16 lanes, at `p`.
 #[inline(always)]
-unsafe fn i8x16(p: *const u8) -> __m512i {
+pub(super) unsafe fn i8x16(p: *const u8) -> __m512i {
     _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))
 }
 
