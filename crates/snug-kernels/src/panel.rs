@@ -485,6 +485,28 @@ impl<'a> PanelRef<'a> {
         }
     }
 
+    /// Checks the shapes a kernel call relies on; the mask of `lanes`.
+    fn check(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize) -> u16 {
+        assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
+        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
+        assert_eq!(
+            self.data.len(),
+            panel_bytes(self.ty, self.n_blocks * 32),
+            "panel: length"
+        );
+        assert!(
+            acts.iter().all(|a| a.len() == self.n_blocks),
+            "panel: activation length"
+        );
+        let al = aux_len(self.ty, self.n_blocks);
+        assert!(aux.iter().all(|a| a.len() == al), "panel: aux length");
+        if lanes == PANEL_ROWS {
+            u16::MAX
+        } else {
+            (1u16 << lanes) - 1
+        }
+    }
+
     /// As [`PanelRef::dot`], storing activation row r's first `lanes`
     /// results at `out + r * stride` (the matrix product writes straight
     /// into its output this way).
@@ -508,20 +530,7 @@ impl<'a> PanelRef<'a> {
     ) {
         let ty = self.ty;
         assert!(available(ty), "panels: unsupported type {ty} or CPU");
-        assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
-        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
-        assert_eq!(self.data.len(), panel_bytes(ty, self.n_blocks * 32), "panel: length");
-        assert!(
-            acts.iter().all(|a| a.len() == self.n_blocks),
-            "panel: activation length"
-        );
-        let al = aux_len(ty, self.n_blocks);
-        assert!(aux.iter().all(|a| a.len() == al), "panel: aux length");
-        let mask = if lanes == PANEL_ROWS {
-            u16::MAX
-        } else {
-            (1u16 << lanes) - 1
-        };
+        let mask = self.check(acts, aux, lanes);
         for (r0, rt) in tiles(acts.len()) {
             // SAFETY: `available` checked the CPU; shapes checked above; the
             // caller vouches for the output.
@@ -607,25 +616,12 @@ impl PanelRef<'_> {
     ) {
         let ty = self.ty;
         assert!(amx_available(ty), "panels: no AMX for {ty}");
-        assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
         assert!((1..=AMX_ROWS).contains(&acts.len()), "panel: 1 to {AMX_ROWS} rows");
-        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
-        assert_eq!(self.data.len(), panel_bytes(ty, self.n_blocks * 32), "panel: length");
         assert!(
             bytes.len() >= acts.len().next_multiple_of(32) * self.n_blocks * 32,
             "panel: activation bytes"
         );
-        assert!(
-            acts.iter().all(|a| a.len() == self.n_blocks),
-            "panel: activation length"
-        );
-        let al = aux_len(ty, self.n_blocks);
-        assert!(aux.iter().all(|a| a.len() == al), "panel: aux length");
-        let mask = if lanes == PANEL_ROWS {
-            u16::MAX
-        } else {
-            (1u16 << lanes) - 1
-        };
+        let mask = self.check(acts, aux, lanes);
         #[cfg(target_arch = "x86_64")]
         {
             let o = x86::Out {

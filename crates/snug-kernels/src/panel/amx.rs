@@ -236,60 +236,37 @@ pub unsafe fn dot<const KIND: u8>(
             };
             for g0 in (0..rows).step_by(32) {
                 let a0 = a.add((g0 / 32 * n_sb + slot) * SUPER_BLOCK_BYTES);
-                if rows - g0 > 16 {
-                    asm!(
-                        "tilezero tmm4",
-                        "tilezero tmm5",
-                        "tilezero tmm6",
-                        "tilezero tmm7",
-                        "2:",
-                        "tileloadd tmm2, [{b} + {w}*1]",
-                        "tileloadd tmm3, [{b} + {w}*1 + 1024]",
-                        "tileloadd tmm0, [{a} + {w}*1]",
-                        "tileloadd tmm1, [{a} + {w}*1 + 1024]",
-                        "tdpbssd tmm4, tmm0, tmm2",
-                        "tdpbsud tmm5, tmm0, tmm3",
-                        "tdpbssd tmm6, tmm1, tmm2",
-                        "tdpbsud tmm7, tmm1, tmm3",
-                        "add {b}, 2048",
-                        "add {a}, 2048",
-                        "dec {n}",
-                        "jnz 2b",
-                        "tilestored [{c} + {w}*1], tmm4",
-                        "tilestored [{c} + {w}*1 + 1024], tmm5",
-                        "tilestored [{c} + {w}*1 + 2048], tmm6",
-                        "tilestored [{c} + {w}*1 + 3072], tmm7",
-                        b = inout(reg) b => _,
-                        a = inout(reg) a0 => _,
-                        n = inout(reg) 4usize => _,
-                        w = in(reg) 64usize,
-                        c = in(reg) cp,
-                        options(nostack),
-                    );
-                } else {
-                    asm!(
-                        "tilezero tmm4",
-                        "tilezero tmm5",
-                        "2:",
-                        "tileloadd tmm2, [{b} + {w}*1]",
-                        "tileloadd tmm3, [{b} + {w}*1 + 1024]",
-                        "tileloadd tmm0, [{a} + {w}*1]",
-                        "tdpbssd tmm4, tmm0, tmm2",
-                        "tdpbsud tmm5, tmm0, tmm3",
-                        "add {b}, 2048",
-                        "add {a}, 2048",
-                        "dec {n}",
-                        "jnz 2b",
-                        "tilestored [{c} + {w}*1], tmm4",
-                        "tilestored [{c} + {w}*1 + 1024], tmm5",
-                        b = inout(reg) b => _,
-                        a = inout(reg) a0 => _,
-                        n = inout(reg) 4usize => _,
-                        w = in(reg) 64usize,
-                        c = in(reg) cp,
-                        options(nostack),
-                    );
-                }
+                // Both tiles of 32 rows, even where the rows end in the
+                // first (the bytes are there, zero; the sums unused).
+                asm!(
+                    "tilezero tmm4",
+                    "tilezero tmm5",
+                    "tilezero tmm6",
+                    "tilezero tmm7",
+                    "2:",
+                    "tileloadd tmm2, [{b} + {w}*1]",
+                    "tileloadd tmm3, [{b} + {w}*1 + 1024]",
+                    "tileloadd tmm0, [{a} + {w}*1]",
+                    "tileloadd tmm1, [{a} + {w}*1 + 1024]",
+                    "tdpbssd tmm4, tmm0, tmm2",
+                    "tdpbsud tmm5, tmm0, tmm3",
+                    "tdpbssd tmm6, tmm1, tmm2",
+                    "tdpbsud tmm7, tmm1, tmm3",
+                    "add {b}, 2048",
+                    "add {a}, 2048",
+                    "dec {n}",
+                    "jnz 2b",
+                    "tilestored [{c} + {w}*1], tmm4",
+                    "tilestored [{c} + {w}*1 + 1024], tmm5",
+                    "tilestored [{c} + {w}*1 + 2048], tmm6",
+                    "tilestored [{c} + {w}*1 + 3072], tmm7",
+                    b = inout(reg) b => _,
+                    a = inout(reg) a0 => _,
+                    n = inout(reg) 4usize => _,
+                    w = in(reg) 64usize,
+                    c = in(reg) cp,
+                    options(nostack),
+                );
                 for r in g0..rows.min(g0 + 32) {
                     let (g, rr) = ((r - g0) / 16, r % 16);
                     let high = _mm512_load_si512(cp.add(512 * g + 16 * rr) as *const __m512i);
