@@ -40,7 +40,7 @@ use crate::dot::BlockQ8;
 use crate::quant::GgmlType;
 
 /// Activation rows per call, at most: eight A tiles' worth.
-pub const ROWS: usize = 128;
+pub const ROWS: usize = super::AMX_ROWS;
 
 /// Bytes of expanded levels per super-block: 4 steps of 64 elements, each
 /// a high and a low B tile of 16 x 64 bytes.

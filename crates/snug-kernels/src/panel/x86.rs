@@ -165,9 +165,7 @@ impl<const R: usize> Tree<R> {
     /// `out.ptr + r * out.stride`.
     #[inline(always)]
     unsafe fn store(&self, out: Out) {
-        for r in 0..R {
-            _mm512_mask_storeu_ps(out.ptr.add(r * out.stride), out.mask, self.low[r]);
-        }
+        self.store_rows(out, R);
     }
 
     /// As [`Tree::store`], the first `rows` rows only.
