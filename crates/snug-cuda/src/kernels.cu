@@ -204,34 +204,41 @@ __device__ __forceinline__ float f16_round(float x) { return h2f(f2h(x)); }
 // `round_even(y)` clamped to -128..127 (NaN to 0), as the CPU's cast.
 __device__ __forceinline__ int level(float y) { return min(127, max(-128, __float2int_rn(y))); }
 
-// q8_0 (q81 = 0) and q8_1 (q81 = 1): a warp per block of 32, `blocks` in all.
-extern "C" __global__ void quantize_q8(const float* x, u64 blocks, int q81, Q8* out) {
-    u64 blk = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (blk >= blocks) return;
+// One block of 32 values quantized by a warp, lane i holding value i:
+// q8_0 (q81 = 0) or q8_1 (q81 = 1).
+__device__ __forceinline__ void q8_block(float v, int q81, Q8* out) {
     int lane = threadIdx.x & 31;
-    float v = x[blk * 32 + lane];
     float amax = warp_max(fabsf(v));
     float d = amax / 127.0f;
     float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     int q = level(v * id);
-    ((i8*)out[blk].qs)[lane] = (i8)q;
+    ((i8*)out->qs)[lane] = (i8)q;
     int sum = warp_sum_int(q);
     if (lane == 0) {
-        out[blk].d = f16_round(d);
-        out[blk].sum = sum;
-        out[blk].s = q81 ? f16_round(d * (float)sum) : 0.0f;
-        out[blk].pad = 0;
+        out->d = f16_round(d);
+        out->sum = sum;
+        out->s = q81 ? f16_round(d * (float)sum) : 0.0f;
+        out->pad = 0;
     }
 }
 
-// q8_K: a block of 256 threads per 256 elements. The scale comes from the
-// first element of largest magnitude, with its sign.
-extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
+// q8_0 (q81 = 0) and q8_1 (q81 = 1): a warp per block of 32, `blocks` in all.
+extern "C" __global__ void quantize_q8(const float* x, u64 blocks, int q81, Q8* out) {
+    u64 blk = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= blocks) return;
+    q8_block(x[blk * 32 + (threadIdx.x & 31)], q81, out + blk);
+}
+
+// q8_K of the 256 values at `x` into the eight blocks at `out`, by a block
+// of 256 threads (every thread calls it). The scale comes from the first
+// element of largest magnitude, with its sign.
+__device__ void q8k_super(const float* x, Q8* out) {
     __shared__ float wmax[8];
     __shared__ int widx[8];
     int t = threadIdx.x, warp = t >> 5, lane = t & 31;
-    u64 sb = blockIdx.x;
-    float v = x[sb * 256 + t];
+    // The calls before have read the shared values.
+    __syncthreads();
+    float v = x[t];
     float a = fabsf(v);
     float m = warp_max(a);
     if (lane == 0) wmax[warp] = m;
@@ -243,7 +250,7 @@ extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
     __syncthreads();
     int first = 1 << 30;
     for (int i = 0; i < 8; i++) first = min(first, widx[i]);
-    Q8* ob = out + sb * 8 + warp;
+    Q8* ob = out + warp;
     if (!(amax > 0.0f) || first >= 256) {
         ((i8*)ob->qs)[lane] = 0;
         if (lane == 0) {
@@ -254,7 +261,7 @@ extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
         }
         return;
     }
-    float iscale = -127.0f / x[sb * 256 + first];
+    float iscale = -127.0f / x[first];
     float d = 1.0f / iscale;
     int q = level(iscale * v);
     ((i8*)ob->qs)[lane] = (i8)q;
@@ -267,13 +274,67 @@ extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
     }
 }
 
-// Quantized weights times quantized activations, in the CPU's order
-// (snug_kernels::dot): block b's exact integer dot goes, as a float, into
-// accumulator b % 8 (super-block sb % 8 for K-quants) with a fused
-// multiply-add, and the eight accumulators are summed as
-// ((0+1)+(2+3))+((4+5)+(6+7)). A warp per output and tile of QM_RT rows:
-// lanes 4g..4g+3 own accumulator g and split each of its blocks' integer
-// dot products (dp4a), whose parts add exactly.
+// q8_K of the 256 values at `x` into the eight blocks at `out`, by one
+// warp: lane i holds elements 32k + i, as thread 32k + i does in
+// q8k_super, and the same steps give the same values.
+__device__ __forceinline__ void q8k_warp(const float* x, Q8* out) {
+    int lane = threadIdx.x & 31;
+    float v[8];
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        v[k] = x[32 * k + lane];
+        m = fmaxf(m, fabsf(v[k]));
+    }
+    float amax = warp_max(m);
+    int first = 1 << 30;
+#pragma unroll
+    for (int k = 7; k >= 0; k--) {
+        unsigned hit = __ballot_sync(0xffffffffu, amax > 0.0f && fabsf(v[k]) == amax);
+        if (hit) first = 32 * k + __ffs(hit) - 1;
+    }
+    if (!(amax > 0.0f) || first >= 256) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            ((i8*)out[k].qs)[lane] = 0;
+            if (lane == 0) {
+                out[k].d = 0.0f;
+                out[k].s = 0.0f;
+                out[k].sum = 0;
+                out[k].pad = 0;
+            }
+        }
+        return;
+    }
+    float iscale = -127.0f / x[first];
+    float d = 1.0f / iscale;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        int q = level(iscale * v[k]);
+        ((i8*)out[k].qs)[lane] = (i8)q;
+        int sum = warp_sum_int(q);
+        if (lane == 0) {
+            out[k].d = d;
+            out[k].s = d * (float)sum;
+            out[k].sum = sum;
+            out[k].pad = 0;
+        }
+    }
+}
+
+// q8_K: a block of 256 threads per 256 elements.
+extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
+    u64 sb = blockIdx.x;
+    q8k_super(x + sb * 256, out + sb * 8);
+}
+
+// The activation formats (ActFormat on the CPU).
+#define FMT_Q8_0 0
+#define FMT_Q8_1 1
+#define FMT_Q8_K 2
+
+// Quantized products: a warp per output for a few rows of activations
+// (matvec_body), tensor cores for many (matmul_mma_body further down).
 #define MM_WARPS 4
 #define QM_RT 4
 
@@ -334,164 +395,295 @@ __device__ __forceinline__ void wblock(const u8* row, int b, int t, int* lo, int
     }
 }
 
+// Read-only weight loads that do not stay in L1 (each weight byte is read
+// once per launch; L1 is left to the activations, which every output
+// reads). `ldw4` needs a 16-byte aligned address, `ldw` a 4-byte one.
+__device__ __forceinline__ uint4 ldw4(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ldw(const u8* p) {
+    u32 v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// Sixteen bytes from a 2-byte aligned address, as four words: the five
+// aligned words around them, shifted (the fifth word lies inside the
+// block wherever this is used).
+__device__ __forceinline__ void ld16u(const u8* p, u32* out) {
+    u64 a = (u64)p;
+    const u8* b = (const u8*)(a & ~3ull);
+    u32 sh = (u32)(a & 3) * 8;
+    u32 w0 = ldw(b), w1 = ldw(b + 4), w2 = ldw(b + 8), w3 = ldw(b + 12), w4 = ldw(b + 16);
+    out[0] = __funnelshift_r(w0, w1, sh);
+    out[1] = __funnelshift_r(w1, w2, sh);
+    out[2] = __funnelshift_r(w2, w3, sh);
+    out[3] = __funnelshift_r(w3, w4, sh);
+}
+
+// A lane's share of one block of weights, loaded before any of it is used
+// (see matvec_body); which fields hold what depends on the type.
+struct WShare {
+    uint4 a, b, c;
+    float d, m;
+    int s0, s1;
+};
+
+// Steps of a warp whose weight loads are issued together.
+#define MV_U 4
+
+// Loads lane `lane`'s share of block `b` (32-element types: lane t = lane
+// & 3 of block b; K-quants: lane l = lane & 7 of super-block b).
 template <int TY>
-__device__ void matmul_q_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, int n,
-                              float* y) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.x * MM_WARPS + warp;
-    if (o >= outs) return;
-    int r0 = blockIdx.y * QM_RT;
-    int nr = min(QM_RT, n - r0);
+__device__ __forceinline__ void wshare(const u8* row, int b, int lane, WShare* s) {
+    if (TY == T_Q4_K || TY == T_Q5_K) {
+        int l = lane & 7;
+        const u8* sb = row + (TY == T_Q4_K ? 144 : 176) * (u64)b;
+        s->a = ldw4(sb);
+        s->b = ldw4(sb + (TY == T_Q4_K ? 16 : 48) + 16 * l);
+        if (TY == T_Q5_K) s->c = ldw4(sb + 16 + 16 * (l & 1));
+    } else if (TY == T_Q6_K) {
+        int l = lane & 7, n = l >> 2, k = l & 3, qa = k >> 1;
+        const u8* sb = row + 210 * (u64)b;
+        u32 v[4];
+        ld16u(sb + 64 * n + 16 * k, v);
+        s->a = make_uint4(v[0], v[1], v[2], v[3]);
+        ld16u(sb + 128 + 32 * n + 16 * (k & 1), v);
+        s->b = make_uint4(v[0], v[1], v[2], v[3]);
+        const i8* sc = (const i8*)(sb + 192) + 8 * n + (k & 1) + 2 * qa;
+        s->s0 = sc[0];
+        s->s1 = sc[4];
+        s->d = h2f(ld16(sb + 208));
+    } else {
+        int lo, hi;
+        wblock<TY>(row, b, lane & 3, &lo, &hi, &s->d, &s->m);
+        s->s0 = lo;
+        s->s1 = hi;
+    }
+}
+
+// Elements 4i..4i+3 of a lane's sixteen bytes, as low and high nibbles.
+__device__ __forceinline__ u32 word(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Quantized weights times quantized activations for one row of up to 4
+// rows of activations, in the CPU's order (snug_kernels::dot): block b's
+// exact integer dot goes, as a float, into accumulator b % 8 (super-block
+// b % 8 for K-quants) with a fused multiply-add, and the eight
+// accumulators are summed as ((0+1)+(2+3))+((4+5)+(6+7)). A warp per
+// output. 32-element types: lanes 4g..4g+3 take block 8i+g of step i
+// (accumulator g), each four elements of its halves. K-quants: lanes
+// 8G..8G+7 take super-block 4i+G (accumulator G + 4 (i % 2)), each
+// sixteen bytes of its quantized levels. The integer sums of a block's
+// lanes add exactly; the weight loads of MV_U steps are in flight
+// together.
+template <int TY>
+__device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk, int o, const Q8* a, int nab,
+                                            int r0, int nr, float* res) {
+    const bool K = TY == T_Q4_K || TY == T_Q5_K || TY == T_Q6_K;
+    const int per = K ? 4 : 8;
+    int lane = threadIdx.x & 31;
+    int grp = K ? lane >> 3 : lane >> 2;
     const u8* row = w + row_bytes * (u64)o;
     const Q8* ar = a + (u64)r0 * nab;
-    int g = lane >> 2, t = lane & 3;
-    float acc[QM_RT];
-    for (int r = 0; r < QM_RT; r++) acc[r] = 0.0f;
-    // Blocks of 32 and K-quant super-blocks of 256 run in the same order;
-    // an idle group (nblk < 8) still takes part in the shuffles.
-    for (int b0 = 0; b0 < nblk; b0 += 8) {
-        int b = b0 + g;
-        bool live = b < nblk;
-        if (TY == T_Q4_K || TY == T_Q5_K || TY == T_Q6_K) {
-            // Lane t: blocks 2t and 2t+1 of super-block b.
-            int wp[2][8];
-            int sc[2][2], mn[2];
-            float d = 0.0f, dmin = 0.0f;
-            if (live) {
-                if (TY == T_Q4_K || TY == T_Q5_K) {
-                    const u8* blk = row + (TY == T_Q4_K ? 144 : 176) * (u64)b;
-                    d = h2f(ld16(blk));
-                    dmin = h2f(ld16(blk + 2));
-                    for (int h = 0; h < 2; h++) {
-                        int s, m;
-                        scale_min_k4(2 * t + h, blk + 4, &s, &m);
-                        sc[h][0] = s;
-                        sc[h][1] = s;
-                        mn[h] = m;
-                    }
-                    // 16-byte aligned: super-blocks of 144 and 176 bytes.
-                    const uint4* q4 = (const uint4*)(blk + (TY == T_Q4_K ? 16 : 48) + 32 * t);
-                    uint4 qa = q4[0], qb = q4[1];
-                    u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-                    u32 qhv[8];
-                    if (TY == T_Q5_K) {
-                        const uint4* h4 = (const uint4*)(blk + 16);
-                        uint4 ha = h4[0], hb = h4[1];
-                        qhv[0] = ha.x; qhv[1] = ha.y; qhv[2] = ha.z; qhv[3] = ha.w;
-                        qhv[4] = hb.x; qhv[5] = hb.y; qhv[6] = hb.z; qhv[7] = hb.w;
-                    }
-                    for (int k = 0; k < 8; k++) {
-                        u32 v = q[k];
-                        u32 lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
-                        if (TY == T_Q5_K) {
-                            u32 qh = qhv[k];
-                            lo |= ((qh >> (2 * t)) & 0x01010101u) << 4;
-                            hi |= ((qh >> (2 * t + 1)) & 0x01010101u) << 4;
-                        }
-                        wp[0][k] = (int)lo;
-                        wp[1][k] = (int)hi;
+    int steps = (nblk + per - 1) / per;
+    float acc[QM_RT][2];
+#pragma unroll
+    for (int r = 0; r < QM_RT; r++) acc[r][0] = acc[r][1] = 0.0f;
+    for (int i0 = 0; i0 < steps; i0 += MV_U) {
+        WShare ws[MV_U] = {};
+#pragma unroll
+        for (int u = 0; u < MV_U; u++) {
+            int b = per * (i0 + u) + grp;
+            if (b < nblk) wshare<TY>(row, b, lane, &ws[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < MV_U; u++) {
+            int i = i0 + u;
+            if (i >= steps) break;
+            int b = per * i + grp;
+            bool live = b < nblk;
+            const WShare& s = ws[u];
+            if (K) {
+                int l = lane & 7;
+                int slot = i & 1;
+                // Which activation blocks the lane's bytes meet, and at
+                // which sixteen bytes of them.
+                int ba, bb, half;
+                int sa = 0, sb = 0, ma = 0, mb = 0;
+                float d = 0.0f, dmin = 0.0f;
+                u32 wa[4], wb[4];
+                if (TY == T_Q6_K) {
+                    int n = l >> 2, k = l & 3, qa = k >> 1;
+                    ba = 4 * n + qa;
+                    bb = ba + 2;
+                    half = k & 1;
+                    sa = s.s0;
+                    sb = s.s1;
+                    d = s.d;
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        u32 q = word(s.a, j), h = word(s.b, j);
+                        u32 lo = (q & 0x0F0F0F0Fu) | (((h >> (2 * qa)) & 0x03030303u) << 4);
+                        u32 hi = ((q >> 4) & 0x0F0F0F0Fu) | (((h >> (2 * qa + 4)) & 0x03030303u) << 4);
+                        wa[j] = __vsub4(lo, 0x20202020u);
+                        wb[j] = __vsub4(hi, 0x20202020u);
                     }
                 } else {
-                    const u8* blk = row + 210 * (u64)b;
-                    d = h2f(ld16(blk + 208));
-                    int hh = t >> 1, k0 = 2 * (t & 1);
-                    const u8* ql = blk + 64 * hh;
-                    const u8* qh = blk + 128 + 32 * hh;
-                    const i8* s8 = (const i8*)(blk + 192);
-                    for (int h = 0; h < 2; h++) {
-                        sc[h][0] = s8[2 * (2 * t + h)];
-                        sc[h][1] = s8[2 * (2 * t + h) + 1];
-                        mn[h] = 0;
+                    int p = l >> 1;
+                    ba = 2 * p;
+                    bb = ba + 1;
+                    half = l & 1;
+                    if (live) {
+                        d = h2f((u16)(s.a.x & 0xFFFFu));
+                        dmin = h2f((u16)(s.a.x >> 16));
+                        // The 6-bit scales and minimums of sub-blocks 0-3
+                        // and 4-7 as bytes (scale_min_k4's fields), then
+                        // the lane's two.
+                        u32 q0 = s.a.y, q1 = s.a.z, q2 = s.a.w;
+                        u32 scw = p < 2 ? q0 & 0x3F3F3F3Fu : (q2 & 0x0F0F0F0Fu) | (((q0 >> 6) & 0x03030303u) << 4);
+                        u32 mnw = p < 2 ? q1 & 0x3F3F3F3Fu
+                                        : ((q2 >> 4) & 0x0F0F0F0Fu) | (((q1 >> 6) & 0x03030303u) << 4);
+                        int sh = 16 * (p & 1);
+                        sa = (int)((scw >> sh) & 0xFFu);
+                        sb = (int)((scw >> (sh + 8)) & 0xFFu);
+                        ma = (int)((mnw >> sh) & 0xFFu);
+                        mb = (int)((mnw >> (sh + 8)) & 0xFFu);
                     }
-                    for (int k = 0; k < 8; k++) {
-                        u32 a0 = ld32(ql + 4 * k), a1 = ld32(ql + 32 + 4 * k), hb = ld32(qh + 4 * k);
-                        u32 l0 = (t & 1) ? (a0 >> 4) & 0x0F0F0F0Fu : a0 & 0x0F0F0F0Fu;
-                        u32 l1 = (t & 1) ? (a1 >> 4) & 0x0F0F0F0Fu : a1 & 0x0F0F0F0Fu;
-                        l0 |= ((hb >> (2 * k0)) & 0x03030303u) << 4;
-                        l1 |= ((hb >> (2 * (k0 + 1))) & 0x03030303u) << 4;
-                        wp[0][k] = (int)__vsub4(l0, 0x20202020u);
-                        wp[1][k] = (int)__vsub4(l1, 0x20202020u);
-                    }
-                }
-            }
-            for (int r = 0; r < QM_RT; r++) {
-                if (r >= nr) break;
-                int isum = 0, msum = 0;
-                float da = 0.0f;
-                if (live) {
-                    const Q8* ab = ar + (u64)r * nab + 8 * b;
-                    da = ab[0].d;
-                    for (int h = 0; h < 2; h++) {
-                        const Q8* q = ab + 2 * t + h;
-                        int4 a0 = ((const int4*)q->qs)[0], a1 = ((const int4*)q->qs)[1];
-                        int p0 = __dp4a(wp[h][0], a0.x, 0);
-                        p0 = __dp4a(wp[h][1], a0.y, p0);
-                        p0 = __dp4a(wp[h][2], a0.z, p0);
-                        p0 = __dp4a(wp[h][3], a0.w, p0);
-                        int p1 = __dp4a(wp[h][4], a1.x, 0);
-                        p1 = __dp4a(wp[h][5], a1.y, p1);
-                        p1 = __dp4a(wp[h][6], a1.z, p1);
-                        p1 = __dp4a(wp[h][7], a1.w, p1);
-                        isum += sc[h][0] * p0 + sc[h][1] * p1;
-                        msum += mn[h] * q->sum;
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        u32 q = word(s.b, j);
+                        u32 lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+                        if (TY == T_Q5_K) {
+                            u32 h = word(s.c, j);
+                            lo |= ((h >> ba) & 0x01010101u) << 4;
+                            hi |= ((h >> bb) & 0x01010101u) << 4;
+                        }
+                        wa[j] = lo;
+                        wb[j] = hi;
                     }
                 }
-                isum = isum4(isum);
-                msum = isum4(msum);
-                if (live) {
-                    acc[r] = fmaf((float)isum, d * da, acc[r]);
-                    if (TY != T_Q6_K) acc[r] = fmaf(-(dmin * da), (float)msum, acc[r]);
+#pragma unroll
+                for (int r = 0; r < QM_RT; r++) {
+                    if (r >= nr) break;
+                    int isum = 0, msum = 0;
+                    float da = 0.0f;
+                    if (live) {
+                        const Q8* ab = ar + (u64)r * nab + 8 * b;
+                        da = ab[0].d;
+                        int4 xa = ((const int4*)ab[ba].qs)[half], xb = ((const int4*)ab[bb].qs)[half];
+                        int pa = __dp4a((int)wa[0], xa.x, 0);
+                        pa = __dp4a((int)wa[1], xa.y, pa);
+                        pa = __dp4a((int)wa[2], xa.z, pa);
+                        pa = __dp4a((int)wa[3], xa.w, pa);
+                        int pb = __dp4a((int)wb[0], xb.x, 0);
+                        pb = __dp4a((int)wb[1], xb.y, pb);
+                        pb = __dp4a((int)wb[2], xb.z, pb);
+                        pb = __dp4a((int)wb[3], xb.w, pb);
+                        isum = sa * pa + sb * pb;
+                        if (TY != T_Q6_K && half == 0) msum = ma * ab[ba].sum + mb * ab[bb].sum;
+                    }
+                    isum += __shfl_xor_sync(0xffffffffu, isum, 1);
+                    isum += __shfl_xor_sync(0xffffffffu, isum, 2);
+                    isum += __shfl_xor_sync(0xffffffffu, isum, 4);
+                    if (TY != T_Q6_K) {
+                        msum += __shfl_xor_sync(0xffffffffu, msum, 1);
+                        msum += __shfl_xor_sync(0xffffffffu, msum, 2);
+                        msum += __shfl_xor_sync(0xffffffffu, msum, 4);
+                    }
+                    if (live) {
+                        float v = fmaf((float)isum, d * da, slot ? acc[r][1] : acc[r][0]);
+                        if (TY != T_Q6_K) v = fmaf(-(dmin * da), (float)msum, v);
+                        if (slot) acc[r][1] = v;
+                        else acc[r][0] = v;
+                    }
                 }
-            }
-        } else {
-            // Lane t: elements 4t..4t+3 and 16+4t..16+4t+3 of block b.
-            int lo = 0, hi = 0;
-            float d = 0.0f, m = 0.0f;
-            if (live) wblock<TY>(row, b, t, &lo, &hi, &d, &m);
-            for (int r = 0; r < QM_RT; r++) {
-                if (r >= nr) break;
-                int s = 0;
-                float ad = 0.0f, as = 0.0f;
-                if (live) {
-                    const Q8* q = ar + (u64)r * nab + b;
-                    s = __dp4a(hi, q->qs[4 + t], __dp4a(lo, q->qs[t], 0));
-                    ad = q->d;
-                    as = q->s;
-                }
-                s = isum4(s);
-                if (live) {
-                    acc[r] = fmaf((float)s, d * ad, acc[r]);
-                    if (TY == T_Q4_1 || TY == T_Q5_1) acc[r] = fmaf(m, as, acc[r]);
+            } else {
+                int t = lane & 3;
+#pragma unroll
+                for (int r = 0; r < QM_RT; r++) {
+                    if (r >= nr) break;
+                    int sdot = 0;
+                    float ad = 0.0f, as = 0.0f;
+                    if (live) {
+                        const Q8* q = ar + (u64)r * nab + b;
+                        sdot = __dp4a(s.s1, q->qs[4 + t], __dp4a(s.s0, q->qs[t], 0));
+                        ad = q->d;
+                        as = q->s;
+                    }
+                    sdot = isum4(sdot);
+                    if (live) {
+                        acc[r][0] = fmaf((float)sdot, s.d * ad, acc[r][0]);
+                        if (TY == T_Q4_1 || TY == T_Q5_1) acc[r][0] = fmaf(s.m, as, acc[r][0]);
+                    }
                 }
             }
         }
     }
+#pragma unroll
     for (int r = 0; r < QM_RT; r++) {
         if (r >= nr) break;
-        float v = fold8(acc[r]);
-        if (lane == 0) y[(u64)(r0 + r) * outs + o] = v;
+        if (K) {
+            // Lane 8G+l holds accumulators G and G+4.
+            float p = acc[r][0] + __shfl_xor_sync(0xffffffffu, acc[r][0], 8);
+            float q = acc[r][1] + __shfl_xor_sync(0xffffffffu, acc[r][1], 8);
+            p = p + __shfl_xor_sync(0xffffffffu, p, 16);
+            q = q + __shfl_xor_sync(0xffffffffu, q, 16);
+            res[r] = p + q;
+        } else {
+            res[r] = fold8(acc[r][0]);
+        }
     }
 }
 
-#define MATMUL_Q(NAME, TY)                                                                           \
-    extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, \
-                                    int n, float* y) {                                               \
-        matmul_q_body<TY>(w, row_bytes, nblk, outs, a, nab, n, y);                                   \
+// Up to three matrices of one type and width times the same activations
+// in one launch (queries, keys and values; gate and up): warp o of the
+// grid computes output o of the three matrices' outputs in turn.
+#define MATVEC(NAME, TY)                                                                                 \
+    extern "C" __global__ void NAME(const u8* w0, const u8* w1, const u8* w2, u64 row_bytes, int nblk,     \
+                                    int outs0, int outs1, int outs2, const Q8* a, int nab, int n,         \
+                                    float* y0, float* y1, float* y2) {                                    \
+        int o = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);                                              \
+        const u8* w = w0;                                                                                 \
+        float* y = y0;                                                                                    \
+        int outs = outs0;                                                                                 \
+        if (o >= outs0) {                                                                                 \
+            o -= outs0;                                                                                   \
+            w = w1;                                                                                       \
+            y = y1;                                                                                       \
+            outs = outs1;                                                                                 \
+            if (o >= outs1) {                                                                             \
+                o -= outs1;                                                                               \
+                w = w2;                                                                                   \
+                y = y2;                                                                                   \
+                outs = outs2;                                                                             \
+                if (o >= outs2) return;                                                                   \
+            }                                                                                             \
+        }                                                                                                 \
+        int r0 = blockIdx.y * QM_RT, nr = min(QM_RT, n - r0);                                             \
+        float res[QM_RT];                                                                                 \
+        matvec_body<TY>(w, row_bytes, nblk, o, a, nab, r0, nr, res);                                      \
+        if ((threadIdx.x & 31) == 0)                                                                      \
+            for (int r = 0; r < nr; r++) y[(u64)(r0 + r) * outs + o] = res[r];                            \
     }
-MATMUL_Q(matmul_q4_0, T_Q4_0)
-MATMUL_Q(matmul_q4_1, T_Q4_1)
-MATMUL_Q(matmul_q5_0, T_Q5_0)
-MATMUL_Q(matmul_q5_1, T_Q5_1)
-MATMUL_Q(matmul_q8_0, T_Q8_0)
-MATMUL_Q(matmul_q4_k, T_Q4_K)
-MATMUL_Q(matmul_q5_k, T_Q5_K)
-MATMUL_Q(matmul_q6_k, T_Q6_K)
+MATVEC(matvec_q4_0, T_Q4_0)
+MATVEC(matvec_q4_1, T_Q4_1)
+MATVEC(matvec_q5_0, T_Q5_0)
+MATVEC(matvec_q5_1, T_Q5_1)
+MATVEC(matvec_q8_0, T_Q8_0)
+MATVEC(matvec_q4_k, T_Q4_K)
+MATVEC(matvec_q5_k, T_Q5_K)
+MATVEC(matvec_q6_k, T_Q6_K)
 
 // The same products for many rows, on tensor cores: each block's integer
 // dot products of a 16-row by 8-output tile are one int8 `mma` (exact
 // 32-bit sums, 16 elements at a time where a K-quant scales halves of a
 // block apart), then every (row, output) takes exactly the steps of
-// matmul_q_body with them. A warp computes 16 rows by 16 outputs; a block
+// matvec_body with them. A warp computes 16 rows by 16 outputs; a block
 // of 4 warps, 16 rows by 64 outputs.
 __device__ __forceinline__ void mma32(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
     asm volatile(
@@ -792,7 +984,8 @@ ROWS(rows_q6_k, T_Q6_K)
 // row of `x` first becomes `x + add` (the residual sum, written back). A
 // block of 256 per row: the row is staged in shared memory by every thread
 // (the loads in flight at once), then eight threads run the eight sums.
-extern "C" __global__ void rms_norm(float* x, const float* add, float* out, const float* w, int dim, float eps) {
+__device__ __forceinline__ void rms_norm_body(float* x, const float* add, float* out, const float* w, int dim,
+                                              float eps, int fmt, Q8* q8) {
     extern __shared__ float xs[];
     __shared__ float scale_s;
     u64 off = (u64)blockIdx.x * dim;
@@ -828,7 +1021,34 @@ extern "C" __global__ void rms_norm(float* x, const float* add, float* out, cons
     }
     __syncthreads();
     float scale = scale_s;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[off + i] = xs[i] * scale * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xs[i] * scale * w[i];
+        out[off + i] = v;
+        if (q8) xs[i] = v;
+    }
+    if (!q8) return;
+    // The normalized row quantized for the product that reads it, as
+    // quantize_q8 and quantize_q8k would from `out`.
+    __syncthreads();
+    Q8* qr = q8 + (u64)blockIdx.x * (dim >> 5);
+    if (fmt == FMT_Q8_K) {
+        for (int sb = threadIdx.x >> 5; sb < (dim >> 8); sb += blockDim.x >> 5) q8k_warp(xs + 256 * sb, qr + 8 * sb);
+    } else {
+        int lane = threadIdx.x & 31;
+        for (int blk = threadIdx.x >> 5; blk < (dim >> 5); blk += blockDim.x >> 5)
+            q8_block(xs[32 * blk + lane], fmt, qr + blk);
+    }
+}
+
+extern "C" __global__ void rms_norm(float* x, const float* add, float* out, const float* w, int dim, float eps) {
+    rms_norm_body(x, add, out, w, dim, eps, 0, nullptr);
+}
+
+// rms_norm, then the row quantized in format `fmt` into `q8` (a block of
+// 256 threads per row, as rms_norm).
+extern "C" __global__ void norm_q8(float* x, const float* add, float* out, const float* w, int dim, float eps,
+                                   int fmt, Q8* q8) {
+    rms_norm_body(x, add, out, w, dim, eps, fmt, q8);
 }
 
 extern "C" __global__ void scale(float* x, u64 len, float by) {
@@ -1049,6 +1269,27 @@ __device__ __forceinline__ float gelu1(float x) {
 extern "C" __global__ void gated(float* gate, const float* up, u64 len, int gelu) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) gate[i] = (gelu ? gelu1(gate[i]) : silu1(gate[i])) * up[i];
+}
+
+// gated, then the values quantized in format `fmt` into `q8`: q8_0 and
+// q8_1 a warp per block of 32 (`blocks` in all, 8 warps a block), q8_K a
+// block of 256 threads per 256 values.
+extern "C" __global__ void gated_q8(float* gate, const float* up, u64 blocks, int gelu, int fmt, Q8* q8) {
+    if (fmt == FMT_Q8_K) {
+        __shared__ float v[256];
+        u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
+        float g = (gelu ? gelu1(gate[i]) : silu1(gate[i])) * up[i];
+        gate[i] = g;
+        v[threadIdx.x] = g;
+        q8k_super(v, q8 + (u64)blockIdx.x * 8);
+        return;
+    }
+    u64 blk = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= blocks) return;
+    u64 i = blk * 32 + (threadIdx.x & 31);
+    float g = (gelu ? gelu1(gate[i]) : silu1(gate[i])) * up[i];
+    gate[i] = g;
+    q8_block(g, fmt, q8 + blk);
 }
 
 // to[m] = from[which[m]], rows of `width`.

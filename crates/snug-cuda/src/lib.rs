@@ -77,6 +77,12 @@ pub const TYPES: [GgmlType; 11] = [
     GgmlType::Q6K,
 ];
 
+/// Whether matrices of `ty` are multiplied as floats (the others as
+/// integers against quantized activations).
+fn is_float(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
 fn type_suffix(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
         GgmlType::F32 => "f32",
@@ -117,13 +123,18 @@ pub fn compile(arch: &str) -> Result<String, CudaError> {
 
 /// The kernels of one compiled module.
 struct Kernels {
+    /// Float matrices times f32 activations.
     matmul: Vec<(GgmlType, CudaFunction)>,
+    /// Quantized products of a few rows, up to three matrices a launch.
+    matvec: Vec<(GgmlType, CudaFunction)>,
     /// Quantized products on tensor cores (many rows).
     mma: Vec<(GgmlType, CudaFunction)>,
     rows: Vec<(GgmlType, CudaFunction)>,
     quantize_q8: CudaFunction,
     quantize_q8k: CudaFunction,
     rms_norm: CudaFunction,
+    /// RMS norm with the row quantized for the product after it.
+    norm_q8: CudaFunction,
     scale: CudaFunction,
     add: CudaFunction,
     add_bias: CudaFunction,
@@ -131,6 +142,8 @@ struct Kernels {
     write_kv_f16: CudaFunction,
     attend_f16: CudaFunction,
     gated: CudaFunction,
+    /// The gated activation, quantized for the down projection.
+    gated_q8: CudaFunction,
     gather: CudaFunction,
     _module: Arc<CudaModule>,
 }
@@ -178,23 +191,28 @@ impl Device {
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
         let f = |n: &str| module.load_function(n);
         let mut matmul = Vec::new();
+        let mut matvec = Vec::new();
         let mut mma = Vec::new();
         let mut rows = Vec::new();
         for ty in TYPES {
             let s = type_suffix(ty).expect("listed");
-            matmul.push((ty, f(&format!("matmul_{s}"))?));
             rows.push((ty, f(&format!("rows_{s}"))?));
-            if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            if is_float(ty) {
+                matmul.push((ty, f(&format!("matmul_{s}"))?));
+            } else {
+                matvec.push((ty, f(&format!("matvec_{s}"))?));
                 mma.push((ty, f(&format!("mma_{s}"))?));
             }
         }
         let k = Kernels {
             matmul,
+            matvec,
             mma,
             rows,
             quantize_q8: f("quantize_q8")?,
             quantize_q8k: f("quantize_q8k")?,
             rms_norm: f("rms_norm")?,
+            norm_q8: f("norm_q8")?,
             scale: f("scale")?,
             add: f("add")?,
             add_bias: f("add_bias")?,
@@ -202,6 +220,7 @@ impl Device {
             write_kv_f16: f("write_kv_f16")?,
             attend_f16: f("attend_f16")?,
             gated: f("gated")?,
+            gated_q8: f("gated_q8")?,
             gather: f("gather")?,
             _module: module,
         };
@@ -275,6 +294,16 @@ impl Device {
         &self
             .k
             .matmul
+            .iter()
+            .find(|(t, _)| *t == ty)
+            .expect("type checked at upload")
+            .1
+    }
+
+    fn matvec_fn(&self, ty: GgmlType) -> &CudaFunction {
+        &self
+            .k
+            .matvec
             .iter()
             .find(|(t, _)| *t == ty)
             .expect("type checked at upload")
@@ -378,6 +407,8 @@ pub struct CudaWorkspace {
     /// format). Products of one input (queries, keys and values; gate and
     /// up) quantize it once; any other launch forgets it.
     quantized: Option<(u64, usize, usize, u8)>,
+    /// Work held back to be launched with the next call.
+    pending: Pending,
     pairs: usize,
     /// The first device error of the pass, reported by [`CudaWorkspace::check`].
     error: Option<cudarc::driver::DriverError>,
@@ -460,6 +491,7 @@ impl CudaWorkspace {
             unfenced: None,
             key: (0, 0),
             quantized: None,
+            pending: Pending::None,
             pairs,
             error: None,
         })
@@ -684,6 +716,8 @@ impl Backend for Cuda {
     }
 
     fn begin(ws: &mut CudaWorkspace, rows: &[BatchRow], head: Head, kv: &KvView<CudaKv>) {
+        // What the pass before held back runs before this one.
+        flush(ws);
         // The pass before, launched one by one, returned without waiting
         // for its copies: its region is fenced by everything queued so far.
         if let Some(region) = ws.unfenced.take() {
@@ -729,6 +763,7 @@ impl Backend for Cuda {
     }
 
     fn embed(ws: &mut CudaWorkspace, table: &CudaMatrix, rows: &[BatchRow]) {
+        flush(ws);
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let pos: Vec<u32> = rows.iter().map(|r| r.pos as u32).collect();
         ws.upload(Which::Tokens, &tokens);
@@ -749,12 +784,14 @@ impl Backend for Cuda {
     }
 
     fn scale(ws: &mut CudaWorkspace, buf: Buf, len: usize, by: f32) {
+        flush(ws);
         let dev = ws.dev.clone();
         let (x, n) = (ws.p(buf), len as u64);
         elementwise!(ws, &dev.k.scale, len, &x, &n, &by);
     }
 
     fn copy(ws: &mut CudaWorkspace, from: Buf, to: Buf, len: usize) {
+        flush(ws);
         ws.quantized = None;
         if ws.mode == Mode::Replay {
             return;
@@ -767,35 +804,29 @@ impl Backend for Cuda {
     }
 
     fn rms_norm(ws: &mut CudaWorkspace, buf: Buf, len: usize, w: &CudaVector, eps: f32) {
-        let rows = len / w.len;
-        if rows == 0 {
-            return;
-        }
         let x = ws.p(buf);
-        norm_into(ws, x, 0, x, rows, w, eps);
+        hold_norm(ws, x, 0, x, len / w.len, w, eps);
     }
 
     fn add_norm(ws: &mut CudaWorkspace, x: Buf, add: Option<Buf>, to: Buf, len: usize, w: &CudaVector, eps: f32) {
-        let rows = len / w.len;
-        if rows == 0 {
-            return;
-        }
         let (xp, ap, tp) = (ws.p(x), add.map_or(0, |b| ws.p(b)), ws.p(to));
-        norm_into(ws, xp, ap, tp, rows, w, eps);
+        hold_norm(ws, xp, ap, tp, len / w.len, w, eps);
     }
 
     fn matmul(ws: &mut CudaWorkspace, w: &CudaMatrix, from: Buf, to: Buf, rows: usize) {
         let (x, y) = (ws.p(from), ws.p(to));
-        matmul_into(ws, w, x, y, rows);
+        product(ws, w, x, y, rows, true);
     }
 
     fn add_bias(ws: &mut CudaWorkspace, buf: Buf, rows: usize, bias: &CudaVector) {
+        flush(ws);
         let dev = ws.dev.clone();
         let (x, bp, width, len) = (ws.p(buf), bias.ptr, bias.len as i32, (rows * bias.len) as u64);
         elementwise!(ws, &dev.k.add_bias, rows * bias.len, &x, &bp, &width, &len);
     }
 
     fn add(ws: &mut CudaWorkspace, to: Buf, from: Buf, len: usize) {
+        flush(ws);
         let dev = ws.dev.clone();
         let (t, f, n) = (ws.p(to), ws.p(from), len as u64);
         elementwise!(ws, &dev.k.add, len, &t, &f, &n);
@@ -809,6 +840,7 @@ impl Backend for Cuda {
         slots: &[KvSlot],
         kv: &mut CudaKv,
     ) {
+        flush(ws);
         if rows.is_empty() {
             return;
         }
@@ -869,6 +901,7 @@ impl Backend for Cuda {
     }
 
     fn attention(ws: &mut CudaWorkspace, c: &Config, layer: usize, rows: &[BatchRow], kv: &KvView<CudaKv>, scale: f32) {
+        flush(ws);
         if rows.is_empty() {
             return;
         }
@@ -958,13 +991,15 @@ impl Backend for Cuda {
     }
 
     fn gated(ws: &mut CudaWorkspace, act: Activation, rows: usize, width: usize) {
-        let dev = ws.dev.clone();
-        let (g, u, n) = (ws.p(Buf::Gate), ws.p(Buf::Up), (rows * width) as u64);
-        let gelu = i32::from(matches!(act, Activation::Gelu));
-        elementwise!(ws, &dev.k.gated, rows * width, &g, &u, &n, &gelu);
+        flush(ws);
+        if rows * width > 0 {
+            let gelu = i32::from(matches!(act, Activation::Gelu));
+            ws.pending = Pending::Gated { rows, width, gelu };
+        }
     }
 
     fn gather_rows(ws: &mut CudaWorkspace, from: Buf, to: Buf, width: usize, which: &[usize]) {
+        flush(ws);
         if which.is_empty() {
             return;
         }
@@ -985,21 +1020,25 @@ impl Backend for Cuda {
     }
 
     fn logits(ws: &mut CudaWorkspace, head: &CudaMatrix, from: Buf, rows: usize, out: &mut [f32]) {
+        if ws.mode == Mode::Replay {
+            // What is held back is in the graph.
+            ws.pending = Pending::None;
+        }
         if rows == 0 {
-            return;
+            return flush(ws);
         }
         let s = ws.dev.stream.clone();
         let (x, y) = (ws.p(from), ptr(&ws.logits, &s));
         let n = rows * head.rows;
         let mode = std::mem::replace(&mut ws.mode, Mode::Direct);
         if mode == Mode::Direct {
-            matmul_into(ws, head, x, y, rows);
+            product(ws, head, x, y, rows, false);
             let r = s.memcpy_dtoh(&ws.logits.slice(..n), &mut out[..n]);
             return ws.note(r);
         }
         if mode == Mode::Capture {
             ws.mode = Mode::Capture;
-            matmul_into(ws, head, x, y, rows);
+            product(ws, head, x, y, rows, false);
             ws.mode = Mode::Direct;
             // SAFETY: the page-locked buffer holds `GRAPH_ROWS` rows of
             // logits and lives as long as the graph (both are the
@@ -1033,7 +1072,8 @@ impl Backend for Cuda {
         out[..n].copy_from_slice(&ws.logits_host.as_slice()[..n]);
     }
 
-    fn read(ws: &CudaWorkspace, buf: Buf, out: &mut [f32]) {
+    fn read(ws: &mut CudaWorkspace, buf: Buf, out: &mut [f32]) {
+        flush(ws);
         let s = &ws.dev.stream;
         let n = out.len();
         // A failed copy leaves zeros; the next device call reports it.
@@ -1042,13 +1082,29 @@ impl Backend for Cuda {
         }
     }
 
-    fn trace(ws: &CudaWorkspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize) {
+    fn trace(ws: &mut CudaWorkspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize) {
         if !snug_model::arch::trace::enabled() {
             return;
         }
+        flush(ws);
         let mut host = vec![0f32; len];
         Self::read(ws, buf, &mut host);
         snug_model::arch::trace::trace(name, layer, layers, &host);
+    }
+}
+
+/// Holds back an RMS norm (see [`Pending`]).
+fn hold_norm(ws: &mut CudaWorkspace, x: u64, add: u64, out: u64, rows: usize, w: &CudaVector, eps: f32) {
+    flush(ws);
+    if rows > 0 {
+        ws.pending = Pending::Norm {
+            x,
+            add,
+            out,
+            rows,
+            w: *w,
+            eps,
+        };
     }
 }
 
@@ -1137,68 +1193,179 @@ fn kv_tables(ws: &mut CudaWorkspace, slots: &[KvSlot]) {
 /// quantized weights, the activations are quantized first (as the CPU
 /// quantizes them) and the products are integer dot products in the CPU's
 /// order; over float weights, f32 dot products in the CPU's order.
-fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize) {
-    if rows == 0 || ws.mode == Mode::Replay {
+/// Work held back by one call, to be launched together with the call after
+/// it: a norm or gated activation whose output the next product
+/// quantizes (one launch instead of two), and products of one input that
+/// follow each other (queries, keys and values; gate and up: one launch).
+/// Every other call launches what is held first, so the work runs in the
+/// same order, on the same values.
+#[derive(Clone, Copy)]
+enum Pending {
+    None,
+    Norm {
+        x: u64,
+        add: u64,
+        out: u64,
+        rows: usize,
+        w: CudaVector,
+        eps: f32,
+    },
+    Gated {
+        rows: usize,
+        width: usize,
+        gelu: i32,
+    },
+    Products {
+        x: u64,
+        rows: usize,
+        n: usize,
+        list: [(CudaMatrix, u64); 3],
+    },
+}
+
+/// Launches the work held back (see [`Pending`]).
+fn flush(ws: &mut CudaWorkspace) {
+    match std::mem::replace(&mut ws.pending, Pending::None) {
+        Pending::None => {}
+        Pending::Norm {
+            x,
+            add,
+            out,
+            rows,
+            w,
+            eps,
+        } => norm_into(ws, x, add, out, rows, &w, eps),
+        Pending::Gated { rows, width, gelu } => {
+            let dev = ws.dev.clone();
+            let (g, u, n) = (ws.p(Buf::Gate), ws.p(Buf::Up), (rows * width) as u64);
+            elementwise!(ws, &dev.k.gated, rows * width, &g, &u, &n, &gelu);
+        }
+        Pending::Products { x, rows, n, list } => products(ws, &list[..n], x, rows),
+    }
+}
+
+/// The kernels' code for an activation format (`FMT_*` in kernels.cu).
+fn format_code(f: snug_kernels::dot::ActFormat) -> i32 {
+    match f {
+        snug_kernels::dot::ActFormat::Q8_0 => 0,
+        snug_kernels::dot::ActFormat::Q8_1 => 1,
+        snug_kernels::dot::ActFormat::Q8K => 2,
+    }
+}
+
+/// `y = w x` for `rows` rows at device addresses `x` and `y`. A product
+/// of a few rows is held back when `defer` (see [`Pending`]); the norm or
+/// activation held back before it, when it produced `x`, is launched
+/// with the quantization of `x`.
+fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, defer: bool) {
+    if rows == 0 {
         return;
     }
-    let dev = ws.dev.clone();
-    let s = &dev.stream;
-    let (wp, rb, outs, n) = (w.ptr, w.row_bytes as u64, w.rows as i32, rows as i32);
-    let grid = ((w.rows as u32).div_ceil(4), (rows as u32).div_ceil(4), 1);
-    let cfg = LaunchConfig {
-        grid_dim: grid,
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    if matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-        let cols = w.cols as i32;
-        let mut b = s.launch_builder(dev.matmul_fn(w.ty));
-        b.arg(&wp).arg(&rb).arg(&cols).arg(&outs).arg(&x).arg(&n).arg(&y);
-        // SAFETY: the arguments match the kernel's signature; the buffers
-        // hold `rows` rows of `cols` and `outs`.
-        let r = unsafe { b.launch(cfg) };
-        return ws.note(r);
+    if is_float(w.ty) {
+        flush(ws);
+        return float_product(ws, w, x, y, rows);
     }
-    let blocks = (rows * w.cols / 32) as u64;
-    let q8 = ptr(&ws.q8, s);
     let format = snug_kernels::dot::act_format(w.ty);
     let key = (x, rows, w.cols, format as u8);
+    let quantized = ws.quantized;
+    if let Pending::Products {
+        x: px,
+        rows: pr,
+        n,
+        list,
+    } = &mut ws.pending
+    {
+        let joins = defer
+            && *px == x
+            && *pr == rows
+            && *n < list.len()
+            && list[0].0.ty == w.ty
+            && list[0].0.cols == w.cols
+            && y != x
+            && list[..*n].iter().all(|&(_, o)| o != y)
+            && quantized == Some(key);
+        if joins {
+            list[*n] = (*w, y);
+            *n += 1;
+            return;
+        }
+    }
+    let dev = ws.dev.clone();
+    let q8 = ptr(&ws.q8, &dev.stream);
+    let fmt = format_code(format);
+    match ws.pending {
+        Pending::Norm {
+            x: nx,
+            add,
+            out,
+            rows: nr,
+            w: nw,
+            eps,
+        } if out == x && nr == rows && nw.len == w.cols => {
+            ws.pending = Pending::None;
+            let (wp, dim) = (nw.ptr, nw.len as i32);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (nw.len * 4) as u32,
+            };
+            launch!(ws, &dev.k.norm_q8, cfg, &nx, &add, &out, &wp, &dim, &eps, &fmt, &q8);
+            ws.quantized = (y != x).then_some(key);
+        }
+        Pending::Gated { rows: gr, width, gelu } if x == ws.p(Buf::Gate) && gr == rows && width == w.cols => {
+            ws.pending = Pending::None;
+            let (g, u) = (ws.p(Buf::Gate), ws.p(Buf::Up));
+            let blocks = (rows * width / 32) as u64;
+            let cfg = if format == snug_kernels::dot::ActFormat::Q8K {
+                per_row(rows * width / 256, 256)
+            } else {
+                grid_of(blocks as usize, 8)
+            };
+            launch!(ws, &dev.k.gated_q8, cfg, &g, &u, &blocks, &gelu, &fmt, &q8);
+            ws.quantized = (y != x).then_some(key);
+        }
+        _ => flush(ws),
+    }
+    if ws.mode == Mode::Replay {
+        return;
+    }
     if ws.quantized != Some(key) {
         match format {
             snug_kernels::dot::ActFormat::Q8K => {
                 launch!(ws, &dev.k.quantize_q8k, per_row(rows * w.cols / 256, 256), &x, &q8);
             }
-            f => {
-                let q81 = i32::from(f == snug_kernels::dot::ActFormat::Q8_1);
+            _ => {
+                let blocks = (rows * w.cols / 32) as u64;
                 launch!(
                     ws,
                     &dev.k.quantize_q8,
                     grid_of(blocks as usize, 8),
                     &x,
                     &blocks,
-                    &q81,
+                    &fmt,
                     &q8
                 );
             }
         }
-        // The product below writes `y`, not the input.
+        // The product writes `y`, not the input.
         ws.quantized = (y != x).then_some(key);
     }
-    let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
-        256
-    } else {
-        32
-    };
-    let (nblk, nab) = ((w.cols / per_block) as i32, (w.cols / 32) as i32);
     // Many rows: tensor cores (the same operations on each product).
     if rows >= MMA_ROWS && ws.tensor_cores {
         if let Some(f) = dev.mma_fn(w.ty) {
+            let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
+                256
+            } else {
+                32
+            };
+            let (wp, rb, outs, n) = (w.ptr, w.row_bytes as u64, w.rows as i32, rows as i32);
+            let (nblk, nab) = ((w.cols / per_block) as i32, (w.cols / 32) as i32);
             let cfg = LaunchConfig {
                 grid_dim: ((w.rows as u32).div_ceil(64), (rows as u32).div_ceil(16), 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = s.launch_builder(f);
+            let mut b = dev.stream.launch_builder(f);
             b.arg(&wp)
                 .arg(&rb)
                 .arg(&nblk)
@@ -1207,22 +1374,98 @@ fn matmul_into(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usi
                 .arg(&nab)
                 .arg(&n)
                 .arg(&y);
-            // SAFETY: as below.
+            // SAFETY: the arguments match the kernel's signature; the
+            // quantized activations hold `rows` rows of `cols / 32` blocks.
             let r = unsafe { b.launch(cfg) };
             return ws.note(r);
         }
     }
-    let mut b = s.launch_builder(dev.matmul_fn(w.ty));
-    b.arg(&wp)
+    if defer {
+        ws.pending = Pending::Products {
+            x,
+            rows,
+            n: 1,
+            list: [(*w, y); 3],
+        };
+    } else {
+        products(ws, &[(*w, y)], x, rows);
+    }
+}
+
+/// Up to three quantized products of one type and width, of the input
+/// already quantized in the workspace, in one launch.
+fn products(ws: &mut CudaWorkspace, list: &[(CudaMatrix, u64)], _x: u64, rows: usize) {
+    if list.is_empty() || ws.mode == Mode::Replay {
+        return;
+    }
+    let dev = ws.dev.clone();
+    let w = list[0].0;
+    let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
+        256
+    } else {
+        32
+    };
+    let (nblk, nab, n, rb) = (
+        (w.cols / per_block) as i32,
+        (w.cols / 32) as i32,
+        rows as i32,
+        w.row_bytes as u64,
+    );
+    let mut wp = [0u64; 3];
+    let mut outs = [0i32; 3];
+    let mut y = [0u64; 3];
+    for (i, (m, to)) in list.iter().enumerate() {
+        wp[i] = m.ptr;
+        outs[i] = m.rows as i32;
+        y[i] = *to;
+    }
+    let total: u32 = list.iter().map(|(m, _)| m.rows as u32).sum();
+    let q8 = ptr(&ws.q8, &dev.stream);
+    // A warp per output, 4 a block (kernels.cu).
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(4), (rows as u32).div_ceil(4), 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = dev.stream.launch_builder(dev.matvec_fn(w.ty));
+    b.arg(&wp[0])
+        .arg(&wp[1])
+        .arg(&wp[2])
         .arg(&rb)
         .arg(&nblk)
-        .arg(&outs)
+        .arg(&outs[0])
+        .arg(&outs[1])
+        .arg(&outs[2])
         .arg(&q8)
         .arg(&nab)
         .arg(&n)
-        .arg(&y);
+        .arg(&y[0])
+        .arg(&y[1])
+        .arg(&y[2]);
     // SAFETY: the arguments match the kernel's signature; the quantized
-    // activations hold `rows` rows of `cols / 32` blocks.
+    // activations hold `rows` rows of `cols / 32` blocks, and each output
+    // holds `rows` rows of its matrix's outputs.
+    let r = unsafe { b.launch(cfg) };
+    ws.note(r);
+}
+
+/// A float matrix times f32 activations.
+fn float_product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize) {
+    if ws.mode == Mode::Replay {
+        return;
+    }
+    ws.quantized = None;
+    let dev = ws.dev.clone();
+    let (wp, rb, outs, n, cols) = (w.ptr, w.row_bytes as u64, w.rows as i32, rows as i32, w.cols as i32);
+    let cfg = LaunchConfig {
+        grid_dim: ((w.rows as u32).div_ceil(4), (rows as u32).div_ceil(4), 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = dev.stream.launch_builder(dev.matmul_fn(w.ty));
+    b.arg(&wp).arg(&rb).arg(&cols).arg(&outs).arg(&x).arg(&n).arg(&y);
+    // SAFETY: the arguments match the kernel's signature; the buffers
+    // hold `rows` rows of `cols` and `outs`.
     let r = unsafe { b.launch(cfg) };
     ws.note(r);
 }
@@ -1255,13 +1498,16 @@ mod tests {
             Ok(ptx) => {
                 for ty in TYPES {
                     let s = type_suffix(ty).expect("listed");
-                    assert!(ptx.contains(&format!(".entry matmul_{s}(")), "matmul_{s} missing");
+                    let k = if is_float(ty) { "matmul" } else { "matvec" };
+                    assert!(ptx.contains(&format!(".entry {k}_{s}(")), "{k}_{s} missing");
                 }
                 for k in [
                     "attend_f16",
                     "quantize_q8",
                     "quantize_q8k",
                     "rms_norm",
+                    "norm_q8",
+                    "gated_q8",
                     "rope_write_kv",
                     "mma_q4_k",
                     "mma_q6_k",

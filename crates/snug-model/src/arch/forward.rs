@@ -131,7 +131,7 @@ pub fn forward<'w, B: Backend>(
     let qd = c.heads * c.head_dim;
     let kvd = c.kv_heads * c.head_dim;
     let nl = c.layers;
-    let trace = |ws: &B::Workspace, name: &str, l: usize, buf: Buf, len: usize| B::trace(ws, name, l, nl, buf, len);
+    let trace = |ws: &mut B::Workspace, name: &str, l: usize, buf: Buf, len: usize| B::trace(ws, name, l, nl, buf, len);
 
     B::begin(ws, rows, head, kv);
     B::embed(ws, &w.embed, rows);

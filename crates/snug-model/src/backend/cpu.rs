@@ -465,11 +465,11 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         A::matmul(&ws.pool, head, x, rows, out, &mut ws.mm)
     }
 
-    fn read(ws: &CpuWorkspace, buf: Buf, out: &mut [f32]) {
+    fn read(ws: &mut CpuWorkspace, buf: Buf, out: &mut [f32]) {
         out.copy_from_slice(&ws.bufs[buf as usize][..out.len()]);
     }
 
-    fn trace(ws: &CpuWorkspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize) {
+    fn trace(ws: &mut CpuWorkspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize) {
         trace(name, layer, layers, &ws.bufs[buf as usize][..len]);
     }
 }

@@ -225,9 +225,9 @@ pub trait Backend: Sync {
     fn logits(ws: &mut Self::Workspace, head: &Self::Matrix<'_>, from: Buf, rows: usize, out: &mut [f32]);
 
     /// Copies the first `out.len()` floats of `buf` into host memory.
-    fn read(ws: &Self::Workspace, buf: Buf, out: &mut [f32]);
+    fn read(ws: &mut Self::Workspace, buf: Buf, out: &mut [f32]);
 
     /// Hands the first `len` floats of `buf` to the forward pass' trace
     /// (see [`crate::arch::trace`]) when tracing is on.
-    fn trace(ws: &Self::Workspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize);
+    fn trace(ws: &mut Self::Workspace, name: &str, layer: usize, layers: usize, buf: Buf, len: usize);
 }
