@@ -2,7 +2,9 @@
 # The CUDA backend against the CPU's on synthesized files of the layers
 # and types added last: the SmolLM2 shape, smollm3 (layers without RoPE),
 # phi3 (fused matrices split at load), llama with F16 and with BF16
-# matrices, and a qwen3moe file (which the CUDA backend refuses). One call,
+# matrices, qwen2 (biases on queries, keys and values), gemma3 (GELU,
+# post-norms, a sliding window), qwen3 (query and key norms, Q4_K), and a
+# qwen3moe file (which the CUDA backend refuses). One call,
 # from the repository root, with .gpu/ carried: gpucheck.gz (`cargo build
 # --release -p snug-cuda --example gpucheck`, stripped), synth.gz (the
 # `synth_gguf` example of snug-model) and tok.gguf (`synth_gguf --like
@@ -17,8 +19,11 @@ export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 ./synth --like tok.gguf --arch phi3 --shape "p=512,4,8,2,1536" --type q8_0 --head-type q8_0 --scale 0.02 --name "synthetic phi" --out phi.gguf 2>/dev/null
 ./synth --like tok.gguf --shape "f=512,4,8,2,1536" --type f16 --head-type q8_0 --scale 0.02 --out f16.gguf 2>/dev/null
 ./synth --like tok.gguf --shape "b=512,4,8,2,1536" --type bf16 --head-type q8_0 --scale 0.02 --out bf16.gguf 2>/dev/null
+./synth --like tok.gguf --arch qwen2 --shape "q2=512,4,8,2,1536" --type q5_0 --head-type q8_0 --scale 0.02 --out qwen2.gguf 2>/dev/null
+./synth --like tok.gguf --arch gemma3 --shape "g3=512,4,8,2,1536" --window 8 --type q8_0 --head-type q8_0 --scale 0.02 --out gemma3.gguf 2>/dev/null
+./synth --like tok.gguf --arch qwen3 --shape "q3=512,4,8,2,1536,64" --type q4_k --head-type q6_k --scale 0.02 --out qwen3.gguf 2>/dev/null
 ./synth --like tok.gguf --arch qwen3moe --shape "m=512,4,8,2,1536" --type q8_0 --head-type q8_0 --scale 0.02 --out moe.gguf 2>/dev/null
-for m in smol s3 phi f16 bf16; do
+for m in smol s3 phi f16 bf16 qwen2 gemma3 qwen3; do
   ./gpucheck $m.gguf --prompt 40 --gen 8 --pp 64 --tg 8 --out $m.json > $m.log 2>&1
   python3 -c "
 import json; d=json.load(open('$m.json'))
