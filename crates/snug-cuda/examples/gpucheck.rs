@@ -4,7 +4,7 @@
 //! (a prompt prefilled whole or a row at a time, two sequences decoded
 //! together or alone: the same bits), and prefill and decode speed.
 //!
-//!     gpucheck MODEL.gguf [--prompt N] [--gen N] [--pp N] [--tg N] [--out FILE]
+//!     gpucheck MODEL.gguf [--prompt N] [--gen N] [--pp N] [--tg N] [--out FILE] [--define NAME=VALUE]...
 //!
 //! (An example: it unwraps and exits on failure.)
 #![allow(clippy::unwrap_used)]
@@ -170,7 +170,14 @@ fn main() {
         );
         return;
     }
-    let dev = match Device::open(0) {
+    // `--define NAME=VALUE` (repeatable): a tuning macro of kernels.cu.
+    let defines: Vec<String> = args
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| *a == "--define")
+        .filter_map(|(i, _)| args.get(i + 1).cloned())
+        .collect();
+    let dev = match Device::open_with(0, &defines) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("gpucheck: {e}");

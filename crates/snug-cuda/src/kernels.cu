@@ -434,8 +434,15 @@ struct WShare {
     int s0, s1;
 };
 
-// Steps of a warp whose weight loads are issued together.
-#define MV_U 4
+// Tuning knobs (set with -D when measuring variants): steps of a warp
+// whose weight loads are issued together, and the blocks of the one-row
+// product each multiprocessor should hold (__launch_bounds__).
+#ifndef MV_U
+#define MV_U 2
+#endif
+#ifndef MV_BLOCKS
+#define MV_BLOCKS 1
+#endif
 
 // Loads lane `lane`'s share of block `b` (32-element types: lane t = lane
 // & 3 of block b; K-quants: lane l = lane & 7 of super-block b).
@@ -644,7 +651,8 @@ __device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk
 // in one launch (queries, keys and values; gate and up): warp o of the
 // grid computes output o of the three matrices' outputs in turn.
 #define MATVEC(NAME, TY)                                                                                 \
-    extern "C" __global__ void NAME(const u8* w0, const u8* w1, const u8* w2, u64 row_bytes, int nblk,     \
+    extern "C" __global__ void __launch_bounds__(128, MV_BLOCKS)                                         \
+        NAME(const u8* w0, const u8* w1, const u8* w2, u64 row_bytes, int nblk,                           \
                                     int outs0, int outs1, int outs2, const Q8* a, int nab, int n,         \
                                     float* y0, float* y1, float* y2) {                                    \
         int o = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);                                              \

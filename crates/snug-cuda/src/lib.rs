@@ -103,6 +103,12 @@ fn type_suffix(ty: GgmlType) -> Option<&'static str> {
 /// The kernels compiled by NVRTC to PTX for `arch` (`sm_90`, say). Needs
 /// NVRTC, not a GPU.
 pub fn compile(arch: &str) -> Result<String, CudaError> {
+    compile_with(arch, &[])
+}
+
+/// [`compile`] with macros of kernels.cu set (`NAME=VALUE`): the tuning
+/// knobs it declares with `#ifndef`, for measuring variants.
+pub fn compile_with(arch: &str, defines: &[String]) -> Result<String, CudaError> {
     // SAFETY: only probes whether the library can be loaded.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NoNvrtc);
@@ -114,7 +120,9 @@ pub fn compile(arch: &str) -> Result<String, CudaError> {
         prec_div: Some(true),
         prec_sqrt: Some(true),
         ftz: Some(false),
-        options: vec![format!("--gpu-architecture={arch}")],
+        options: std::iter::once(format!("--gpu-architecture={arch}"))
+            .chain(defines.iter().map(|d| format!("-D{d}")))
+            .collect(),
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile(format!("{e:?}")))?;
@@ -165,6 +173,12 @@ impl Device {
     /// Opens GPU `ordinal` and compiles the kernels for it (once per
     /// process; later calls return the same device).
     pub fn open(ordinal: usize) -> Result<Arc<Device>, CudaError> {
+        Device::open_with(ordinal, &[])
+    }
+
+    /// [`Device::open`] with the kernels compiled with `defines` (see
+    /// [`compile_with`]); only the first opening of the process compiles.
+    pub fn open_with(ordinal: usize, defines: &[String]) -> Result<Arc<Device>, CudaError> {
         if let Some(d) = DEVICE.get() {
             return Ok(d.clone());
         }
@@ -187,7 +201,7 @@ impl Device {
         let stream = ctx.new_stream()?;
         let capability = ctx.compute_capability()?;
         let name = ctx.name()?;
-        let ptx = compile(&format!("sm_{}{}", capability.0, capability.1))?;
+        let ptx = compile_with(&format!("sm_{}{}", capability.0, capability.1), defines)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
         let f = |n: &str| module.load_function(n);
         let mut matmul = Vec::new();
