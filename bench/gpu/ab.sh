@@ -6,10 +6,8 @@
 # with gpucheck-old.gz and snug-old.gz; no llama.cpp. Run from the
 # repository root; a summary on stdout and in $OUT/ab.txt.
 set -u
-K=/tmp/ab; mkdir -p $K; cp -r .gpu/. $K/; cd $K
-for f in gpucheck synth snug gpucheck-old snug-old; do gunzip -c $f.gz > $f; chmod +x $f; done
-nvrtc=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -1)
-export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. bench/gpu/setup.sh
+gpu_setup /tmp/ab gpucheck synth snug gpucheck-old snug-old
 export SNUG_HOME=/tmp/snug-home
 ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> /dev/null
 ./synth --like tok.gguf --shape 1.5b --out 1.5b.gguf 2> /dev/null

@@ -10,10 +10,8 @@
 # `synth_gguf` example of snug-model) and tok.gguf (`synth_gguf --like
 # SmolLM2 --tokenizer-only`). Prints, per file, gpucheck's bitwise fields.
 set -u
-K=/tmp/layers; mkdir -p $K; cp -r .gpu/. $K/; cd $K
-for f in synth gpucheck; do gunzip -c $f.gz > $f; chmod +x $f; done
-nvrtc=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -1)
-export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. bench/gpu/setup.sh
+gpu_setup /tmp/layers synth gpucheck
 ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2>/dev/null
 ./synth --like tok.gguf --arch smollm3 --shape "s=512,8,8,2,1536" --type q8_0 --head-type q8_0 --scale 0.02 --out s3.gguf 2>/dev/null
 ./synth --like tok.gguf --arch phi3 --shape "p=512,4,8,2,1536" --type q8_0 --head-type q8_0 --scale 0.02 --name "synthetic phi" --out phi.gguf 2>/dev/null

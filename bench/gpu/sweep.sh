@@ -6,10 +6,8 @@
 # holds gpucheck.gz, synth.gz and tok.gguf. Run from the repository root;
 # a summary on stdout and in $OUT/sweep.txt.
 set -u
-K=/tmp/sweep; mkdir -p $K; cp -r .gpu/. $K/; cd $K
-for f in gpucheck synth; do gunzip -c $f.gz > $f; chmod +x $f; done
-nvrtc=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -1)
-export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. bench/gpu/setup.sh
+gpu_setup /tmp/sweep gpucheck synth
 ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> /dev/null
 ./synth --like tok.gguf --shape 1.5b --out 1.5b.gguf 2> /dev/null
 ./synth --like tok.gguf --shape 7b --out 7b.gguf 2> /dev/null

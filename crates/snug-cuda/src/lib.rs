@@ -305,23 +305,11 @@ impl Device {
     }
 
     fn matmul_fn(&self, ty: GgmlType) -> &CudaFunction {
-        &self
-            .k
-            .matmul
-            .iter()
-            .find(|(t, _)| *t == ty)
-            .expect("type checked at upload")
-            .1
+        kernel_for(&self.k.matmul, ty)
     }
 
     fn matvec_fn(&self, ty: GgmlType) -> &CudaFunction {
-        &self
-            .k
-            .matvec
-            .iter()
-            .find(|(t, _)| *t == ty)
-            .expect("type checked at upload")
-            .1
+        kernel_for(&self.k.matvec, ty)
     }
 
     fn mma_fn(&self, ty: GgmlType) -> Option<&CudaFunction> {
@@ -329,14 +317,13 @@ impl Device {
     }
 
     fn rows_fn(&self, ty: GgmlType) -> &CudaFunction {
-        &self
-            .k
-            .rows
-            .iter()
-            .find(|(t, _)| *t == ty)
-            .expect("type checked at upload")
-            .1
+        kernel_for(&self.k.rows, ty)
     }
+}
+
+/// The kernel of type `ty` in `list` (every type uploaded has one).
+fn kernel_for(list: &[(GgmlType, CudaFunction)], ty: GgmlType) -> &CudaFunction {
+    &list.iter().find(|(t, _)| *t == ty).expect("type checked at upload").1
 }
 
 /// The raw address of a device allocation (valid while it lives).
