@@ -1241,7 +1241,7 @@ fn flush(ws: &mut CudaWorkspace) {
             let (g, u, n) = (ws.p(Buf::Gate), ws.p(Buf::Up), (rows * width) as u64);
             elementwise!(ws, &dev.k.gated, rows * width, &g, &u, &n, &gelu);
         }
-        Pending::Products { x, rows, n, list } => products(ws, &list[..n], x, rows),
+        Pending::Products { rows, n, list, .. } => products(ws, &list[..n], rows),
     }
 }
 
@@ -1389,13 +1389,13 @@ fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, 
             list: [(*w, y); 3],
         };
     } else {
-        products(ws, &[(*w, y)], x, rows);
+        products(ws, &[(*w, y)], rows);
     }
 }
 
 /// Up to three quantized products of one type and width, of the input
 /// already quantized in the workspace, in one launch.
-fn products(ws: &mut CudaWorkspace, list: &[(CudaMatrix, u64)], _x: u64, rows: usize) {
+fn products(ws: &mut CudaWorkspace, list: &[(CudaMatrix, u64)], rows: usize) {
     if list.is_empty() || ws.mode == Mode::Replay {
         return;
     }
