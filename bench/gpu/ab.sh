@@ -4,7 +4,8 @@
 # the CPU and every invariance check (the new build), then decode steps
 # and `snug bench` of the two builds alternating. .gpu/ as for compare.sh,
 # with gpucheck-old.gz and snug-old.gz; no llama.cpp. Run from the
-# repository root; a summary on stdout and in $OUT/ab.txt.
+# repository root (STEPS=0 leaves out the decode steps); a summary on
+# stdout and in $OUT/ab.txt.
 set -u
 . bench/gpu/setup.sh
 gpu_setup /tmp/ab gpucheck synth snug gpucheck-old snug-old
@@ -17,9 +18,9 @@ export SNUG_HOME=/tmp/snug-home
     ./gpucheck $m.gguf --prompt 32 --gen 8 --pp 64 --tg 8 --out check-$m.json > /dev/null 2>&1
     python3 -c "
 import json; d=json.load(open('check-$m.json'))
-print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy'))})"
+print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy', 'tiles_same'))})"
   done
-  for n in 64 512; do
+  [ "${STEPS:-1}" = 0 ] || for n in 64 512; do
     for m in smol 1.5b 7b; do
       for b in gpucheck-old gpucheck gpucheck-old gpucheck; do
         echo "$b $m depth $n: $(./$b $m.gguf --prompt $n --profile-decode 30 2>/dev/null | tail -1)"

@@ -52,7 +52,7 @@ build)
   done | tee $R/decode-steps.txt
   echo "ncu $(el)"
   for f in $R/check-*.json; do python3 -c "
-import json; d=json.load(open('$f')); print('$f'.split('/')[-1], {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy'))})"; done
+import json; d=json.load(open('$f')); print('$f'.split('/')[-1], {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy', 'tiles_same'))})"; done
   while [ ! -f $K/llbuilt ] && [ $(el) -lt 560 ]; do sleep 2; done
   echo "llama.cpp built? $(el)"; tail -3 $R/llbuild.out
   ;;

@@ -25,7 +25,7 @@ for m in smol s3 phi f16 bf16 qwen2 gemma3 qwen3; do
   ./gpucheck $m.gguf --prompt 40 --gen 8 --pp 64 --tg 8 --out $m.json > $m.log 2>&1
   python3 -c "
 import json; d=json.load(open('$m.json'))
-print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy'))})" || tail -3 $m.log
+print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy', 'tiles_same'))})" || tail -3 $m.log
 done
 # Refused at upload: the error gpucheck stops on.
 ./gpucheck moe.gguf --prompt 8 --gen 2 2>&1 | grep -m1 -i "experts"

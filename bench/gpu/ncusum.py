@@ -1,11 +1,14 @@
 # Sums Nsight Compute kernel times (gpu__time_duration.sum, CSV) per kernel name over the decode steps
 # of a `gpucheck --profile-decode 3` run: the first quarter of the kernels (the prefill) is left out.
+# With `prefill` after the file: every kernel of a `gpucheck --profile-prefill 1` run.
 import csv, collections, sys
 rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 ids = sorted({int(r["ID"]) for r in rows})
 n = len(ids)
 print("kernels profiled:", n)
-cut = ids[n // 4] if n else 0
+prefill = sys.argv[2:] == ["prefill"]
+steps = 1 if prefill else 3
+cut = 0 if prefill or not n else ids[n // 4]
 by = collections.defaultdict(float); cnt = collections.Counter()
 for r in rows:
     if int(r["ID"]) >= cut and r["Metric Name"] == "gpu__time_duration.sum":
@@ -13,8 +16,8 @@ for r in rows:
         unit = r.get("Metric Unit", "nsecond")
         v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1e-3)
         name = r["Kernel Name"].split("(")[0]
-        by[name] += v / 3; cnt[name] += 1
-print("GPU microseconds per decode step, by kernel (launches per step):")
+        by[name] += v / steps; cnt[name] += 1
+print(f"GPU microseconds per {'prefill' if prefill else 'decode step'}, by kernel (launches):")
 for k, v in sorted(by.items(), key=lambda x: -x[1]):
-    print(f"  {k:24s} {v:9.1f}  ({cnt[k] // 3})")
+    print(f"  {k:24s} {v:9.1f}  ({cnt[k] // steps})")
 print(f"  total                    {sum(by.values()):9.1f}")

@@ -5,13 +5,14 @@
 //! together or alone: the same bits), and prefill and decode speed.
 //!
 //!     gpucheck MODEL.gguf [--prompt N] [--gen N] [--pp N] [--tg N] [--out FILE] [--define NAME=VALUE]...
+//!         [--profile-decode N | --profile-prefill N [--tiles warp|staged]] [--no-graphs]
 //!
 //! (An example: it unwraps and exits on failure.)
 #![allow(clippy::unwrap_used)]
 
 use std::time::Instant;
 
-use snug_cuda::{CudaKv, CudaWeights, CudaWorkspace, Device};
+use snug_cuda::{CudaKv, CudaWeights, CudaWorkspace, Device, Tiles};
 use snug_kernels::kv::{KvFormat, KvShape, KvStorage};
 use snug_kernels::GgmlType;
 use snug_model::arch::{forward, BatchRow, Config, Head, KvView, Model, Weights};
@@ -207,6 +208,69 @@ fn main() {
     let gw = CudaWeights::upload(&dev, model.weights()).unwrap();
     dev.synchronize().unwrap();
     let upload_s = t.elapsed().as_secs_f64();
+
+    // `--profile-prefill N`: N prefills of the prompt, each timed alone
+    // (`--tiles warp|staged`: the products' tiles on tensor cores).
+    let profile_pp = arg(&args, "--profile-prefill", 0);
+    if profile_pp > 0 {
+        let shape = KvShape {
+            layers: c.layers,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            page_tokens: PT,
+        };
+        let ctx = prompt.len() + 8;
+        let size = WorkspaceSize {
+            rows: prompt.len().max(1),
+            ctx,
+            page_tokens: PT,
+            threads: 1,
+        };
+        let mut kv = CudaKv::new(&dev, shape, ctx.div_ceil(PT) + 1).unwrap();
+        let mut ws = CudaWorkspace::new(&dev, &c, size).unwrap();
+        ws.set_tiles(
+            match args.iter().position(|a| a == "--tiles").map(|i| args[i + 1].as_str()) {
+                Some("warp") => Tiles::Warp,
+                _ => Tiles::Staged,
+            },
+        );
+        let pages: Vec<u32> = (0..(ctx.div_ceil(PT) + 1) as u32).collect();
+        let tables: Vec<&[u32]> = vec![&pages];
+        let rows: Vec<BatchRow> = prompt
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| BatchRow {
+                seq: 0,
+                pos: i,
+                token: t,
+                logits: i + 1 == prompt.len(),
+            })
+            .collect();
+        let mut ms = Vec::new();
+        for _ in 0..profile_pp {
+            let mut logits = Vec::new();
+            let mut view = KvView {
+                storage: &mut kv,
+                pages: &tables,
+                twins: &[],
+            };
+            dev.synchronize().unwrap();
+            let t = Instant::now();
+            forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
+            dev.synchronize().unwrap();
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        ws.check().unwrap();
+        ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        println!(
+            "prefill of {}: median {:.3} ms, min {:.3} ms over {profile_pp} ({:.0} tok/s)",
+            prompt.len(),
+            ms[ms.len() / 2],
+            ms[0],
+            prompt.len() as f64 / ms[ms.len() / 2] * 1e3
+        );
+        return;
+    }
 
     // `--profile-decode N`: a prefill of the prompt then N decode steps,
     // each timed alone (for a profiler to look at; nothing else runs).
@@ -485,7 +549,20 @@ fn main() {
         gen,
     );
     gws.set_tensor_cores(true);
+    gws.set_tiles(Tiles::Warp);
+    let gpu_whole_warp_tiles = greedy::<snug_cuda::Cuda>(
+        &c,
+        gwt,
+        &mut gws,
+        &mut gkv,
+        &pages[..1],
+        &[prompt.clone()],
+        rows_max,
+        gen,
+    );
+    gws.set_tiles(Tiles::Staged);
     let diff_detail = serde_json::json!({
+        "whole_warp_tiles_first_diff_step": first_diff(gl, &gpu_whole_warp_tiles[0].1),
         "rows_first_diff_step": first_diff(gl, &gpu_rows[0].1),
         "chunks_first_diff_step": first_diff(gl, &gpu_chunks[0].1),
         "whole_without_tensor_cores_first_diff_step": first_diff(gl, &gpu_whole_cuda_cores[0].1),
@@ -502,12 +579,16 @@ fn main() {
     let mut tg_s = Vec::new();
     let mut tg_direct_s = Vec::new();
     let mut pp_cuda_cores_s = Vec::new();
-    for round in 0..6 {
-        // Rounds alternate decode steps as graphs and one by one, and
-        // prefill on tensor cores and not.
-        let graphs = round % 2 == 0;
+    let mut pp_warp_tiles_s = Vec::new();
+    for round in 0..9 {
+        // Rounds take turns: decode steps as graphs and prefill on tensor
+        // cores in staged tiles; one by one and without tensor cores; as
+        // graphs and in a warp's tiles.
+        let graphs = round % 3 != 1;
+        let tiles = [Tiles::Staged, Tiles::Staged, Tiles::Warp][round % 3];
         gws.set_graphs(graphs);
         gws.set_tensor_cores(graphs);
+        gws.set_tiles(tiles);
         let rows: Vec<BatchRow> = bench_prompt
             .iter()
             .enumerate()
@@ -528,10 +609,12 @@ fn main() {
         };
         forward::<snug_cuda::Cuda>(&c, gwt, &rows, &mut view, &mut gws, Head::Logits, &mut logits);
         dev.synchronize().unwrap();
-        if graphs {
+        if !graphs {
+            pp_cuda_cores_s.push(t.elapsed().as_secs_f64());
+        } else if tiles == Tiles::Staged {
             pp_s.push(t.elapsed().as_secs_f64());
         } else {
-            pp_cuda_cores_s.push(t.elapsed().as_secs_f64());
+            pp_warp_tiles_s.push(t.elapsed().as_secs_f64());
         }
         let mut next = argmax(&logits);
         let t = Instant::now();
@@ -559,6 +642,7 @@ fn main() {
     }
     gws.set_graphs(true);
     gws.set_tensor_cores(true);
+    gws.set_tiles(Tiles::Staged);
     gws.check().unwrap();
     let med = |v: &mut Vec<f64>| {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -591,6 +675,8 @@ fn main() {
         "tg_tok_s": tg as f64 / tgs,
         "tg_tok_s_without_graphs": tg as f64 / tgd,
         "pp_tok_s_without_tensor_cores": pp as f64 / med(&mut pp_cuda_cores_s),
+        "pp_tok_s_warp_tiles": pp as f64 / med(&mut pp_warp_tiles_s),
+        "tiles_same_bits": same_bits(gl, &gpu_whole_warp_tiles[0].1),
         "graphs_same_bits_as_launches": graphs_same_bits,
         "graphs_captured": gws.graph_count(),
         "first_differences": diff_detail,

@@ -692,7 +692,7 @@ MATVEC(matvec_q6_k, T_Q6_K)
 // 32-bit sums, 16 elements at a time where a K-quant scales halves of a
 // block apart), then every (row, output) takes exactly the steps of
 // matvec_body with them. A warp computes 16 rows by 16 outputs; a block
-// of 4 warps, 16 rows by 64 outputs.
+// of 4 warps, 16 rows by 64 outputs. (Q4_K and Q5_K use mmt_body below.)
 __device__ __forceinline__ void mma32(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -761,9 +761,10 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
     const bool K = TY == T_Q4_K || TY == T_Q5_K || TY == T_Q6_K;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, t = lane & 3;
-    int o0 = (blockIdx.x * 4 + warp) * 16;
+    // Row tiles are x, so the blocks launched together share weights.
+    int o0 = (blockIdx.y * 4 + warp) * 16;
     if (o0 >= outs) return;
-    int r0 = blockIdx.y * 16;
+    int r0 = blockIdx.x * 16;
     // Rows this lane loads (A) and owns in the results (C): r0+g, r0+g+8.
     int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
     const Q8* aa = a + (u64)ra * nab;
@@ -897,6 +898,288 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
         }
     }
 }
+
+// Q4_K and Q5_K on tensor cores with their tiles staged in shared memory:
+// a block of MMT_WR x MMT_WO warps computes MMT_RB rows by MMT_OB
+// outputs, a warp MMT_R tiles of 16 rows by MMT_S tiles of 8 outputs (its
+// lanes own rows and outputs as in matmul_mma_body). The block copies
+// each super-block's activations and weights of its tile into shared
+// memory with asynchronous copies while it computes the one before (two
+// stages), and blocks of neighbouring rows are launched together (x is
+// the row tile), so a weight block read from memory serves them from L2.
+//
+// Every integer sum of a super-block is taken on tensor cores. With the
+// weight levels q scaled by their sub-block's 6-bit scale split as
+// 8 sh + sl (q sl and q sh are at most 217, unsigned bytes),
+// isum = X + 8 Y, where X sums q sl a and Y sums q sh a over the
+// super-block; and msum = Z sums each activation times its sub-block's
+// minimum. All exact, so each (row, output) then takes matvec_body's float
+// steps with them. The super-blocks are visited class by class (class k:
+// super-blocks k, k+8, ... in order), and each class is folded in as soon
+// as the sum ((0+1)+(2+3))+((4+5)+(6+7)) can take it: four floats per
+// (row, output) are live instead of eight. A lane's part of an mma is
+// eight contiguous elements (the integer sum of 32 products does not
+// depend on which lane holds which, as long as rows and outputs agree).
+#ifndef MMT_R
+#define MMT_R 2
+#endif
+#ifndef MMT_S
+#define MMT_S 1
+#endif
+#ifndef MMT_WR
+#define MMT_WR 2
+#endif
+#ifndef MMT_WO
+#define MMT_WO 4
+#endif
+#ifndef MMT_BLOCKS
+#define MMT_BLOCKS 2
+#endif
+// Pairs of sub-blocks unrolled together (1, 2 or 4).
+#ifndef MMT_JP
+#define MMT_JP 4
+#endif
+#define MMT_PRAGMA(x) _Pragma(#x)
+#define MMT_UNROLL(n) MMT_PRAGMA(unroll n)
+#define MMT_RB (16 * MMT_R * MMT_WR)
+#define MMT_OB (8 * MMT_S * MMT_WO)
+#define MMT_T (32 * MMT_WR * MMT_WO)
+// Bytes per row of a stage's activations (eight 48-byte blocks, padded so
+// the eight rows of a fragment load fall in different banks) and per
+// output of its weights (a super-block, padded likewise for Q4_K).
+#define MMT_AS 416
+#define MMT_WS(TY) ((TY) == T_Q4_K ? 160 : 192)
+#define MMT_STAGE(TY) (MMT_RB * MMT_AS + MMT_OB * MMT_WS(TY))
+#define MMT_NA ((MMT_RB * 24 + MMT_T - 1) / MMT_T)
+#define MMT_NW ((MMT_OB * 11 + MMT_T - 1) / MMT_T)
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+
+// Waits until at most one group of copies is in flight.
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;"); }
+
+// d += a b, with b unsigned bytes.
+__device__ __forceinline__ void mma32u(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A thread's share of the copies of a stage: its 16-byte pieces of the
+// activations (the eight blocks of a row's super-block lie together) and
+// of the weights, as offsets from super-block 0 (32-bit: the launch
+// checks that the activations and the matrix are under 4 GiB) and
+// offsets into the stage, found once. (A thread whose last piece is past
+// the end copies the tile's last piece again.)
+struct MmtCopies {
+    u32 a[MMT_NA], w[MMT_NW];
+    u32 da[MMT_NA], dw[MMT_NW];
+};
+
+template <int TY>
+__device__ __forceinline__ void mmt_plan(MmtCopies* p, u64 row_bytes, int outs, int nab, int n, int r0, int o0) {
+    const int WP = TY == T_Q4_K ? 9 : 11;  // 16-byte pieces of a super-block
+    #pragma unroll
+    for (int k = 0; k < MMT_NA; k++) {
+        int i = min((int)threadIdx.x + k * MMT_T, MMT_RB * 24 - 1);
+        int r = i / 24, c = i % 24;
+        p->a[k] = (u32)min(r0 + r, n - 1) * (u32)nab * 48u + 16 * c;
+        p->da[k] = r * MMT_AS + 16 * c;
+    }
+    #pragma unroll
+    for (int k = 0; k < MMT_NW; k++) {
+        int i = min((int)threadIdx.x + k * MMT_T, MMT_OB * WP - 1);
+        int o = i / WP, c = i % WP;
+        p->w[k] = (u32)(row_bytes * (u64)min(o0 + o, outs - 1)) + 16 * c;
+        p->dw[k] = MMT_RB * MMT_AS + o * MMT_WS(TY) + 16 * c;
+    }
+}
+
+// Super-block b of the block's rows and outputs into `st`.
+template <int TY>
+__device__ __forceinline__ void mmt_load(u8* st, const MmtCopies* p, const u8* w, const Q8* a, int b) {
+    const int TS = TY == T_Q4_K ? 144 : 176;
+    const u8* ab = (const u8*)a + 384 * (u64)b;
+    const u8* wb = w + TS * (u64)b;
+    #pragma unroll
+    for (int k = 0; k < MMT_NA; k++) cp_async16(st + p->da[k], ab + p->a[k]);
+    #pragma unroll
+    for (int k = 0; k < MMT_NW; k++) cp_async16(st + p->dw[k], wb + p->w[k]);
+}
+
+template <int TY>
+__device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, int n, float* y) {
+    extern __shared__ __align__(16) u8 smem_t[];
+    const int WS = MMT_WS(TY), STAGE = MMT_STAGE(TY);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, t = lane & 3;
+    int wr = warp / MMT_WO, wo = warp % MMT_WO;
+    int r0 = blockIdx.x * MMT_RB, o0 = blockIdx.y * MMT_OB;
+    // This warp's rows and outputs within the tile.
+    int ra = wr * 16 * MMT_R, oa = wo * 8 * MMT_S;
+    float cur[MMT_R][MMT_S][4], fa[MMT_R][MMT_S][4], fb[MMT_R][MMT_S][4], fc[MMT_R][MMT_S][4];
+    #pragma unroll
+    for (int i = 0; i < MMT_R; i++)
+        #pragma unroll
+        for (int s = 0; s < MMT_S; s++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) fa[i][s][e] = fb[i][s][e] = fc[i][s][e] = 0.0f;
+    MmtCopies plan;
+    mmt_plan<TY>(&plan, row_bytes, outs, nab, n, r0, o0);
+    mmt_load<TY>(smem_t, &plan, w, a, 0);
+    cp_commit();
+    int q = 0;
+    for (int k = 0; k < 8; k++) {
+        #pragma unroll
+        for (int i = 0; i < MMT_R; i++)
+            #pragma unroll
+            for (int s = 0; s < MMT_S; s++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) cur[i][s][e] = 0.0f;
+        for (int b = k; b < nblk; b += 8, q++) {
+            // The next super-block in this order goes into the other
+            // stage while this one is computed.
+            int next = b + 8 < nblk ? b + 8 : k + 1 < 8 && k + 1 < nblk ? k + 1 : -1;
+            if (next >= 0) mmt_load<TY>(smem_t + ((q + 1) & 1) * STAGE, &plan, w, a, next);
+            cp_commit();
+            cp_wait1();
+            __syncthreads();
+            const u8* A = smem_t + (q & 1) * STAGE;
+            const u8* W = A + MMT_RB * MMT_AS;
+            int X[MMT_R][MMT_S][4], Y[MMT_R][MMT_S][4], Z[MMT_R][MMT_S][4];
+            #pragma unroll
+            for (int i = 0; i < MMT_R; i++)
+                #pragma unroll
+                for (int s = 0; s < MMT_S; s++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) X[i][s][e] = Y[i][s][e] = Z[i][s][e] = 0;
+            // The scales and minimums of the output whose levels this lane
+            // loads (oa + 8s + g), as bytes: scales' low three bits
+            // (sub-blocks 0-3, 4-7), high three bits, minimums; and Q5_K's
+            // high bits of the lane's eight elements.
+            u32 sl[MMT_S][2], sh3[MMT_S][2], mn[MMT_S][2];
+            uint2 qh[MMT_S];
+            #pragma unroll
+            for (int s = 0; s < MMT_S; s++) {
+                const u8* row = W + (oa + 8 * s + g) * WS;
+                const u32* qw = (const u32*)(row + 4);
+                u32 w0 = qw[0], w1 = qw[1], w2 = qw[2];
+                u32 s0 = w0 & 0x3F3F3F3Fu, s1 = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+                sl[s][0] = s0 & 0x07070707u;
+                sl[s][1] = s1 & 0x07070707u;
+                sh3[s][0] = (s0 >> 3) & 0x07070707u;
+                sh3[s][1] = (s1 >> 3) & 0x07070707u;
+                mn[s][0] = w1 & 0x3F3F3F3Fu;
+                mn[s][1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+                if (TY == T_Q5_K) qh[s] = *(const uint2*)(row + 16 + 8 * t);
+            }
+            MMT_UNROLL(MMT_JP)
+            for (int jp = 0; jp < 4; jp++) {
+                uint2 wq[MMT_S];
+                #pragma unroll
+                for (int s = 0; s < MMT_S; s++)
+                    wq[s] = *(const uint2*)(W + (oa + 8 * s + g) * WS + (TY == T_Q4_K ? 16 : 48) + 32 * jp + 8 * t);
+                #pragma unroll
+                for (int jj = 0; jj < 2; jj++) {
+                    int j = 2 * jp + jj;
+                    int bl[MMT_S][2], bh[MMT_S][2], bm[MMT_S];
+                    #pragma unroll
+                    for (int s = 0; s < MMT_S; s++) {
+                        // Byte j & 3 of the word alone (l, h), and in every
+                        // byte (the minimum).
+                        u32 k4 = 2 * (jp & 1) + jj;
+                        u32 l = __byte_perm(jp < 2 ? sl[s][0] : sl[s][1], 0, 0x4440u | k4);
+                        u32 h = __byte_perm(jp < 2 ? sh3[s][0] : sh3[s][1], 0, 0x4440u | k4);
+                        bm[s] = (int)__byte_perm(jp < 2 ? mn[s][0] : mn[s][1], 0, k4 * 0x1111u);
+                        u32 q0 = (wq[s].x >> (4 * jj)) & 0x0F0F0F0Fu, q1 = (wq[s].y >> (4 * jj)) & 0x0F0F0F0Fu;
+                        if (TY == T_Q5_K) {
+                            q0 |= ((qh[s].x >> j) & 0x01010101u) << 4;
+                            q1 |= ((qh[s].y >> j) & 0x01010101u) << 4;
+                        }
+                        // Bytes times at most 7: no carries between them.
+                        bl[s][0] = (int)(q0 * l);
+                        bl[s][1] = (int)(q1 * l);
+                        bh[s][0] = (int)(q0 * h);
+                        bh[s][1] = (int)(q1 * h);
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < MMT_R; i++) {
+                        const u8* pa = A + (ra + 16 * i + g) * MMT_AS + 48 * j;
+                        int2 x = *(const int2*)(pa + 8 * t), z = *(const int2*)(pa + 8 * MMT_AS + 8 * t);
+                        #pragma unroll
+                        for (int s = 0; s < MMT_S; s++) {
+                            mma32u(X[i][s], x.x, z.x, x.y, z.y, bl[s][0], bl[s][1]);
+                            mma32u(Y[i][s], x.x, z.x, x.y, z.y, bh[s][0], bh[s][1]);
+                            mma32u(Z[i][s], x.x, z.x, x.y, z.y, bm[s], bm[s]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < MMT_R; i++) {
+                const u8* pa = A + (ra + 16 * i + g) * MMT_AS;
+                float da[2] = {*(const float*)(pa + 32), *(const float*)(pa + 8 * MMT_AS + 32)};
+                #pragma unroll
+                for (int s = 0; s < MMT_S; s++)
+                    #pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        u32 dd = *(const u32*)(W + (oa + 8 * s + 2 * t + c) * WS);
+                        float d = h2f((u16)(dd & 0xFFFFu)), dmin = h2f((u16)(dd >> 16));
+                        #pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            int e = 2 * h + c;
+                            int isum = X[i][s][e] + 8 * Y[i][s][e];
+                            cur[i][s][e] = fmaf((float)isum, d * da[h], cur[i][s][e]);
+                            cur[i][s][e] = fmaf(-(dmin * da[h]), (float)Z[i][s][e], cur[i][s][e]);
+                        }
+                    }
+            }
+            // Every warp is done with this stage before it is refilled.
+            __syncthreads();
+        }
+        #pragma unroll
+        for (int i = 0; i < MMT_R; i++)
+            #pragma unroll
+            for (int s = 0; s < MMT_S; s++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float v = cur[i][s][e];
+                    if (k == 0) fa[i][s][e] = v;
+                    else if (k == 1) fa[i][s][e] = fa[i][s][e] + v;
+                    else if (k == 2) fb[i][s][e] = v;
+                    else if (k == 3) fa[i][s][e] = fa[i][s][e] + (fb[i][s][e] + v);
+                    else if (k == 4) fb[i][s][e] = v;
+                    else if (k == 5) fb[i][s][e] = fb[i][s][e] + v;
+                    else if (k == 6) fc[i][s][e] = v;
+                    else fa[i][s][e] = fa[i][s][e] + (fb[i][s][e] + (fc[i][s][e] + v));
+                }
+    }
+    #pragma unroll
+    for (int i = 0; i < MMT_R; i++)
+        #pragma unroll
+        for (int s = 0; s < MMT_S; s++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = r0 + ra + 16 * i + g + 8 * (e >> 1), o = o0 + oa + 8 * s + 2 * t + (e & 1);
+                if (r < n && o < outs) y[(u64)r * outs + o] = fa[i][s][e];
+            }
+}
+
+#define MMT(NAME, TY)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMT_T, MMT_BLOCKS) NAME(const u8* w, u64 row_bytes, int nblk, \
+                                                                        int outs, const Q8* a, int nab, int n, \
+                                                                        float* y) {                      \
+        mmt_body<TY>(w, row_bytes, nblk, outs, a, nab, n, y);                                             \
+    }
+MMT(mmt_q4_k, T_Q4_K)
+MMT(mmt_q5_k, T_Q5_K)
 
 #define MATMUL_MMA(NAME, TY)                                                                          \
     extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, \

@@ -137,6 +137,9 @@ struct Kernels {
     matvec: Vec<(GgmlType, CudaFunction)>,
     /// Quantized products on tensor cores (many rows).
     mma: Vec<(GgmlType, CudaFunction)>,
+    /// Q4_K and Q5_K products on tensor cores, tiles staged in shared
+    /// memory (many rows).
+    mmt: Vec<(GgmlType, CudaFunction)>,
     rows: Vec<(GgmlType, CudaFunction)>,
     quantize_q8: CudaFunction,
     quantize_q8k: CudaFunction,
@@ -165,6 +168,10 @@ pub struct Device {
     /// The device's name and compute capability.
     pub name: String,
     pub capability: (i32, i32),
+    /// The staged tiles' shape (kernels.cu's MMT_R, MMT_S, MMT_WR,
+    /// MMT_WO): row tiles and output tiles per warp, warps along rows
+    /// and along outputs.
+    mmt_tile: (u32, u32, u32, u32),
 }
 
 static DEVICE: OnceLock<Arc<Device>> = OnceLock::new();
@@ -207,6 +214,7 @@ impl Device {
         let mut matmul = Vec::new();
         let mut matvec = Vec::new();
         let mut mma = Vec::new();
+        let mut mmt = Vec::new();
         let mut rows = Vec::new();
         for ty in TYPES {
             let s = type_suffix(ty).expect("listed");
@@ -216,12 +224,16 @@ impl Device {
             } else {
                 matvec.push((ty, f(&format!("matvec_{s}"))?));
                 mma.push((ty, f(&format!("mma_{s}"))?));
+                if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
+                    mmt.push((ty, f(&format!("mmt_{s}"))?));
+                }
             }
         }
         let k = Kernels {
             matmul,
             matvec,
             mma,
+            mmt,
             rows,
             quantize_q8: f("quantize_q8")?,
             quantize_q8k: f("quantize_q8k")?,
@@ -244,7 +256,21 @@ impl Device {
             k,
             name,
             capability,
+            mmt_tile: (
+                define(defines, "MMT_R", 2),
+                define(defines, "MMT_S", 1),
+                define(defines, "MMT_WR", 2),
+                define(defines, "MMT_WO", 4),
+            ),
         });
+        // The staged tiles' two stages are more shared memory than a
+        // launch gets without asking.
+        for (ty, f) in &dev.k.mmt {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dev.mmt_shared_bytes(*ty) as i32,
+            )?;
+        }
         Ok(DEVICE.get_or_init(|| dev).clone())
     }
 
@@ -316,9 +342,46 @@ impl Device {
         self.k.mma.iter().find(|(t, _)| *t == ty).map(|x| &x.1)
     }
 
+    /// Rows and outputs of a staged tile, and its shared memory (two
+    /// stages of kernels.cu's MMT_STAGE bytes).
+    fn mmt_block(&self) -> (u32, u32) {
+        let (r, s, wr, wo) = self.mmt_tile;
+        (16 * r * wr, 8 * s * wo)
+    }
+
+    fn mmt_shared_bytes(&self, ty: GgmlType) -> u32 {
+        let (rb, ob) = self.mmt_block();
+        let per_output = if ty == GgmlType::Q4K { 160 } else { 192 };
+        2 * (rb * 416 + ob * per_output)
+    }
+
+    fn mmt_fn(&self, ty: GgmlType) -> Option<&CudaFunction> {
+        self.k.mmt.iter().find(|(t, _)| *t == ty).map(|x| &x.1)
+    }
+
     fn rows_fn(&self, ty: GgmlType) -> &CudaFunction {
         kernel_for(&self.k.rows, ty)
     }
+}
+
+/// The tiles of the quantized products on tensor cores: a warp's 16 rows
+/// by 16 outputs (kernels.cu's matmul_mma_body, every type), or for Q4_K
+/// and Q5_K a block's tiles staged in shared memory (mmt_body; the
+/// default). The bits are the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tiles {
+    Warp,
+    Staged,
+}
+
+/// The value of macro `name` among `defines` (`NAME=VALUE`), or `default`.
+fn define(defines: &[String], name: &str, default: u32) -> u32 {
+    defines
+        .iter()
+        .filter_map(|d| d.split_once('='))
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The kernel of type `ty` in `list` (every type uploaded has one).
@@ -391,6 +454,8 @@ pub struct CudaWorkspace {
     /// Whether products of many rows use tensor cores (the same bits
     /// either way).
     tensor_cores: bool,
+    /// Which tiles products of many rows use (the same bits whichever).
+    tiles: Tiles,
     mode: Mode,
     /// The host region of the tables this pass writes (see [`RING`]).
     region: usize,
@@ -485,6 +550,7 @@ impl CudaWorkspace {
             graphs: HashMap::new(),
             graphs_on: true,
             tensor_cores: true,
+            tiles: Tiles::Staged,
             mode: Mode::Direct,
             region: 1,
             turns: 0,
@@ -579,6 +645,12 @@ impl CudaWorkspace {
     /// default; the bits are the same either way).
     pub fn set_tensor_cores(&mut self, on: bool) {
         self.tensor_cores = on;
+    }
+
+    /// Which tiles products on tensor cores use (the bits are the same
+    /// whichever).
+    pub fn set_tiles(&mut self, tiles: Tiles) {
+        self.tiles = tiles;
     }
 
     /// Graphs captured so far.
@@ -1353,22 +1425,49 @@ fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, 
     }
     // Many rows: tensor cores (the same operations on each product).
     if rows >= MMA_ROWS && ws.tensor_cores {
+        let (wp, rb_, outs, n) = (w.ptr, w.row_bytes as u64, w.rows as i32, rows as i32);
+        let nab = (w.cols / 32) as i32;
+        // The staged tiles address their copies with 32-bit offsets.
+        let small = (w.rows * w.row_bytes) as u64 >> 32 == 0 && (rows * w.cols / 32 * 48) as u64 >> 32 == 0;
+        if let Some(f) = dev.mmt_fn(w.ty).filter(|_| ws.tiles == Tiles::Staged && small) {
+            let (rb, ob) = dev.mmt_block();
+            let (_, _, wr, wo) = dev.mmt_tile;
+            let nblk = (w.cols / 256) as i32;
+            let cfg = LaunchConfig {
+                grid_dim: ((rows as u32).div_ceil(rb), (w.rows as u32).div_ceil(ob), 1),
+                block_dim: (32 * wr * wo, 1, 1),
+                shared_mem_bytes: dev.mmt_shared_bytes(w.ty),
+            };
+            let mut b = dev.stream.launch_builder(f);
+            b.arg(&wp)
+                .arg(&rb_)
+                .arg(&nblk)
+                .arg(&outs)
+                .arg(&q8)
+                .arg(&nab)
+                .arg(&n)
+                .arg(&y);
+            // SAFETY: the arguments match the kernel's signature; the
+            // quantized activations hold `rows` rows of `cols / 32` blocks,
+            // and the shared memory is what its two stages take.
+            let r = unsafe { b.launch(cfg) };
+            return ws.note(r);
+        }
         if let Some(f) = dev.mma_fn(w.ty) {
             let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
                 256
             } else {
                 32
             };
-            let (wp, rb, outs, n) = (w.ptr, w.row_bytes as u64, w.rows as i32, rows as i32);
-            let (nblk, nab) = ((w.cols / per_block) as i32, (w.cols / 32) as i32);
+            let nblk = (w.cols / per_block) as i32;
             let cfg = LaunchConfig {
-                grid_dim: ((w.rows as u32).div_ceil(64), (rows as u32).div_ceil(16), 1),
+                grid_dim: ((rows as u32).div_ceil(16), (w.rows as u32).div_ceil(64), 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut b = dev.stream.launch_builder(f);
             b.arg(&wp)
-                .arg(&rb)
+                .arg(&rb_)
                 .arg(&nblk)
                 .arg(&outs)
                 .arg(&q8)
@@ -1511,6 +1610,8 @@ mod tests {
                     "gated_q8",
                     "rope_write_kv",
                     "mma_q4_k",
+                    "mmt_q4_k",
+                    "mmt_q5_k",
                     "mma_q6_k",
                 ] {
                     assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing");
