@@ -152,6 +152,8 @@ struct Kernels {
     rope_write_kv: CudaFunction,
     write_kv_f16: CudaFunction,
     attend_f16: CudaFunction,
+    /// Attention for groups of rows of one sequence (prefill).
+    attend_f16_rows: CudaFunction,
     gated: CudaFunction,
     /// The gated activation, quantized for the down projection.
     gated_q8: CudaFunction,
@@ -168,6 +170,8 @@ pub struct Device {
     /// The device's name and compute capability.
     pub name: String,
     pub capability: (i32, i32),
+    /// Rows per block of `attend_f16_rows` (kernels.cu's ATT_ROWS).
+    att_rows: usize,
     /// The staged tiles' shape (kernels.cu's MMT_R, MMT_S, MMT_WR,
     /// MMT_WO): row tiles and output tiles per warp, warps along rows
     /// and along outputs.
@@ -245,6 +249,7 @@ impl Device {
             rope_write_kv: f("rope_write_kv")?,
             write_kv_f16: f("write_kv_f16")?,
             attend_f16: f("attend_f16")?,
+            attend_f16_rows: f("attend_f16_rows")?,
             gated: f("gated")?,
             gated_q8: f("gated_q8")?,
             gather: f("gather")?,
@@ -256,6 +261,7 @@ impl Device {
             k,
             name,
             capability,
+            att_rows: define(defines, "ATT_ROWS", 4) as usize,
             mmt_tile: (
                 define(defines, "MMT_R", 2),
                 define(defines, "MMT_S", 1),
@@ -1028,6 +1034,39 @@ impl Backend for Cuda {
         );
         // The query, a tile of values and their weights (kernels.cu).
         let tile = ATT_TILE_BYTES / (ws.head_dim * 2);
+        if rows.len() >= ATT_GROUP_MIN {
+            // Groups of ATT_ROWS rows share their keys' and values' loads.
+            let n = rows.len() as i32;
+            let cfg = LaunchConfig {
+                grid_dim: (rows.len().div_ceil(dev.att_rows) as u32, ws.heads as u32, 1),
+                block_dim: (ATT_THREADS, 1, 1),
+                shared_mem_bytes: (dev.att_rows * (ws.head_dim * 4 + tile * 4) + ATT_TILE_BYTES) as u32,
+            };
+            launch!(
+                ws,
+                &dev.k.attend_f16_rows,
+                cfg,
+                &q,
+                &table,
+                &rt,
+                &st,
+                &en,
+                &heads,
+                &kvh,
+                &hd,
+                &l,
+                &layers,
+                &pt,
+                &kc,
+                &vc,
+                &scale,
+                &sc,
+                &ctx,
+                &out,
+                &n
+            );
+            return;
+        }
         let cfg = LaunchConfig {
             grid_dim: (rows.len() as u32, ws.heads as u32, 1),
             block_dim: (ATT_THREADS, 1, 1),
@@ -1575,6 +1614,8 @@ fn float_product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: u
 /// kernels.cu).
 const ATT_THREADS: u32 = 128;
 const ATT_TILE_BYTES: usize = 16384;
+/// The batch from which `attend_f16_rows` is used.
+const ATT_GROUP_MIN: usize = 8;
 
 /// Rows from which a quantized product runs on tensor cores.
 const MMA_ROWS: usize = 16;
@@ -1603,6 +1644,7 @@ mod tests {
                 }
                 for k in [
                     "attend_f16",
+                    "attend_f16_rows",
                     "quantize_q8",
                     "quantize_q8k",
                     "rms_norm",
