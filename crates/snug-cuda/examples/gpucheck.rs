@@ -211,15 +211,18 @@ fn main() {
 
     // `--profile-prefill N`: N prefills of the prompt, each timed alone
     // (`--tiles warp|staged`: the products' tiles on tensor cores).
+    // `--profile-decode N`: a prefill of the prompt then N decode steps,
+    // each timed alone. For a profiler to look at; nothing else runs.
     let profile_pp = arg(&args, "--profile-prefill", 0);
-    if profile_pp > 0 {
+    let profile = arg(&args, "--profile-decode", 0);
+    if profile_pp > 0 || profile > 0 {
         let shape = KvShape {
             layers: c.layers,
             kv_heads: c.kv_heads,
             head_dim: c.head_dim,
             page_tokens: PT,
         };
-        let ctx = prompt.len() + 8;
+        let ctx = prompt.len() + profile + 8;
         let size = WorkspaceSize {
             rows: prompt.len().max(1),
             ctx,
@@ -228,6 +231,7 @@ fn main() {
         };
         let mut kv = CudaKv::new(&dev, shape, ctx.div_ceil(PT) + 1).unwrap();
         let mut ws = CudaWorkspace::new(&dev, &c, size).unwrap();
+        ws.set_graphs(!args.iter().any(|a| a == "--no-graphs"));
         ws.set_tiles(
             match args.iter().position(|a| a == "--tiles").map(|i| args[i + 1].as_str()) {
                 Some("warp") => Tiles::Warp,
@@ -246,64 +250,32 @@ fn main() {
                 logits: i + 1 == prompt.len(),
             })
             .collect();
-        let mut ms = Vec::new();
-        for _ in 0..profile_pp {
-            let mut logits = Vec::new();
-            let mut view = KvView {
-                storage: &mut kv,
-                pages: &tables,
-                twins: &[],
-            };
-            dev.synchronize().unwrap();
-            let t = Instant::now();
-            forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
-            dev.synchronize().unwrap();
-            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        if profile_pp > 0 {
+            let mut ms = Vec::new();
+            for _ in 0..profile_pp {
+                let mut logits = Vec::new();
+                let mut view = KvView {
+                    storage: &mut kv,
+                    pages: &tables,
+                    twins: &[],
+                };
+                dev.synchronize().unwrap();
+                let t = Instant::now();
+                forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
+                dev.synchronize().unwrap();
+                ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            ws.check().unwrap();
+            ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            println!(
+                "prefill of {}: median {:.3} ms, min {:.3} ms over {profile_pp} ({:.0} tok/s)",
+                prompt.len(),
+                ms[ms.len() / 2],
+                ms[0],
+                prompt.len() as f64 / ms[ms.len() / 2] * 1e3
+            );
+            return;
         }
-        ws.check().unwrap();
-        ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        println!(
-            "prefill of {}: median {:.3} ms, min {:.3} ms over {profile_pp} ({:.0} tok/s)",
-            prompt.len(),
-            ms[ms.len() / 2],
-            ms[0],
-            prompt.len() as f64 / ms[ms.len() / 2] * 1e3
-        );
-        return;
-    }
-
-    // `--profile-decode N`: a prefill of the prompt then N decode steps,
-    // each timed alone (for a profiler to look at; nothing else runs).
-    let profile = arg(&args, "--profile-decode", 0);
-    if profile > 0 {
-        let shape = KvShape {
-            layers: c.layers,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            page_tokens: PT,
-        };
-        let ctx = prompt.len() + profile + 8;
-        let size = WorkspaceSize {
-            rows: prompt.len().max(1),
-            ctx,
-            page_tokens: PT,
-            threads: 1,
-        };
-        let mut kv = CudaKv::new(&dev, shape, ctx.div_ceil(PT) + 1).unwrap();
-        let mut ws = CudaWorkspace::new(&dev, &c, size).unwrap();
-        ws.set_graphs(!args.iter().any(|a| a == "--no-graphs"));
-        let pages: Vec<u32> = (0..(ctx.div_ceil(PT) + 1) as u32).collect();
-        let tables: Vec<&[u32]> = vec![&pages];
-        let rows: Vec<BatchRow> = prompt
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| BatchRow {
-                seq: 0,
-                pos: i,
-                token: t,
-                logits: i + 1 == prompt.len(),
-            })
-            .collect();
         let mut logits = Vec::new();
         let mut view = KvView {
             storage: &mut kv,

@@ -1455,121 +1455,26 @@ __device__ __forceinline__ void att_wait() {
 #endif
 }
 
-extern "C" __global__ void attend_f16(const float* q, const u32* table, const u32* row_table,
-                                      const u32* row_start, const u32* row_end, int heads, int kv_heads,
-                                      int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
-                                      float scale, float* scores, int ctx, float* out) {
-    extern __shared__ float smem[];
-    __shared__ float red[ATT_THREADS / 32];
-    __shared__ float inv_s;
-    float* qs = smem;                    // hd
-    u16* vt = (u16*)(smem + hd);         // a tile of values: ATT_TILE_BYTES
-    float* wt = smem + hd + ATT_TILE_BYTES / 4;  // its weights
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    int r = blockIdx.x, h = blockIdx.y;
-    int g = h / (heads / kv_heads);
-    const float* qr = q + ((u64)r * heads + h) * hd;
-    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qr[d];
-    __syncthreads();
-    const u32* pages = table + row_table[r];
-    int start = row_start[r], end = row_end[r], n = end - start;
-    float* sc = scores + ((u64)r * heads + h) * ctx;
-    float m = -__int_as_float(0x7f800000);
-    for (int p = start + tid; p < end; p += ATT_THREADS) {
-        u64 base = ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd;
-        float l16[16];
-        for (int i = 0; i < 16; i++) l16[i] = 0.0f;
-        // A key row is 16-byte aligned (head_dim a multiple of 16).
-        const uint4* k4 = (const uint4*)(kc + base);
-        for (int d0 = 0; d0 < hd; d0 += 16) {
-            uint4 a = k4[d0 / 8], b = k4[d0 / 8 + 1];
-            u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                u16 x = (u16)(w[i >> 1] >> (16 * (i & 1)));
-                l16[i] = fmaf(qs[d0 + i], h2f(x), l16[i]);
-            }
-        }
-        float f[8];
-        for (int i = 0; i < 8; i++) f[i] = l16[i] + l16[i + 8];
-        float s = (((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]))) * scale;
-        sc[p - start] = s;
-        m = fmaxf(m, s);
-    }
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = red[0];
-    for (int i = 1; i < ATT_THREADS / 32; i++) m = fmaxf(m, red[i]);
-    for (int i = tid; i < n; i += ATT_THREADS) sc[i] = exp_fixed(sc[i] - m);
-    __syncthreads();
-    if (warp == 0) {
-        // Lane l (and l + 16, the same) sums exponentials l, l+16, ... in
-        // order.
-        float sum = 0.0f;
-        for (int i = lane & 15; i < n; i += 16) sum += sc[i];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-        if (lane == 0) inv_s = 1.0f / sum;
-    }
-    __syncthreads();
-    float inv = inv_s;
-    int per_row = hd / 8;  // 16-byte pieces of a value row
-    int tile = ATT_TILE_BYTES / (hd * 2);
-    bool owner = 2 * tid < hd;
-    float acc0 = 0.0f, acc1 = 0.0f;
-    for (int p0 = start; p0 < end; p0 += tile) {
-        int np = min(tile, end - p0);
-        for (int i = tid; i < np * per_row; i += ATT_THREADS) {
-            int p = p0 + i / per_row;
-            const u16* src = vc + ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd +
-                             8 * (i % per_row);
-            att_copy16(vt + 8 * i, src);
-        }
-        for (int j = tid; j < np; j += ATT_THREADS) wt[j] = sc[p0 - start + j] * inv;
-        att_wait();
-        __syncthreads();
-        if (owner) {
-            const u32* v2 = (const u32*)vt + tid;
-#pragma unroll 8
-            for (int j = 0; j < np; j++) {
-                u32 two = v2[j * (hd / 2)];
-                float wgt = wt[j];
-                acc0 = fmaf(wgt, h2f((u16)(two & 0xffffu)), acc0);
-                acc1 = fmaf(wgt, h2f((u16)(two >> 16)), acc1);
-            }
-        }
-        __syncthreads();
-    }
-    if (owner) {
-        float* o = out + ((u64)r * heads + h) * hd;
-        o[2 * tid] = acc0;
-        o[2 * tid + 1] = acc1;
-    }
-}
-
-// attend_f16 for up to ATT_ROWS rows of one sequence at once (prefill):
-// a block per group of rows and query head. Rows that share a page table
-// and a first position (the rows of one prompt, where no window starts
-// them apart) read each key and value once for all of them; each row's
-// scores, softmax and weighted sum take exactly attend_f16's steps over
-// its own positions. Other groups are taken a row at a time.
+// Attention for `per` (at most NR) rows from `ra` on that share a page
+// table and a first position, for query head blockIdx.y: each key and
+// value is loaded once for all of them, and each row takes the steps above
+// over its own positions (its scores in its row of `scores`; warp r % 4
+// sums row r's exponentials).
 #ifndef ATT_ROWS
 #define ATT_ROWS 4
 #endif
 
+template <int NR>
 __device__ __forceinline__ void attend_set(const float* q, const u32* table, const u32* row_table,
                                            const u32* row_start, const u32* row_end, int heads, int kv_heads,
                                            int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
                                            float scale, float* scores, int ctx, float* out, int ra, int per,
                                            float* smem) {
-    __shared__ float red[ATT_ROWS][ATT_THREADS / 32];
-    __shared__ float inv_s[ATT_ROWS];
-    float* qs = smem;                                      // ATT_ROWS * hd
-    u16* vt = (u16*)(smem + ATT_ROWS * hd);                // a tile of values
-    float* wt = smem + ATT_ROWS * hd + ATT_TILE_BYTES / 4;  // their weights, per row
+    __shared__ float red[NR][ATT_THREADS / 32];
+    __shared__ float inv_s[NR];
+    float* qs = smem;                                      // NR * hd
+    u16* vt = (u16*)(smem + NR * hd);                // a tile of values
+    float* wt = smem + NR * hd + ATT_TILE_BYTES / 4;  // their weights, per row
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int h = blockIdx.y;
     int g = h / (heads / kv_heads);
@@ -1578,21 +1483,21 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
     __syncthreads();
     const u32* pages = table + row_table[ra];
     int start = row_start[ra];
-    int end[ATT_ROWS];
+    int end[NR];
     int maxend = start;
     #pragma unroll
-    for (int i = 0; i < ATT_ROWS; i++) {
+    for (int i = 0; i < NR; i++) {
         end[i] = i < per ? (int)row_end[ra + i] : start;
         maxend = max(maxend, end[i]);
     }
-    float m[ATT_ROWS];
+    float m[NR];
     #pragma unroll
-    for (int i = 0; i < ATT_ROWS; i++) m[i] = -__int_as_float(0x7f800000);
+    for (int i = 0; i < NR; i++) m[i] = -__int_as_float(0x7f800000);
     for (int p = start + tid; p < maxend; p += ATT_THREADS) {
         u64 base = ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd;
-        float l16[ATT_ROWS][16];
+        float l16[NR][16];
         #pragma unroll
-        for (int i = 0; i < ATT_ROWS; i++)
+        for (int i = 0; i < NR; i++)
             #pragma unroll
             for (int e = 0; e < 16; e++) l16[i][e] = 0.0f;
         const uint4* k4 = (const uint4*)(kc + base);
@@ -1603,11 +1508,11 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
             for (int e = 0; e < 16; e++) {
                 float kv = h2f((u16)(w[e >> 1] >> (16 * (e & 1))));
                 #pragma unroll
-                for (int i = 0; i < ATT_ROWS; i++) l16[i][e] = fmaf(qs[i * hd + d0 + e], kv, l16[i][e]);
+                for (int i = 0; i < NR; i++) l16[i][e] = fmaf(qs[i * hd + d0 + e], kv, l16[i][e]);
             }
         }
         #pragma unroll
-        for (int i = 0; i < ATT_ROWS; i++) {
+        for (int i = 0; i < NR; i++) {
             if (i < per && p < end[i]) {
                 float f[8];
                 #pragma unroll
@@ -1619,13 +1524,13 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
         }
     }
     #pragma unroll
-    for (int i = 0; i < ATT_ROWS; i++) {
+    for (int i = 0; i < NR; i++) {
         float v = warp_max(m[i]);
         if (lane == 0) red[i][warp] = v;
     }
     __syncthreads();
     #pragma unroll
-    for (int i = 0; i < ATT_ROWS; i++) {
+    for (int i = 0; i < NR; i++) {
         if (i >= per) break;
         float mm = red[i][0];
         for (int k = 1; k < ATT_THREADS / 32; k++) mm = fmaxf(mm, red[i][k]);
@@ -1634,7 +1539,7 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
     }
     __syncthreads();
     #pragma unroll
-    for (int r = 0; r < ATT_ROWS; r++) {
+    for (int r = 0; r < NR; r++) {
         // Warp r % 4 sums row r's exponentials as attend_f16's warp 0 does.
         if (r >= per || warp != r % (ATT_THREADS / 32)) continue;
         const float* sc = scores + ((u64)(ra + r) * heads + h) * ctx;
@@ -1651,9 +1556,9 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
     int per_row = hd / 8;  // 16-byte pieces of a value row
     int tile = ATT_TILE_BYTES / (hd * 2);
     bool owner = 2 * tid < hd;
-    float acc[ATT_ROWS][2];
+    float acc[NR][2];
     #pragma unroll
-    for (int i = 0; i < ATT_ROWS; i++) acc[i][0] = acc[i][1] = 0.0f;
+    for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = 0.0f;
     for (int p0 = start; p0 < maxend; p0 += tile) {
         int np = min(tile, maxend - p0);
         for (int i = tid; i < np * per_row; i += ATT_THREADS) {
@@ -1663,7 +1568,7 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
             att_copy16(vt + 8 * i, src);
         }
         #pragma unroll
-        for (int i = 0; i < ATT_ROWS; i++) {
+        for (int i = 0; i < NR; i++) {
             if (i >= per) break;
             const float* sc = scores + ((u64)(ra + i) * heads + h) * ctx;
             int ni = min(np, end[i] - p0);
@@ -1674,7 +1579,7 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
         if (owner) {
             const u32* v2 = (const u32*)vt + tid;
             #pragma unroll
-            for (int i = 0; i < ATT_ROWS; i++) {
+            for (int i = 0; i < NR; i++) {
                 // Row i's positions before its end, in order.
                 int ni = i < per ? min(np, end[i] - p0) : 0;
                 for (int j = 0; j < ni; j++) {
@@ -1689,7 +1594,7 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
     }
     if (owner) {
         #pragma unroll
-        for (int i = 0; i < ATT_ROWS; i++) {
+        for (int i = 0; i < NR; i++) {
             if (i < per) {
                 float* o = out + ((u64)(ra + i) * heads + h) * hd;
                 o[2 * tid] = acc[i][0];
@@ -1699,6 +1604,20 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
     }
 }
 
+// A block per row and query head (decode, verify).
+extern "C" __global__ void attend_f16(const float* q, const u32* table, const u32* row_table,
+                                      const u32* row_start, const u32* row_end, int heads, int kv_heads,
+                                      int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
+                                      float scale, float* scores, int ctx, float* out, int n_rows) {
+    extern __shared__ float smem[];
+    if ((int)blockIdx.x < n_rows)
+        attend_set<1>(q, table, row_table, row_start, row_end, heads, kv_heads, hd, layer, layers, pt, kc, vc, scale,
+                      scores, ctx, out, blockIdx.x, 1, smem);
+}
+
+// In a prefill, a block per group of ATT_ROWS rows and query head: rows of
+// one sequence that share a first position (the rows of one prompt, where
+// no window starts them apart) go together; other groups a row at a time.
 extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, const u32* row_table,
                                            const u32* row_start, const u32* row_end, int heads, int kv_heads,
                                            int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
@@ -1708,10 +1627,14 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
     int nr = min(ATT_ROWS, n_rows - r0);
     bool share = true;
     for (int i = 1; i < nr; i++) share = share && row_table[r0 + i] == row_table[r0] && row_start[r0 + i] == row_start[r0];
-    int sets = share ? 1 : nr, per = share ? nr : 1;
+    int sets = share ? 1 : nr;
     for (int k = 0; k < sets; k++) {
-        attend_set(q, table, row_table, row_start, row_end, heads, kv_heads, hd, layer, layers, pt, kc, vc, scale,
-                   scores, ctx, out, r0 + k * per, per, smem);
+        if (share)
+            attend_set<ATT_ROWS>(q, table, row_table, row_start, row_end, heads, kv_heads, hd, layer, layers, pt, kc,
+                                 vc, scale, scores, ctx, out, r0, nr, smem);
+        else
+            attend_set<1>(q, table, row_table, row_start, row_end, heads, kv_heads, hd, layer, layers, pt, kc, vc,
+                          scale, scores, ctx, out, r0 + k, 1, smem);
         __syncthreads();
     }
 }

@@ -1032,67 +1032,23 @@ impl Backend for Cuda {
             ptr(&ws.scores, s),
             ws.ctx as i32,
         );
-        // The query, a tile of values and their weights (kernels.cu).
+        // The queries, a tile of values and their weights (kernels.cu): in
+        // a prefill, groups of rows share their keys' and values' loads.
         let tile = ATT_TILE_BYTES / (ws.head_dim * 2);
-        if rows.len() >= ATT_GROUP_MIN {
-            // Groups of ATT_ROWS rows share their keys' and values' loads.
-            let n = rows.len() as i32;
-            let cfg = LaunchConfig {
-                grid_dim: (rows.len().div_ceil(dev.att_rows) as u32, ws.heads as u32, 1),
-                block_dim: (ATT_THREADS, 1, 1),
-                shared_mem_bytes: (dev.att_rows * (ws.head_dim * 4 + tile * 4) + ATT_TILE_BYTES) as u32,
-            };
-            launch!(
-                ws,
-                &dev.k.attend_f16_rows,
-                cfg,
-                &q,
-                &table,
-                &rt,
-                &st,
-                &en,
-                &heads,
-                &kvh,
-                &hd,
-                &l,
-                &layers,
-                &pt,
-                &kc,
-                &vc,
-                &scale,
-                &sc,
-                &ctx,
-                &out,
-                &n
-            );
-            return;
-        }
+        let (f, group) = if rows.len() >= ATT_GROUP_MIN {
+            (&dev.k.attend_f16_rows, dev.att_rows)
+        } else {
+            (&dev.k.attend_f16, 1)
+        };
+        let n = rows.len() as i32;
         let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, ws.heads as u32, 1),
+            grid_dim: (rows.len().div_ceil(group) as u32, ws.heads as u32, 1),
             block_dim: (ATT_THREADS, 1, 1),
-            shared_mem_bytes: (ws.head_dim * 4 + ATT_TILE_BYTES + tile * 4) as u32,
+            shared_mem_bytes: (group * (ws.head_dim * 4 + tile * 4) + ATT_TILE_BYTES) as u32,
         };
         launch!(
-            ws,
-            &dev.k.attend_f16,
-            cfg,
-            &q,
-            &table,
-            &rt,
-            &st,
-            &en,
-            &heads,
-            &kvh,
-            &hd,
-            &l,
-            &layers,
-            &pt,
-            &kc,
-            &vc,
-            &scale,
-            &sc,
-            &ctx,
-            &out
+            ws, f, cfg, &q, &table, &rt, &st, &en, &heads, &kvh, &hd, &l, &layers, &pt, &kc, &vc, &scale, &sc, &ctx,
+            &out, &n
         );
     }
 
