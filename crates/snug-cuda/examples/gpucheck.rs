@@ -447,16 +447,11 @@ fn main() {
     );
     let cpu_s = t.elapsed().as_secs_f64();
 
-    let gpu_whole = greedy::<snug_cuda::Cuda>(
-        &c,
-        gwt,
-        &mut gws,
-        &mut gkv,
-        &pages[..1],
-        &[prompt.clone()],
-        rows_max,
-        gen,
-    );
+    // The prompt prefilled whole, then `gen` greedy steps.
+    let whole = |gws: &mut CudaWorkspace, gkv: &mut CudaKv| {
+        greedy::<snug_cuda::Cuda>(&c, gwt, gws, gkv, &pages[..1], &[prompt.clone()], rows_max, gen)
+    };
+    let gpu_whole = whole(&mut gws, &mut gkv);
     gws.check().unwrap();
     let gpu_rows = greedy::<snug_cuda::Cuda>(&c, gwt, &mut gws, &mut gkv, &pages[..1], &[prompt.clone()], 1, gen);
     let gpu_chunks = greedy::<snug_cuda::Cuda>(&c, gwt, &mut gws, &mut gkv, &pages[..1], &[prompt.clone()], 7, gen);
@@ -510,28 +505,10 @@ fn main() {
             .position(|(x, y)| x.iter().zip(y.iter()).any(|(p, q)| p.to_bits() != q.to_bits()))
     };
     gws.set_tensor_cores(false);
-    let gpu_whole_cuda_cores = greedy::<snug_cuda::Cuda>(
-        &c,
-        gwt,
-        &mut gws,
-        &mut gkv,
-        &pages[..1],
-        &[prompt.clone()],
-        rows_max,
-        gen,
-    );
+    let gpu_whole_cuda_cores = whole(&mut gws, &mut gkv);
     gws.set_tensor_cores(true);
     gws.set_tiles(Tiles::Warp);
-    let gpu_whole_warp_tiles = greedy::<snug_cuda::Cuda>(
-        &c,
-        gwt,
-        &mut gws,
-        &mut gkv,
-        &pages[..1],
-        &[prompt.clone()],
-        rows_max,
-        gen,
-    );
+    let gpu_whole_warp_tiles = whole(&mut gws, &mut gkv);
     gws.set_tiles(Tiles::Staged);
     let diff_detail = serde_json::json!({
         "whole_warp_tiles_first_diff_step": first_diff(gl, &gpu_whole_warp_tiles[0].1),

@@ -1424,42 +1424,33 @@ fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, 
         let nab = (w.cols / 32) as i32;
         // The staged tiles address their copies with 32-bit offsets.
         let small = (w.rows * w.row_bytes) as u64 >> 32 == 0 && (rows * w.cols / 32 * 48) as u64 >> 32 == 0;
-        if let Some(f) = dev.mmt_fn(w.ty).filter(|_| ws.tiles == Tiles::Staged && small) {
-            let (rb, ob) = dev.mmt_block();
-            let (_, _, wr, wo) = dev.mmt_tile;
-            let nblk = (w.cols / 256) as i32;
-            let cfg = LaunchConfig {
-                grid_dim: ((rows as u32).div_ceil(rb), (w.rows as u32).div_ceil(ob), 1),
-                block_dim: (32 * wr * wo, 1, 1),
-                shared_mem_bytes: dev.mmt_shared_bytes(w.ty),
-            };
-            let mut b = dev.stream.launch_builder(f);
-            b.arg(&wp)
-                .arg(&rb_)
-                .arg(&nblk)
-                .arg(&outs)
-                .arg(&q8)
-                .arg(&nab)
-                .arg(&n)
-                .arg(&y);
-            // SAFETY: the arguments match the kernel's signature; the
-            // quantized activations hold `rows` rows of `cols / 32` blocks,
-            // and the shared memory is what its two stages take.
-            let r = unsafe { b.launch(cfg) };
-            return ws.note(r);
-        }
-        if let Some(f) = dev.mma_fn(w.ty) {
+        let kernel = match dev.mmt_fn(w.ty).filter(|_| ws.tiles == Tiles::Staged && small) {
+            Some(f) => {
+                let (rb, ob) = dev.mmt_block();
+                let (_, _, wr, wo) = dev.mmt_tile;
+                let cfg = LaunchConfig {
+                    grid_dim: ((rows as u32).div_ceil(rb), (w.rows as u32).div_ceil(ob), 1),
+                    block_dim: (32 * wr * wo, 1, 1),
+                    shared_mem_bytes: dev.mmt_shared_bytes(w.ty),
+                };
+                Some((f, cfg))
+            }
+            None => dev.mma_fn(w.ty).map(|f| {
+                let cfg = LaunchConfig {
+                    grid_dim: ((rows as u32).div_ceil(16), (w.rows as u32).div_ceil(64), 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (f, cfg)
+            }),
+        };
+        if let Some((f, cfg)) = kernel {
             let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
                 256
             } else {
                 32
             };
             let nblk = (w.cols / per_block) as i32;
-            let cfg = LaunchConfig {
-                grid_dim: ((rows as u32).div_ceil(16), (w.rows as u32).div_ceil(64), 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
             let mut b = dev.stream.launch_builder(f);
             b.arg(&wp)
                 .arg(&rb_)
@@ -1469,8 +1460,10 @@ fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, 
                 .arg(&nab)
                 .arg(&n)
                 .arg(&y);
-            // SAFETY: the arguments match the kernel's signature; the
-            // quantized activations hold `rows` rows of `cols / 32` blocks.
+            // SAFETY: the arguments match the kernels' signature; the
+            // quantized activations hold `rows` rows of `cols / 32` blocks,
+            // and the shared memory is what the staged tiles' two stages
+            // take.
             let r = unsafe { b.launch(cfg) };
             return ws.note(r);
         }
