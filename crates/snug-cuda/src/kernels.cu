@@ -941,6 +941,11 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
 #endif
 #define MMT_PRAGMA(x) _Pragma(#x)
 #define MMT_UNROLL(n) MMT_PRAGMA(unroll n)
+// `body` for each (row tile i, output tile s, element e) of a lane.
+#define MMT_EACH(body)                                  \
+    MMT_UNROLL(MMT_R) for (int i = 0; i < MMT_R; i++)    \
+        MMT_UNROLL(MMT_S) for (int s = 0; s < MMT_S; s++) \
+            MMT_UNROLL(4) for (int e = 0; e < 4; e++) { body; }
 #define MMT_RB (16 * MMT_R * MMT_WR)
 #define MMT_OB (8 * MMT_S * MMT_WO)
 #define MMT_T (32 * MMT_WR * MMT_WO)
@@ -1025,24 +1030,14 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
     // This warp's rows and outputs within the tile.
     int ra = wr * 16 * MMT_R, oa = wo * 8 * MMT_S;
     float cur[MMT_R][MMT_S][4], fa[MMT_R][MMT_S][4], fb[MMT_R][MMT_S][4], fc[MMT_R][MMT_S][4];
-    #pragma unroll
-    for (int i = 0; i < MMT_R; i++)
-        #pragma unroll
-        for (int s = 0; s < MMT_S; s++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) fa[i][s][e] = fb[i][s][e] = fc[i][s][e] = 0.0f;
+    MMT_EACH(fa[i][s][e] = fb[i][s][e] = fc[i][s][e] = 0.0f)
     MmtCopies plan;
     mmt_plan<TY>(&plan, row_bytes, outs, nab, n, r0, o0);
     mmt_load<TY>(smem_t, &plan, w, a, 0);
     cp_commit();
     int q = 0;
     for (int k = 0; k < 8; k++) {
-        #pragma unroll
-        for (int i = 0; i < MMT_R; i++)
-            #pragma unroll
-            for (int s = 0; s < MMT_S; s++)
-                #pragma unroll
-                for (int e = 0; e < 4; e++) cur[i][s][e] = 0.0f;
+        MMT_EACH(cur[i][s][e] = 0.0f)
         for (int b = k; b < nblk; b += 8, q++) {
             // The next super-block in this order goes into the other
             // stage while this one is computed.
@@ -1054,12 +1049,7 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
             const u8* A = smem_t + (q & 1) * STAGE;
             const u8* W = A + MMT_RB * MMT_AS;
             int X[MMT_R][MMT_S][4], Y[MMT_R][MMT_S][4], Z[MMT_R][MMT_S][4];
-            #pragma unroll
-            for (int i = 0; i < MMT_R; i++)
-                #pragma unroll
-                for (int s = 0; s < MMT_S; s++)
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) X[i][s][e] = Y[i][s][e] = Z[i][s][e] = 0;
+            MMT_EACH(X[i][s][e] = Y[i][s][e] = Z[i][s][e] = 0)
             // The scales and minimums of the output whose levels this lane
             // loads (oa + 8s + g), as bytes: scales' low three bits
             // (sub-blocks 0-3, 4-7), high three bits, minimums; and Q5_K's
@@ -1144,32 +1134,26 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
             // Every warp is done with this stage before it is refilled.
             __syncthreads();
         }
-        #pragma unroll
-        for (int i = 0; i < MMT_R; i++)
-            #pragma unroll
-            for (int s = 0; s < MMT_S; s++)
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float v = cur[i][s][e];
-                    if (k == 0) fa[i][s][e] = v;
-                    else if (k == 1) fa[i][s][e] = fa[i][s][e] + v;
-                    else if (k == 2) fb[i][s][e] = v;
-                    else if (k == 3) fa[i][s][e] = fa[i][s][e] + (fb[i][s][e] + v);
-                    else if (k == 4) fb[i][s][e] = v;
-                    else if (k == 5) fb[i][s][e] = fb[i][s][e] + v;
-                    else if (k == 6) fc[i][s][e] = v;
-                    else fa[i][s][e] = fa[i][s][e] + (fb[i][s][e] + (fc[i][s][e] + v));
-                }
+        // Class k into ((0+1)+(2+3))+((4+5)+(6+7)), classes in order: fa
+        // holds 0, 0+1, (0+1)+(2+3), then the whole sum; fb holds 2, then
+        // 4, then 4+5; fc holds 6.
+        MMT_EACH(
+            float v = cur[i][s][e];
+            if (k == 0) fa[i][s][e] = v;
+            else if (k == 1) fa[i][s][e] = fa[i][s][e] + v;
+            else if (k == 2) fb[i][s][e] = v;
+            else if (k == 3) fa[i][s][e] = fa[i][s][e] + (fb[i][s][e] + v);
+            else if (k == 4) fb[i][s][e] = v;
+            else if (k == 5) fb[i][s][e] = fb[i][s][e] + v;
+            else if (k == 6) fc[i][s][e] = v;
+            else fa[i][s][e] = fa[i][s][e] + (fb[i][s][e] + (fc[i][s][e] + v))
+        )
     }
-    #pragma unroll
-    for (int i = 0; i < MMT_R; i++)
-        #pragma unroll
-        for (int s = 0; s < MMT_S; s++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = r0 + ra + 16 * i + g + 8 * (e >> 1), o = o0 + oa + 8 * s + 2 * t + (e & 1);
-                if (r < n && o < outs) y[(u64)r * outs + o] = fa[i][s][e];
-            }
+    MMT_EACH(
+        int r = r0 + ra + 16 * i + g + 8 * (e >> 1);
+        int o = o0 + oa + 8 * s + 2 * t + (e & 1);
+        if (r < n && o < outs) y[(u64)r * outs + o] = fa[i][s][e]
+    )
 }
 
 #define MMT(NAME, TY)                                                                                     \
