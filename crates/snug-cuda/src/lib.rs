@@ -348,17 +348,19 @@ impl Device {
         self.k.mma.iter().find(|(t, _)| *t == ty).map(|x| &x.1)
     }
 
-    /// Rows and outputs of a staged tile, and its shared memory (two
-    /// stages of kernels.cu's MMT_STAGE bytes).
+    /// Rows and outputs of a staged tile.
     fn mmt_block(&self) -> (u32, u32) {
         let (r, s, wr, wo) = self.mmt_tile;
         (16 * r * wr, 8 * s * wo)
     }
 
+    /// The shared memory of a staged tile of type `ty`: two stages of
+    /// kernels.cu's MMT_STAGE bytes (a padded row of activations per row,
+    /// a padded super-block per output).
     fn mmt_shared_bytes(&self, ty: GgmlType) -> u32 {
         let (rb, ob) = self.mmt_block();
-        let per_output = if ty == GgmlType::Q4K { 160 } else { 192 };
-        2 * (rb * 416 + ob * per_output)
+        let per_output = if ty == GgmlType::Q4K { MMT_WS_Q4K } else { MMT_WS_Q5K };
+        2 * (rb * MMT_AS + ob * per_output)
     }
 
     fn mmt_fn(&self, ty: GgmlType) -> Option<&CudaFunction> {
@@ -1563,6 +1565,11 @@ fn float_product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: u
 /// kernels.cu).
 const ATT_THREADS: u32 = 128;
 const ATT_TILE_BYTES: usize = 16384;
+/// kernels.cu's MMT_AS and MMT_WS: bytes of a staged tile's row of
+/// activations and of its output's weights (Q4_K, Q5_K).
+const MMT_AS: u32 = 416;
+const MMT_WS_Q4K: u32 = 160;
+const MMT_WS_Q5K: u32 = 192;
 /// The batch from which `attend_f16_rows` is used.
 const ATT_GROUP_MIN: usize = 8;
 
