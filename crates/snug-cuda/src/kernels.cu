@@ -958,9 +958,16 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
 #define MMT_NA ((MMT_RB * 24 + MMT_T - 1) / MMT_T)
 #define MMT_NW ((MMT_OB * 11 + MMT_T - 1) / MMT_T)
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+// Copies 16 bytes from global to shared memory without waiting (where the
+// architecture can); att_wait() waits for all of them, cp_wait1() for all
+// but the last group committed.
+__device__ __forceinline__ void att_copy16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
     unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+#else
+    *(uint4*)dst = *(const uint4*)src;
+#endif
 }
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
@@ -1014,9 +1021,9 @@ __device__ __forceinline__ void mmt_load(u8* st, const MmtCopies* p, const u8* w
     const u8* ab = (const u8*)a + 384 * (u64)b;
     const u8* wb = w + TS * (u64)b;
     #pragma unroll
-    for (int k = 0; k < MMT_NA; k++) cp_async16(st + p->da[k], ab + p->a[k]);
+    for (int k = 0; k < MMT_NA; k++) att_copy16(st + p->da[k], ab + p->a[k]);
     #pragma unroll
-    for (int k = 0; k < MMT_NW; k++) cp_async16(st + p->dw[k], wb + p->w[k]);
+    for (int k = 0; k < MMT_NW; k++) att_copy16(st + p->dw[k], wb + p->w[k]);
 }
 
 template <int TY>
@@ -1421,17 +1428,6 @@ __device__ __forceinline__ float exp_fixed(float x) {
 // positions in order with fused multiply-adds.
 #define ATT_THREADS 128
 #define ATT_TILE_BYTES 16384
-
-// Copies 16 bytes from global to shared memory without waiting (where the
-// architecture can); att_wait() waits for all of them.
-__device__ __forceinline__ void att_copy16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-#else
-    *(uint4*)dst = *(const uint4*)src;
-#endif
-}
 
 __device__ __forceinline__ void att_wait() {
 #if __CUDA_ARCH__ >= 800
