@@ -4,8 +4,9 @@
 //! then the panel kernel (packing included) for 64 and 512 rows.
 //! `cargo run --release -p snug-kernels --example dotbench [TYPE...]`;
 //! `K` and `ROWS` set the matrix, `ONLY=packed` runs only the packed
-//! panels, `N=1,4` only those activation rows, and `REPS=10` repeats
-//! each measurement ten times as often.
+//! panels, `N=1,4` only those activation rows, `REPS=10` repeats each
+//! measurement ten times as often, and `SIMD=avx2` (or `scalar`,
+//! `avx512`) caps the kernels' level as `SNUG_SIMD` does for snug.
 #![allow(clippy::unwrap_used)] // a test or a tool: a failure may panic
 
 use std::time::Instant;
@@ -18,6 +19,10 @@ use snug_kernels::GgmlType;
 fn main() {
     let k: usize = std::env::var("K").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
     let rows: usize = std::env::var("ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+    if let Some(level) = std::env::var("SIMD").ok().and_then(|v| Simd::parse(&v)) {
+        snug_kernels::cpu::limit(level);
+        snug_kernels::cpu::disable_amx();
+    }
     let all = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
@@ -25,6 +30,12 @@ fn main() {
         GgmlType::Q8_0,
         GgmlType::Q4K,
         GgmlType::Q6K,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q5K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+        GgmlType::MXFP4,
     ];
     let wanted: Vec<String> = std::env::args().skip(1).collect();
     let scale: usize = std::env::var("REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
@@ -38,7 +49,10 @@ fn main() {
         .filter(|t| wanted.is_empty() || wanted.iter().any(|w| w.eq_ignore_ascii_case(t.name())))
         .collect();
     let x: Vec<f32> = (0..k * 64).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-    for level in Simd::available() {
+    for level in Simd::available()
+        .into_iter()
+        .filter(|&l| l <= snug_kernels::cpu::simd())
+    {
         if !only.is_empty() && only != level.name() {
             continue;
         }

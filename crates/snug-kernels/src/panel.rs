@@ -51,9 +51,10 @@
 //! nibbles; one `vpshufb` turns 64 of them into their levels plus an
 //! offset (128, or 12 for MXFP4) that makes them unsigned. Q3_K's levels
 //! are made unsigned with 4 added; every offset is taken back out exactly
-//! through the activation sums ([`activation_aux`]). Q2_K to Q5_K and the
-//! level-table types run on panels with AVX-512 VNNI only; on an AVX2
-//! machine they use the row-at-a-time kernels (same bits).
+//! through the activation sums ([`activation_aux`]). The AVX2 kernel
+//! looks the level-table types up as signed levels instead and moves
+//! their sign to the activation (`vpmaddubsw` would saturate on levels
+//! of up to 241); the integers are the same.
 
 use crate::cpu::{simd, Simd};
 use crate::dot::BlockQ8;
@@ -85,23 +86,13 @@ pub fn tiles(n: usize) -> impl Iterator<Item = (usize, usize)> {
 /// Whether panels run on this machine for weight type `ty`.
 pub fn available(ty: GgmlType) -> bool {
     match simd() {
-        Simd::Avx512Vnni => supports(ty),
-        Simd::Avx2 => supports_avx2(ty),
+        Simd::Avx512Vnni | Simd::Avx2 => supports(ty),
         Simd::Scalar => false,
     }
 }
 
-/// The weight types panels handle (with AVX-512 VNNI).
+/// The weight types panels handle (with AVX-512 VNNI or AVX2).
 pub fn supports(ty: GgmlType) -> bool {
-    supports_avx2(ty)
-        || matches!(
-            ty,
-            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q5K | GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4
-        )
-}
-
-/// The weight types whose panels also have an AVX2 kernel.
-fn supports_avx2(ty: GgmlType) -> bool {
     matches!(
         ty,
         GgmlType::Q4_0
@@ -109,8 +100,14 @@ fn supports_avx2(ty: GgmlType) -> bool {
             | GgmlType::Q5_0
             | GgmlType::Q5_1
             | GgmlType::Q8_0
+            | GgmlType::Q2K
+            | GgmlType::Q3K
             | GgmlType::Q4K
+            | GgmlType::Q5K
             | GgmlType::Q6K
+            | GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::MXFP4
     )
 }
 

@@ -20,6 +20,13 @@
 //! `isum` is the reference's, and the float operations that follow are
 //! the same as the AVX-512 kernel's, lane for lane.
 //!
+//! Q5_K's 5-bit levels take two 16-bit sums of four words per block;
+//! Q2_K's and Q3_K's (at most 7, Q3_K's offset by 4 as in the AVX-512
+//! kernel) a sum per 16-element group, widened times the group's scale.
+//! The level-table types (IQ4_NL, IQ4_XS, MXFP4) are looked up as signed
+//! levels and multiplied as Q8_0's are, with the sign moved to the
+//! activation and each word widened alone, so they need no offset.
+//!
 //! K-quant blocks that share words are done together, so that each word is
 //! loaded and split once: Q4_K's blocks 2j and 2j + 1 are the low and high
 //! nibbles of the same words, and Q6_K's blocks k and k + 2 of a half
@@ -31,7 +38,10 @@
 use std::arch::x86_64::*;
 
 use super::x86::{prefetch, prefetch_part, Out};
-use super::{unit_bytes, Q4K_D, Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q6K_D, Q6K_HALF, Q6K_SC};
+use super::{
+    unit_bytes, IQ4XS_D, IQ4XS_QS, IQ4XS_SC, Q2K_D, Q2K_DMIN, Q2K_QS, Q2K_SC, Q3K_D, Q3K_HM, Q3K_QS, Q3K_SC, Q4K_D,
+    Q4K_DMIN, Q4K_MINS, Q4K_QS, Q4K_SC, Q5K_QH, Q6K_D, Q6K_HALF, Q6K_SC,
+};
 use crate::dot::BlockQ8;
 use crate::quant::GgmlType;
 
@@ -140,6 +150,41 @@ impl<const R: usize> Tree<R> {
 const Q4: u8 = 0;
 const Q5: u8 = 1;
 const Q8: u8 = 2;
+/// Nibbles looked up in a table of signed levels (IQ4_NL, MXFP4).
+const NL: u8 = 3;
+
+/// Eight E8M0 exponents at `p` as the f32 halves of their scales, as the
+/// AVX-512 kernel's `e8m0x16`.
+#[inline(always)]
+unsafe fn e8m0x8(p: *const u8) -> __m256 {
+    let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+    let small = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    let is_small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, small, is_small))
+}
+
+/// A type's 16 levels as signed bytes in both 128-bit lanes, for
+/// `vpshufb`.
+#[inline(always)]
+unsafe fn signed_table(ty: GgmlType) -> __m256i {
+    let levels = if ty == GgmlType::MXFP4 {
+        &crate::quant::MXFP4_LEVELS
+    } else {
+        &crate::quant::IQ4_LEVELS
+    };
+    _mm256_broadcastsi128_si256(_mm_loadu_si128(levels.as_ptr() as *const __m128i))
+}
+
+/// One word of signed levels `w` against the activation bytes `x`, as
+/// 32-bit sums per lane: the sign moves to the activation so that
+/// `vpmaddubsw` takes the levels' magnitudes (at most 127, so a 16-bit
+/// lane's two products cannot saturate), and each word is widened alone.
+#[inline(always)]
+unsafe fn signed_word(w: __m256i, x: __m256i) -> __m256i {
+    let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+}
 
 /// Units in accumulator class `c` of `n` units (units c, c + 8, ...).
 #[inline(always)]
@@ -153,12 +198,21 @@ fn class_units(n: usize, c: usize) -> usize {
 /// multiplied with the sign moved to the activation, so it runs without
 /// `OFF`.
 #[inline(always)]
-unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: usize, const NH: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_blocks<
+    const KIND: u8,
+    const MIN: bool,
+    const OFF: bool,
+    const E8: bool,
+    const R: usize,
+    const NH: usize,
+>(
     mut p: *const u8,
     ub: usize,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
     aux: &[&[i32]],
+    lut: __m256i,
     out: Out,
 ) {
     let m0f = _mm256_set1_epi8(0x0f);
@@ -185,7 +239,20 @@ unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: 
                     let hb = 32 * h;
                     let acc = &mut accs[hh];
                     let mut i = [zero; R];
-                    if KIND == Q8 {
+                    if KIND == NL {
+                        // Signed levels from the table: no offset to take
+                        // out (unlike the AVX-512 kernel's unsigned ones).
+                        for t in 0..4 {
+                            let v = load(q.add(t * 64 + hb));
+                            let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m0f));
+                            let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f));
+                            for r in 0..R {
+                                let a = acts.get_unchecked(r).get_unchecked(b);
+                                let x = _mm256_add_epi32(signed_word(lo, act4(a, t)), signed_word(hi, act4(a, t + 4)));
+                                i[r] = _mm256_add_epi32(i[r], x);
+                            }
+                        }
+                    } else if KIND == Q8 {
                         for t in 0..8 {
                             let w = _mm256_xor_si256(load(q.add(t * 64 + hb)), m80);
                             let aw = _mm256_sign_epi8(w, w);
@@ -234,7 +301,11 @@ unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: 
                             i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(s16[r], ones));
                         }
                     }
-                    let dw = f16x8(q.add(d_at + 2 * LANES * h));
+                    let dw = if E8 {
+                        e8m0x8(q.add(d_at + LANES * h))
+                    } else {
+                        f16x8(q.add(d_at + 2 * LANES * h))
+                    };
                     let mw = if MIN {
                         f16x8(q.add(d_at + 32 + 2 * LANES * h))
                     } else {
@@ -267,19 +338,33 @@ unsafe fn dot_blocks<const KIND: u8, const MIN: bool, const OFF: bool, const R: 
     trees[1].store(out, 1);
 }
 
-/// Q4_K: accumulator class `c` takes super-blocks c, c + 8, ...
+/// Every byte's bit `from` moved to bit `to` (other bits left for the
+/// caller to mask), as the AVX-512 kernel's `move_bit`.
 #[inline(always)]
-unsafe fn dot_q4k<const R: usize, const NH: usize>(
+unsafe fn move_bit(v: __m256i, from: usize, to: usize) -> __m256i {
+    if from < to {
+        _mm256_sll_epi16(v, _mm_cvtsi32_si128((to - from) as i32))
+    } else {
+        _mm256_srl_epi16(v, _mm_cvtsi32_si128((from - to) as i32))
+    }
+}
+
+/// Q4_K, and Q5_K (`FIVE`: bit j of the `qh` byte is the high bit of
+/// block j's element): accumulator class `c` takes super-blocks c, c + 8,
+/// ...
+#[inline(always)]
+unsafe fn dot_q4k<const R: usize, const NH: usize, const FIVE: bool>(
     mut p: *const u8,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
     aux: &[&[i32]],
     out: Out,
 ) {
-    let ub = unit_bytes(GgmlType::Q4K);
+    let ub = unit_bytes(if FIVE { GgmlType::Q5K } else { GgmlType::Q4K });
     let n_sb = n_blocks / 8;
     let neg = _mm256_set1_epi32(i32::MIN);
     let m0f = _mm256_set1_epi8(0x0f);
+    let m10 = _mm256_set1_epi8(0x10);
     let zero = _mm256_setzero_si256();
     let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
     for c in 0..8 {
@@ -298,7 +383,8 @@ unsafe fn dot_q4k<const R: usize, const NH: usize>(
                         prefetch_part(q, ub, jp, 4, out.prefetch && pass == 0 && hh == 0);
                         // Blocks 2jp and 2jp + 1: the low and high nibbles of
                         // words 8jp .. 8jp + 8, each word loaded once; at most
-                        // 8 * 2 * 15 * 127 in a 16-bit lane.
+                        // 8 * 2 * 15 * 127 in a 16-bit lane (Q5_K's 5-bit
+                        // levels: 4 * 2 * 31 * 127, so two sums of four).
                         let (j0, j1) = (2 * jp, 2 * jp + 1);
                         let s0 = scale_pairs(q.add(Q4K_SC + 16 * j0 + LANES * h), false);
                         let s1 = scale_pairs(q.add(Q4K_SC + 16 * j1 + LANES * h), false);
@@ -306,17 +392,29 @@ unsafe fn dot_q4k<const R: usize, const NH: usize>(
                         let mut hi16 = [zero; R];
                         for t in 0..8 {
                             let v = load(q.add(Q4K_QS + (jp * 8 + t) * 64 + hb));
-                            let lo = _mm256_and_si256(v, m0f);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                            let mut lo = _mm256_and_si256(v, m0f);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                            if FIVE {
+                                let hv = load(q.add(Q5K_QH + t * 64 + hb));
+                                lo = _mm256_or_si256(lo, _mm256_and_si256(move_bit(hv, j0, 4), m10));
+                                hi = _mm256_or_si256(hi, _mm256_and_si256(move_bit(hv, j1, 4), m10));
+                            }
                             for r in 0..R {
                                 let a = acts.get_unchecked(r).as_ptr().add(sb * 8);
                                 lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(lo, act4(&*a.add(j0), t)));
                                 hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, act4(&*a.add(j1), t)));
                             }
-                        }
-                        for r in 0..R {
-                            let x = _mm256_add_epi32(_mm256_madd_epi16(lo16[r], s0), _mm256_madd_epi16(hi16[r], s1));
-                            isum[r] = _mm256_add_epi32(isum[r], x);
+                            if t == 7 || (FIVE && t == 3) {
+                                for r in 0..R {
+                                    let x = _mm256_add_epi32(
+                                        _mm256_madd_epi16(lo16[r], s0),
+                                        _mm256_madd_epi16(hi16[r], s1),
+                                    );
+                                    isum[r] = _mm256_add_epi32(isum[r], x);
+                                    lo16[r] = zero;
+                                    hi16[r] = zero;
+                                }
+                            }
                         }
                     }
                     let d = f16x8(q.add(Q4K_D + 2 * LANES * h));
@@ -490,6 +588,193 @@ unsafe fn dot_q6k<const R: usize, const NH: usize>(
     trees[1].store(out, 1);
 }
 
+/// IQ4_XS: accumulator class `c` takes super-blocks c, c + 8, ... Block
+/// j's nibbles are looked up as signed levels (see [`signed_word`]) and
+/// its integer sum times its signed 6-bit scale (less 32).
+#[inline(always)]
+unsafe fn dot_iq4xs<const R: usize, const NH: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], out: Out) {
+    let ub = unit_bytes(GgmlType::IQ4XS);
+    let n_sb = n_blocks / 8;
+    let m0f = _mm256_set1_epi8(0x0f);
+    let lut = signed_table(GgmlType::IQ4XS);
+    let zero = _mm256_setzero_si256();
+    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
+    for c in 0..8 {
+        let units = class_units(n_sb, c);
+        for pass in 0..2 / NH {
+            let mut accs = [[_mm256_setzero_ps(); R]; NH];
+            let mut q = p;
+            let mut sb = c;
+            for _ in 0..units {
+                for hh in 0..NH {
+                    let h = pass * NH + hh;
+                    let hb = 32 * h;
+                    let acc = &mut accs[hh];
+                    let mut isum = [zero; R];
+                    for j in 0..8 {
+                        prefetch_part(q, ub, j, 8, out.prefetch && pass == 0 && hh == 0);
+                        let mut i = [zero; R];
+                        for t in 0..4 {
+                            let v = load(q.add(IQ4XS_QS + 256 * j + t * 64 + hb));
+                            let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m0f));
+                            let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f));
+                            for r in 0..R {
+                                let a = acts.get_unchecked(r).get_unchecked(sb * 8 + j);
+                                let x = _mm256_add_epi32(signed_word(lo, act4(a, t)), signed_word(hi, act4(a, t + 4)));
+                                i[r] = _mm256_add_epi32(i[r], x);
+                            }
+                        }
+                        let s = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            q.add(IQ4XS_SC + 16 * j + LANES * h) as *const __m128i
+                        ));
+                        for r in 0..R {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(i[r], s));
+                        }
+                    }
+                    let d = f16x8(q.add(IQ4XS_D + 2 * LANES * h));
+                    for r in 0..R {
+                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+                    }
+                }
+                q = q.add(ub);
+                sb += 8;
+            }
+            for hh in 0..NH {
+                trees[pass * NH + hh].push(c, &accs[hh]);
+            }
+        }
+        p = p.add(units * ub);
+    }
+    trees[0].store(out, 0);
+    trees[1].store(out, 1);
+}
+
+/// Q3_K (`THREE`) and Q2_K: accumulator class `c` takes super-blocks c,
+/// c + 8, ... Block j's levels are bits 2 (j % 4) of `qs` words
+/// 8 (j / 4).., Q3_K's with bit j of the `hmask` bytes as 4 (levels
+/// offset by 4, taken out with `aux`'s starting values, as in the AVX-512
+/// kernel); each 16-element group's 16-bit sum (at most 4 * 2 * 7 * 127)
+/// is widened times its scale. Q2_K's minimums meet the activations'
+/// 16-element sums, which `aux` holds in pairs.
+#[inline(always)]
+unsafe fn dot_k23<const R: usize, const NH: usize, const THREE: bool>(
+    mut p: *const u8,
+    n_blocks: usize,
+    acts: &[&[BlockQ8]],
+    aux: &[&[i32]],
+    out: Out,
+) {
+    let ty = if THREE { GgmlType::Q3K } else { GgmlType::Q2K };
+    let ub = unit_bytes(ty);
+    let n_sb = n_blocks / 8;
+    let m03 = _mm256_set1_epi8(0x03);
+    let m04 = _mm256_set1_epi8(0x04);
+    let neg = _mm256_set1_epi32(i32::MIN);
+    let zero = _mm256_setzero_si256();
+    let qs_at = if THREE { Q3K_QS } else { Q2K_QS };
+    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
+    for c in 0..8 {
+        let units = class_units(n_sb, c);
+        for pass in 0..2 / NH {
+            let mut accs = [[_mm256_setzero_ps(); R]; NH];
+            let mut q = p;
+            let mut sb = c;
+            for _ in 0..units {
+                for hh in 0..NH {
+                    let h = pass * NH + hh;
+                    let hb = 32 * h;
+                    let acc = &mut accs[hh];
+                    let mut isum = [zero; R];
+                    let mut msum = [zero; R];
+                    for j in 0..8 {
+                        prefetch_part(q, ub, j, 8, out.prefetch && pass == 0 && hh == 0);
+                        let (half, k) = (j / 4, j % 4);
+                        let blk = sb * 8 + j;
+                        // Each group's scale (Q2_K: and minimum) per lane.
+                        let (sc, mins) = if THREE {
+                            let sc = [
+                                _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                    q.add(Q3K_SC + 16 * (2 * j) + LANES * h) as *const __m128i
+                                )),
+                                _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                    q.add(Q3K_SC + 16 * (2 * j + 1) + LANES * h) as *const __m128i
+                                )),
+                            ];
+                            (sc, zero)
+                        } else {
+                            let raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                q.add(Q2K_SC + 32 * j + 2 * LANES * h) as *const __m128i
+                            ));
+                            let m0f = _mm256_set1_epi32(0x0f);
+                            let sc = [
+                                _mm256_and_si256(raw, m0f),
+                                _mm256_and_si256(_mm256_srli_epi32::<16>(raw), m0f),
+                            ];
+                            (
+                                sc,
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), _mm256_set1_epi16(0x0f)),
+                            )
+                        };
+                        let mut s16 = [[zero; R]; 2];
+                        for t in 0..8 {
+                            let l = load(q.add(qs_at + (8 * half + t) * 64 + hb));
+                            let mut w = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(2 * k as i32)), m03);
+                            if THREE {
+                                let hm = load(q.add(Q3K_HM + t * 64 + hb));
+                                w = _mm256_or_si256(w, _mm256_and_si256(move_bit(hm, j, 2), m04));
+                            }
+                            for r in 0..R {
+                                let a = acts.get_unchecked(r).get_unchecked(blk);
+                                s16[t / 4][r] = _mm256_add_epi16(s16[t / 4][r], _mm256_maddubs_epi16(w, act4(a, t)));
+                            }
+                        }
+                        for r in 0..R {
+                            let x = aux.get_unchecked(r);
+                            let ones = _mm256_set1_epi16(1);
+                            for g in 0..2 {
+                                let mut i = _mm256_madd_epi16(s16[g][r], ones);
+                                if THREE {
+                                    i = _mm256_add_epi32(i, _mm256_set1_epi32(*x.get_unchecked(2 * blk + g)));
+                                }
+                                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(i, sc[g]));
+                            }
+                            if !THREE {
+                                let pair = _mm256_set1_epi32(*x.get_unchecked(2 * n_blocks + blk));
+                                msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mins, pair));
+                            }
+                        }
+                    }
+                    let d = f16x8(q.add(if THREE { Q3K_D } else { Q2K_D } + 2 * LANES * h));
+                    for r in 0..R {
+                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+                    }
+                    if !THREE {
+                        let dmin = f16x8(q.add(Q2K_DMIN + 2 * LANES * h));
+                        for r in 0..R {
+                            let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                            let cm = _mm256_castsi256_ps(_mm256_xor_si256(
+                                _mm256_castps_si256(_mm256_mul_ps(dmin, da)),
+                                neg,
+                            ));
+                            acc[r] = _mm256_fmadd_ps(cm, _mm256_cvtepi32_ps(msum[r]), acc[r]);
+                        }
+                    }
+                }
+                q = q.add(ub);
+                sb += 8;
+            }
+            for hh in 0..NH {
+                trees[pass * NH + hh].push(c, &accs[hh]);
+            }
+        }
+        p = p.add(units * ub);
+    }
+    trees[0].store(out, 0);
+    trees[1].store(out, 1);
+}
+
 #[inline(always)]
 unsafe fn dot_r<const R: usize, const NH: usize>(
     p: *const u8,
@@ -500,15 +785,26 @@ unsafe fn dot_r<const R: usize, const NH: usize>(
     out: Out,
 ) {
     let ub = unit_bytes(ty);
+    let z = _mm256_setzero_si256();
     match ty {
-        GgmlType::Q4_0 => dot_blocks::<Q4, false, true, R, NH>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q4_1 => dot_blocks::<Q4, true, false, R, NH>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q5_0 => dot_blocks::<Q5, false, true, R, NH>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q5_1 => dot_blocks::<Q5, true, false, R, NH>(p, ub, n_blocks, acts, aux, out),
+        GgmlType::Q4_0 => dot_blocks::<Q4, false, true, false, R, NH>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::Q4_1 => dot_blocks::<Q4, true, false, false, R, NH>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::Q5_0 => dot_blocks::<Q5, false, true, false, R, NH>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::Q5_1 => dot_blocks::<Q5, true, false, false, R, NH>(p, ub, n_blocks, acts, aux, z, out),
         // Signed levels here: no offset to take out.
-        GgmlType::Q8_0 => dot_blocks::<Q8, false, false, R, NH>(p, ub, n_blocks, acts, aux, out),
-        GgmlType::Q4K => dot_q4k::<R, NH>(p, n_blocks, acts, aux, out),
+        GgmlType::Q8_0 => dot_blocks::<Q8, false, false, false, R, NH>(p, ub, n_blocks, acts, aux, z, out),
+        GgmlType::IQ4NL => {
+            dot_blocks::<NL, false, false, false, R, NH>(p, ub, n_blocks, acts, aux, signed_table(ty), out)
+        }
+        GgmlType::MXFP4 => {
+            dot_blocks::<NL, false, false, true, R, NH>(p, ub, n_blocks, acts, aux, signed_table(ty), out)
+        }
+        GgmlType::Q4K => dot_q4k::<R, NH, false>(p, n_blocks, acts, aux, out),
+        GgmlType::Q5K => dot_q4k::<R, NH, true>(p, n_blocks, acts, aux, out),
         GgmlType::Q6K => dot_q6k::<R, NH>(p, n_blocks, acts, aux, out),
+        GgmlType::IQ4XS => dot_iq4xs::<R, NH>(p, n_blocks, acts, out),
+        GgmlType::Q3K => dot_k23::<R, NH, true>(p, n_blocks, acts, aux, out),
+        GgmlType::Q2K => dot_k23::<R, NH, false>(p, n_blocks, acts, aux, out),
         _ => unreachable!(),
     }
 }

@@ -93,6 +93,65 @@ fn panels_equal_the_scalar_reference_bitwise() {
 /// The AVX2 panel kernels, run directly, on any machine with AVX2 (an
 /// AVX-512 machine otherwise takes the AVX-512 kernels and never runs
 /// these).
+/// The AVX2 kernels' 16-bit partial sums at their largest: every level at
+/// its top (Q4_K 15, Q5_K 31) against activations of magnitude 127
+/// everywhere.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_panels_do_not_overflow_their_16_bit_sums() {
+    if !Simd::available().contains(&Simd::Avx2) {
+        eprintln!("no AVX2 here");
+        return;
+    }
+    let mut rng = Rng(11);
+    let n = 2048;
+    let nb = n / QK8;
+    // Bytes of each super-block past d, dmin and the scales (the levels,
+    // and Q5_K's high bits): all ones.
+    for (ty, levels_at) in [(GgmlType::Q4K, 16), (GgmlType::Q5K, 16)] {
+        let ts = ty.type_size();
+        let ws: Vec<Vec<u8>> = (0..16)
+            .map(|_| {
+                let mut w = weights(ty, n, &mut rng);
+                for sb in w.chunks_mut(ts) {
+                    sb[levels_at..].fill(0xFF);
+                }
+                w
+            })
+            .collect();
+        let flat: Vec<u8> = ws.concat();
+        let mut packed = vec![0u8; packed_matrix_bytes(ty, 16, n)];
+        pack_matrix(ty, &flat, 16, n, &mut packed);
+        let x = vec![1.0f32; n];
+        let mut a = vec![BlockQ8::default(); nb];
+        quantize_row(act_format(ty), &x, &mut a);
+        // (q8_K takes the scale's sign from the largest element: -127.)
+        assert!(a.iter().all(|b| b.qs.iter().all(|&q| q.unsigned_abs() == 127)));
+        let mut aux = vec![0; aux_len(ty, nb)];
+        activation_aux(ty, &a, &mut aux);
+        for rows in [1, 4] {
+            let arefs: Vec<&[BlockQ8]> = vec![&a; rows];
+            let xrefs: Vec<&[i32]> = vec![&aux; rows];
+            let mut got = vec![f32::NAN; rows * PANEL_ROWS];
+            let out = x86::Out {
+                ptr: got.as_mut_ptr(),
+                stride: PANEL_ROWS,
+                mask: u16::MAX,
+                prefetch: false,
+            };
+            // SAFETY: AVX2 checked; `rows` rows of 16 outputs.
+            unsafe { avx2::dot(packed.as_ptr(), ty, nb, &arefs, &xrefs, out) };
+            for (w, row) in ws.iter().enumerate() {
+                let mut want = [0f32; 1];
+                dot_rows_with(Simd::Scalar, ty, row, &arefs[..1], &mut want);
+                for r in 0..rows {
+                    assert_eq!(got[r * PANEL_ROWS + w].to_bits(), want[0].to_bits(), "{ty} row {w}");
+                }
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx2_panels_equal_the_scalar_reference_bitwise() {
@@ -101,7 +160,7 @@ fn avx2_panels_equal_the_scalar_reference_bitwise() {
         return;
     }
     let mut rng = Rng(7);
-    for ty in TYPES.into_iter().filter(|&t| supports_avx2(t)) {
+    for ty in TYPES.into_iter().filter(|&t| supports(t)) {
         for n in [768, 2304, 4608] {
             let nb = n / QK8;
             for n_w in [16, 5] {
