@@ -5,7 +5,7 @@
 //! together or alone: the same bits), and prefill and decode speed.
 //!
 //!     gpucheck MODEL.gguf [--prompt N] [--gen N] [--pp N] [--tg N] [--out FILE] [--define NAME=VALUE]...
-//!         [--profile-decode N | --profile-prefill N [--tiles warp|staged]] [--no-graphs]
+//!         [--profile-decode N | --profile-prefill N [--tiles warp|staged]] [--no-graphs] [--no-overlap]
 //!
 //! (An example: it unwraps and exits on failure.)
 #![allow(clippy::unwrap_used)]
@@ -232,6 +232,7 @@ fn main() {
         let mut kv = CudaKv::new(&dev, shape, ctx.div_ceil(PT) + 1).unwrap();
         let mut ws = CudaWorkspace::new(&dev, &c, size).unwrap();
         ws.set_graphs(!args.iter().any(|a| a == "--no-graphs"));
+        ws.set_overlap(!args.iter().any(|a| a == "--no-overlap"));
         ws.set_tiles(
             match args.iter().position(|a| a == "--tiles").map(|i| args[i + 1].as_str()) {
                 Some("warp") => Tiles::Warp,
@@ -363,6 +364,9 @@ fn main() {
             GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => vec![0],
             GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => vec![0, 2],
             GgmlType::Q6K => vec![208],
+            GgmlType::Q2K => vec![80, 82],
+            GgmlType::Q3K => vec![108],
+            GgmlType::IQ4NL | GgmlType::IQ4XS => vec![0],
             _ => vec![],
         };
         let bs = ty.type_size();
@@ -482,6 +486,21 @@ fn main() {
     gws.set_graphs(true);
     gws.check().unwrap();
     let graphs_same_bits = same_bits(&together[0].1, &no_graphs[0].1) && same_bits(&together[1].1, &no_graphs[1].1);
+    // And with every kernel launched after the one before has finished.
+    gws.set_overlap(false);
+    let no_overlap = greedy::<snug_cuda::Cuda>(
+        &c,
+        gwt,
+        &mut gws,
+        &mut gkv,
+        &pages,
+        &[prompt.clone(), prompt2.clone()],
+        64,
+        gen,
+    );
+    gws.set_overlap(true);
+    gws.check().unwrap();
+    let overlap_same_bits = same_bits(&together[0].1, &no_overlap[0].1) && same_bits(&together[1].1, &no_overlap[1].1);
 
     let (ct, cl) = &cpu[0];
     let (gt, gl) = &gpu_whole[0];
@@ -627,6 +646,8 @@ fn main() {
         "pp_tok_s_warp_tiles": pp as f64 / med(&mut pp_warp_tiles_s),
         "tiles_same_bits": same_bits(gl, &gpu_whole_warp_tiles[0].1),
         "graphs_same_bits_as_launches": graphs_same_bits,
+        "overlapping_launches": dev.overlap,
+        "overlap_same_bits_as_serial": overlap_same_bits,
         "graphs_captured": gws.graph_count(),
         "first_differences": diff_detail,
     });

@@ -9,6 +9,20 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// A kernel may be launched while the one before it in the stream is
+// still running (programmatic dependent launch, sm_90 and later; see
+// docs/CUDA.md, "Launches that overlap"). Each kernel calls this before it
+// reads or writes any buffer: it waits until the kernel before has
+// finished and its writes are visible, then lets the next kernel be
+// launched. Only reads of the weights, which nothing writes, may come
+// before it. Launched the ordinary way, both instructions return at once.
+__device__ __forceinline__ void after_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ggml's type ids.
 #define T_F32 0
 #define T_F16 1
@@ -20,6 +34,11 @@ typedef unsigned long long u64;
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_Q2_K 10
+#define T_Q3_K 11
+#define T_IQ4_NL 20
+#define T_IQ4_XS 23
+#define T_MXFP4 39
 #define T_BF16 30
 
 __device__ __forceinline__ float h2f(u16 h) {
@@ -46,6 +65,67 @@ __device__ __forceinline__ u32 ld32(const u8* p) {
 }
 
 __device__ __forceinline__ u32 ld32a(const u8* p) { return *(const u32*)p; }
+
+// Four bytes from any address (MXFP4's 17-byte blocks).
+__device__ __forceinline__ u32 ld32b(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+// Half of an E8M0 scale, 2^(e - 128), as the CPU computes it
+// (quant::e8m0_half; the two smallest exponents as subnormals).
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// The 16 levels of IQ4_NL and IQ4_XS, and MXFP4's (its E2M1 values
+// doubled), as signed bytes, four to a word (quant::IQ4_LEVELS,
+// quant::MXFP4_LEVELS).
+#define IQ4_T0 0xBFAD9881u
+#define IQ4_T1 0xF6EADDCFu
+#define IQ4_T2 0x26190D01u
+#define IQ4_T3 0x71594535u
+#define MXFP4_T0 0x03020100u
+#define MXFP4_T1 0x0C080604u
+#define MXFP4_T2 0xFDFEFF00u
+#define MXFP4_T3 0xF4F8FAFCu
+
+// Four codes (one 0..15 in each byte of `n`) looked up in a table of 16
+// signed bytes: byte k of the result is the level of byte k's code.
+template <int TY>
+__device__ __forceinline__ u32 levels4(u32 n) {
+    const bool mx = TY == T_MXFP4;
+    u32 sel = (n & 0x7u) | ((n >> 4) & 0x70u) | ((n >> 8) & 0x700u) | ((n >> 12) & 0x7000u);
+    u32 lo = __byte_perm(mx ? MXFP4_T0 : IQ4_T0, mx ? MXFP4_T1 : IQ4_T1, sel);
+    u32 hi = __byte_perm(mx ? MXFP4_T2 : IQ4_T2, mx ? MXFP4_T3 : IQ4_T3, sel);
+    u32 m = ((n >> 3) & 0x01010101u) * 0xFFu;
+    return (lo & ~m) | (hi & m);
+}
+
+// One level of a table, as levels4 (for the dequantizers).
+template <int TY>
+__device__ __forceinline__ int level1(int code) {
+    return (int)(signed char)(levels4<TY>((u32)code) & 0xFFu);
+}
+
+// Q3_K's sixteen 6-bit scales of a super-block (its twelve scale bytes
+// as three words), each less 32: scale g (quant::q3k_scales).
+__device__ __forceinline__ int q3k_scale(u32 a0, u32 a1, u32 tmp, int g) {
+    int k = g >> 2;
+    u32 w = k == 0   ? (a0 & 0x0F0F0F0Fu) | ((tmp & 0x03030303u) << 4)
+            : k == 1 ? (a1 & 0x0F0F0F0Fu) | (((tmp >> 2) & 0x03030303u) << 4)
+            : k == 2 ? ((a0 >> 4) & 0x0F0F0F0Fu) | (((tmp >> 4) & 0x03030303u) << 4)
+                     : ((a1 >> 4) & 0x0F0F0F0Fu) | (((tmp >> 6) & 0x03030303u) << 4);
+    return (int)((w >> (8 * (g & 3))) & 0xFFu) - 32;
+}
+
+// IQ4_XS's 6-bit scale of block j (0..8) of a super-block, less 32
+// (quant::iq4xs_scale).
+__device__ __forceinline__ int iq4xs_scale(const u8* sb, int j) {
+    u32 sh = ld16(sb + 2);
+    u32 lo = (sb[4 + (j >> 1)] >> (4 * (j & 1))) & 0x0Fu;
+    u32 hi = (sh >> (2 * j)) & 3u;
+    return (int)(lo | (hi << 4)) - 32;
+}
 
 // Q4_K and Q5_K: the 6-bit scale and min of sub-block j of 8.
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m) {
@@ -168,6 +248,47 @@ __device__ __forceinline__ void chunk(const u8* row, int c, float* w) {
             else q = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
             w[l] = d * (float)sc[is + 2 * quarter] * (float)(q - 32);
         }
+    } else if (TY == T_IQ4_NL || TY == T_MXFP4) {
+        const bool mx = TY == T_MXFP4;
+        const u8* b = row + (mx ? 17 : 18) * c;
+        float d = mx ? e8m0_half(b[0]) : h2f(ld16(b));
+        const u8* q = b + (mx ? 1 : 2);
+        for (int i = 0; i < 16; i++) {
+            w[i] = d * (float)level1<TY>(q[i] & 0xF);
+            w[i + 16] = d * (float)level1<TY>(q[i] >> 4);
+        }
+    } else if (TY == T_IQ4_XS) {
+        const u8* b = row + 136 * (c >> 3);
+        int j = c & 7;
+        float dl = h2f(ld16(b)) * (float)iq4xs_scale(b, j);
+        const u8* q = b + 8 + 16 * j;
+        for (int i = 0; i < 16; i++) {
+            w[i] = dl * (float)level1<TY>(q[i] & 0xF);
+            w[i + 16] = dl * (float)level1<TY>(q[i] >> 4);
+        }
+    } else if (TY == T_Q2_K || TY == T_Q3_K) {
+        // Groups of 16: g = 2 (c & 7) and the next, in half (c & 7) / 4,
+        // at bits 2 ((c & 7) % 4) of their sixteen bytes.
+        const bool q3 = TY == T_Q3_K;
+        const u8* b = row + (q3 ? 110 : 84) * (c >> 3);
+        int j = c & 7, half = j >> 2, k = j & 3;
+        float d = h2f(ld16(b + (q3 ? 108 : 80)));
+        for (int part = 0; part < 2; part++) {
+            int g = 2 * j + part;
+            const u8* q = b + (q3 ? 32 : 16) + 32 * half + 16 * part;
+            if (q3) {
+                float dl = d * (float)q3k_scale(ld32(b + 96), ld32(b + 100), ld32(b + 104), g);
+                const u8* hm = b + 16 * part;
+                for (int l = 0; l < 16; l++) {
+                    int lv = ((q[l] >> (2 * k)) & 3) - ((hm[l] >> (4 * half + k)) & 1 ? 0 : 4);
+                    w[16 * part + l] = dl * (float)lv;
+                }
+            } else {
+                float dmin = h2f(ld16(b + 82));
+                float dl = d * (float)(b[g] & 0xF), ml = dmin * (float)(b[g] >> 4);
+                for (int l = 0; l < 16; l++) w[16 * part + l] = dl * (float)((q[l] >> (2 * k)) & 3) - ml;
+            }
+        }
     }
 }
 
@@ -224,6 +345,7 @@ __device__ __forceinline__ void q8_block(float v, int q81, Q8* out) {
 
 // q8_0 (q81 = 0) and q8_1 (q81 = 1): a warp per block of 32, `blocks` in all.
 extern "C" __global__ void quantize_q8(const float* x, u64 blocks, int q81, Q8* out) {
+    after_previous();
     u64 blk = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= blocks) return;
     q8_block(x[blk * 32 + (threadIdx.x & 31)], q81, out + blk);
@@ -324,6 +446,7 @@ __device__ __forceinline__ void q8k_warp(const float* x, Q8* out) {
 
 // q8_K: a block of 256 threads per 256 elements.
 extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
+    after_previous();
     u64 sb = blockIdx.x;
     q8k_super(x + sb * 256, out + sb * 8);
 }
@@ -332,6 +455,29 @@ extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
 #define FMT_Q8_0 0
 #define FMT_Q8_1 1
 #define FMT_Q8_K 2
+
+// Copies 16 bytes from global to shared memory without waiting (where the
+// architecture can); att_wait() waits for all of them, cp_wait1() for all
+// but the last group committed.
+__device__ __forceinline__ void att_copy16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+#else
+    *(uint4*)dst = *(const uint4*)src;
+#endif
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+
+// Waits until at most one group of copies is in flight.
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;"); }
+
+// Waits until at most N groups of copies are in flight.
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
 
 // Quantized products: a warp per output for a few rows of activations
 // (matvec_body), tensor cores for many (matmul_mma_body further down).
@@ -387,6 +533,13 @@ __device__ __forceinline__ void wblock(const u8* row, int b, int t, int* lo, int
         u32 qh = ld32(blk + 4), q = ld32(blk + 8 + 4 * t);
         *lo = (int)((q & 0x0F0F0F0Fu) | high4(qh, 4 * t));
         *hi = (int)(((q >> 4) & 0x0F0F0F0Fu) | high4(qh, 16 + 4 * t));
+    } else if (TY == T_IQ4_NL || TY == T_MXFP4) {
+        const bool mx = TY == T_MXFP4;
+        const u8* blk = row + (mx ? 17 : 18) * (u64)b;
+        *d = mx ? e8m0_half(blk[0]) : h2f(ld16(blk));
+        u32 q = mx ? ld32b(blk + 1 + 4 * t) : ld32(blk + 2 + 4 * t);
+        *lo = (int)levels4<TY>(q & 0x0F0F0F0Fu);
+        *hi = (int)levels4<TY>((q >> 4) & 0x0F0F0F0Fu);
     } else {
         const u8* blk = row + 34 * (u64)b;
         *d = h2f(ld16(blk));
@@ -443,6 +596,35 @@ struct WShare {
 #ifndef MV_BLOCKS
 #define MV_BLOCKS 1
 #endif
+// Steps of a warp's Q4_K and Q5_K weights copied ahead into shared memory
+// (0: loaded into registers, MV_U steps at a time).
+#ifndef MV_RING
+#define MV_RING 0
+#endif
+
+// Bytes of a super-block of a K-quant staged in shared memory (Q4_K,
+// Q5_K: multiples of 16, so each lies at a 16-byte aligned offset).
+#define MV_SB(TY) ((TY) == T_Q4_K ? 144 : 176)
+
+// Copies step `step` of a row (super-blocks 4 step .. 4 step + 3, those
+// that exist) into `dst`, 16 bytes a copy spread over the warp's lanes.
+template <int TY>
+__device__ __forceinline__ void mv_copy_step(const u8* row, int step, u8* dst, int nblk, int lane) {
+    int nsb = min(4, nblk - 4 * step);
+    int chunks = nsb * MV_SB(TY) / 16;
+    const u8* src = row + (u64)step * 4 * MV_SB(TY);
+    for (int c = lane; c < chunks; c += 32) att_copy16(dst + 16 * c, src + 16 * c);
+}
+
+// A lane's share of a Q4_K or Q5_K super-block staged at `sb` (as wshare
+// loads it from the weights).
+template <int TY>
+__device__ __forceinline__ void wshare_staged(const u8* sb, int lane, WShare* s) {
+    int l = lane & 7;
+    s->a = *(const uint4*)sb;
+    s->b = *(const uint4*)(sb + (TY == T_Q4_K ? 16 : 48) + 16 * l);
+    if (TY == T_Q5_K) s->c = *(const uint4*)(sb + 16 + 16 * (l & 1));
+}
 
 // Loads lane `lane`'s share of block `b` (32-element types: lane t = lane
 // & 3 of block b; K-quants: lane l = lane & 7 of super-block b).
@@ -454,6 +636,40 @@ __device__ __forceinline__ void wshare(const u8* row, int b, int lane, WShare* s
         s->a = ldw4(sb);
         s->b = ldw4(sb + (TY == T_Q4_K ? 16 : 48) + 16 * l);
         if (TY == T_Q5_K) s->c = ldw4(sb + 16 + 16 * (l & 1));
+    } else if (TY == T_Q2_K) {
+        // Lane l: bytes 16 (l & 1).. of half l / 4 of the levels (blocks
+        // 2 (l >> 1) and the next), the two groups' scale bytes, d, dmin.
+        int l = lane & 7, p = l >> 1, half = l & 1;
+        const u8* sb = row + 84 * (u64)b;
+        const u8* q = sb + 16 + 32 * (p >> 1) + 16 * half;
+        s->a = make_uint4(ldw(q), ldw(q + 4), ldw(q + 8), ldw(q + 12));
+        s->s0 = sb[4 * p + half];
+        s->s1 = sb[4 * p + 2 + half];
+        u32 dm = ldw(sb + 80);
+        s->d = h2f((u16)(dm & 0xFFFFu));
+        s->m = h2f((u16)(dm >> 16));
+    } else if (TY == T_Q3_K) {
+        // As Q2_K, plus the sixteen bytes of the high-bit mask; the scale
+        // words in c.
+        int l = lane & 7, p = l >> 1, half = l & 1;
+        const u8* sb = row + 110 * (u64)b;
+        const u8* q = sb + 32 + 32 * (p >> 1) + 16 * half;
+        s->a = make_uint4(ld32(q), ld32(q + 4), ld32(q + 8), ld32(q + 12));
+        const u8* hm = sb + 16 * half;
+        s->b = make_uint4(ld32(hm), ld32(hm + 4), ld32(hm + 8), ld32(hm + 12));
+        s->c = make_uint4(ld32(sb + 96), ld32(sb + 100), ld32(sb + 104), 0u);
+        s->d = h2f(ld16(sb + 108));
+    } else if (TY == T_IQ4_XS) {
+        // The sixteen code bytes of blocks 2 (l >> 1) and the next, and
+        // their scales.
+        int l = lane & 7, p = l >> 1;
+        const u8* sb = row + 136 * (u64)b;
+        const u8* qa = sb + 8 + 32 * p;
+        s->a = make_uint4(ldw(qa), ldw(qa + 4), ldw(qa + 8), ldw(qa + 12));
+        s->b = make_uint4(ldw(qa + 16), ldw(qa + 20), ldw(qa + 24), ldw(qa + 28));
+        s->s0 = iq4xs_scale(sb, 2 * p);
+        s->s1 = iq4xs_scale(sb, 2 * p + 1);
+        s->d = h2f(ld16(sb));
     } else if (TY == T_Q6_K) {
         int l = lane & 7, n = l >> 2, k = l & 3, qa = k >> 1;
         const u8* sb = row + 210 * (u64)b;
@@ -491,7 +707,9 @@ __device__ __forceinline__ u32 word(uint4 v, int i) { return i == 0 ? v.x : i ==
 template <int TY>
 __device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk, int o, const Q8* a, int nab,
                                             int r0, int nr, float* res) {
-    const bool K = TY == T_Q4_K || TY == T_Q5_K || TY == T_Q6_K;
+    const bool K = TY == T_Q4_K || TY == T_Q5_K || TY == T_Q6_K || TY == T_Q2_K || TY == T_Q3_K || TY == T_IQ4_XS;
+    // K-quants that subtract a minimum per group.
+    const bool KMIN = TY == T_Q4_K || TY == T_Q5_K || TY == T_Q2_K;
     const int per = K ? 4 : 8;
     int lane = threadIdx.x & 31;
     int grp = K ? lane >> 3 : lane >> 2;
@@ -501,15 +719,47 @@ __device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk
     float acc[QM_RT][2];
 #pragma unroll
     for (int r = 0; r < QM_RT; r++) acc[r][0] = acc[r][1] = 0.0f;
-    for (int i0 = 0; i0 < steps; i0 += MV_U) {
-        WShare ws[MV_U] = {};
+    // With MV_RING, Q4_K and Q5_K weights go through a ring of steps in
+    // shared memory, MV_RING steps copied ahead of the one computed.
+    const bool staged = MV_RING > 0 && (TY == T_Q4_K || TY == T_Q5_K);
+    const int ring_step = 4 * MV_SB(TY);
+    __shared__ __align__(16) u8 ring_all[staged ? MM_WARPS * (MV_RING > 0 ? MV_RING : 1) * ring_step : 16];
+    u8* ring = ring_all + (threadIdx.x >> 5) * (MV_RING > 0 ? MV_RING : 1) * ring_step;
+    if (staged) {
 #pragma unroll
-        for (int u = 0; u < MV_U; u++) {
-            int b = per * (i0 + u) + grp;
-            if (b < nblk) wshare<TY>(row, b, lane, &ws[u]);
+        for (int s = 0; s < MV_RING; s++) {
+            if (s < steps) mv_copy_step<TY>(row, s, ring + s * ring_step, nblk, lane);
+            cp_commit();
+        }
+        after_previous();
+    }
+    const int per_load = staged ? 1 : MV_U;
+    for (int i0 = 0; i0 < steps; i0 += per_load) {
+        WShare ws[MV_U] = {};
+        if (staged) {
+            // Step i0 has landed once at most MV_RING - 1 later groups are
+            // in flight; its slot takes step i0 + MV_RING once every lane
+            // has read its share.
+            cp_wait<(MV_RING > 0 ? MV_RING - 1 : 0)>();
+            __syncwarp();
+            u8* slot = ring + (i0 % (MV_RING > 0 ? MV_RING : 1)) * ring_step;
+            int b = per * i0 + grp;
+            if (b < nblk) wshare_staged<TY>(slot + MV_SB(TY) * grp, lane, &ws[0]);
+            __syncwarp();
+            if (i0 + MV_RING < steps) mv_copy_step<TY>(row, i0 + MV_RING, slot, nblk, lane);
+            cp_commit();
+        } else {
+#pragma unroll
+            for (int u = 0; u < MV_U; u++) {
+                int b = per * (i0 + u) + grp;
+                if (b < nblk) wshare<TY>(row, b, lane, &ws[u]);
+            }
+            // The first steps' weights are loaded before the kernel ahead
+            // has finished (after_previous).
+            if (i0 == 0) after_previous();
         }
 #pragma unroll
-        for (int u = 0; u < MV_U; u++) {
+        for (int u = 0; u < per_load; u++) {
             int i = i0 + u;
             if (i >= steps) break;
             int b = per * i + grp;
@@ -524,7 +774,49 @@ __device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk
                 int sa = 0, sb = 0, ma = 0, mb = 0;
                 float d = 0.0f, dmin = 0.0f;
                 u32 wa[4], wb[4];
-                if (TY == T_Q6_K) {
+                if (TY == T_Q2_K || TY == T_Q3_K || TY == T_IQ4_XS) {
+                    // Lane l: elements 16 (l & 1).. of blocks 2 (l >> 1)
+                    // and the next, each block's in its own group.
+                    int p = l >> 1;
+                    ba = 2 * p;
+                    bb = ba + 1;
+                    half = l & 1;
+                    d = s.d;
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        u32 q = word(s.a, j);
+                        if (TY == T_IQ4_XS) {
+                            u32 qb = word(s.b, j);
+                            wa[j] = levels4<TY>(half ? (q >> 4) & 0x0F0F0F0Fu : q & 0x0F0F0F0Fu);
+                            wb[j] = levels4<TY>(half ? (qb >> 4) & 0x0F0F0F0Fu : qb & 0x0F0F0F0Fu);
+                        } else {
+                            // Blocks 2p and 2p + 1 are bits 2 (ba % 4) and
+                            // 2 (bb % 4) of the same bytes.
+                            u32 la = (q >> (2 * (ba & 3))) & 0x03030303u, lb = (q >> (2 * (bb & 3))) & 0x03030303u;
+                            if (TY == T_Q3_K) {
+                                // A clear bit of the mask takes 4 off.
+                                u32 h = word(s.b, j);
+                                la = __vsub4(la | (((h >> ba) & 0x01010101u) << 2), 0x04040404u);
+                                lb = __vsub4(lb | (((h >> bb) & 0x01010101u) << 2), 0x04040404u);
+                            }
+                            wa[j] = la;
+                            wb[j] = lb;
+                        }
+                    }
+                    if (TY == T_Q2_K) {
+                        sa = s.s0 & 0xF;
+                        ma = s.s0 >> 4;
+                        sb = s.s1 & 0xF;
+                        mb = s.s1 >> 4;
+                        dmin = s.m;
+                    } else if (TY == T_Q3_K) {
+                        sa = q3k_scale(s.c.x, s.c.y, s.c.z, 2 * ba + half);
+                        sb = q3k_scale(s.c.x, s.c.y, s.c.z, 2 * bb + half);
+                    } else {
+                        sa = s.s0;
+                        sb = s.s1;
+                    }
+                } else if (TY == T_Q6_K) {
                     int n = l >> 2, k = l & 3, qa = k >> 1;
                     ba = 4 * n + qa;
                     bb = ba + 2;
@@ -592,19 +884,29 @@ __device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk
                         pb = __dp4a((int)wb[2], xb.z, pb);
                         pb = __dp4a((int)wb[3], xb.w, pb);
                         isum = sa * pa + sb * pb;
-                        if (TY != T_Q6_K && half == 0) msum = ma * ab[ba].sum + mb * ab[bb].sum;
+                        if (TY == T_Q2_K) {
+                            // Minimums per 16: the lane's sixteen
+                            // activations of each block, summed.
+                            int ta = __dp4a(xa.x, 0x01010101, __dp4a(xa.y, 0x01010101, 0));
+                            ta = __dp4a(xa.z, 0x01010101, __dp4a(xa.w, 0x01010101, ta));
+                            int tb = __dp4a(xb.x, 0x01010101, __dp4a(xb.y, 0x01010101, 0));
+                            tb = __dp4a(xb.z, 0x01010101, __dp4a(xb.w, 0x01010101, tb));
+                            msum = ma * ta + mb * tb;
+                        } else if (KMIN && half == 0) {
+                            msum = ma * ab[ba].sum + mb * ab[bb].sum;
+                        }
                     }
                     isum += __shfl_xor_sync(0xffffffffu, isum, 1);
                     isum += __shfl_xor_sync(0xffffffffu, isum, 2);
                     isum += __shfl_xor_sync(0xffffffffu, isum, 4);
-                    if (TY != T_Q6_K) {
+                    if (KMIN) {
                         msum += __shfl_xor_sync(0xffffffffu, msum, 1);
                         msum += __shfl_xor_sync(0xffffffffu, msum, 2);
                         msum += __shfl_xor_sync(0xffffffffu, msum, 4);
                     }
                     if (live) {
                         float v = fmaf((float)isum, d * da, slot ? acc[r][1] : acc[r][0]);
-                        if (TY != T_Q6_K) v = fmaf(-(dmin * da), (float)msum, v);
+                        if (KMIN) v = fmaf(-(dmin * da), (float)msum, v);
                         if (slot) acc[r][1] = v;
                         else acc[r][0] = v;
                     }
@@ -686,6 +988,11 @@ MATVEC(matvec_q8_0, T_Q8_0)
 MATVEC(matvec_q4_k, T_Q4_K)
 MATVEC(matvec_q5_k, T_Q5_K)
 MATVEC(matvec_q6_k, T_Q6_K)
+MATVEC(matvec_q2_k, T_Q2_K)
+MATVEC(matvec_q3_k, T_Q3_K)
+MATVEC(matvec_iq4_nl, T_IQ4_NL)
+MATVEC(matvec_iq4_xs, T_IQ4_XS)
+MATVEC(matvec_mxfp4, T_MXFP4)
 
 // The same products for many rows, on tensor cores: each block's integer
 // dot products of a 16-row by 8-output tile are one int8 `mma` (exact
@@ -711,9 +1018,14 @@ __device__ __forceinline__ void mma16(int* d, int a0, int a1, int b0) {
 // The scale and minimum of block b of a 32-element type.
 template <int TY>
 __device__ __forceinline__ void wscale(const u8* row, int b, float* d, float* m) {
-    int ts = TY == T_Q4_0 ? 18 : TY == T_Q4_1 ? 20 : TY == T_Q5_0 ? 22 : TY == T_Q5_1 ? 24 : 34;
+    int ts = TY == T_Q4_0 || TY == T_IQ4_NL ? 18
+             : TY == T_Q4_1                 ? 20
+             : TY == T_Q5_0                 ? 22
+             : TY == T_Q5_1                 ? 24
+             : TY == T_MXFP4                ? 17
+                                            : 34;
     const u8* blk = row + ts * (u64)b;
-    *d = h2f(ld16(blk));
+    *d = TY == T_MXFP4 ? e8m0_half(blk[0]) : h2f(ld16(blk));
     if (TY == T_Q4_1 || TY == T_Q5_1) *m = h2f(ld16(blk + 2));
 }
 
@@ -958,23 +1270,6 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
 #define MMT_NA ((MMT_RB * 24 + MMT_T - 1) / MMT_T)
 #define MMT_NW ((MMT_OB * 11 + MMT_T - 1) / MMT_T)
 
-// Copies 16 bytes from global to shared memory without waiting (where the
-// architecture can); att_wait() waits for all of them, cp_wait1() for all
-// but the last group committed.
-__device__ __forceinline__ void att_copy16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-#else
-    *(uint4*)dst = *(const uint4*)src;
-#endif
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-
-// Waits until at most one group of copies is in flight.
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;"); }
-
 // d += a b, with b unsigned bytes.
 __device__ __forceinline__ void mma32u(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
     asm volatile(
@@ -1167,6 +1462,7 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
     extern "C" __global__ void __launch_bounds__(MMT_T, MMT_BLOCKS) NAME(const u8* w, u64 row_bytes, int nblk, \
                                                                         int outs, const Q8* a, int nab, int n, \
                                                                         float* y) {                      \
+        after_previous();                                                                                \
         mmt_body<TY>(w, row_bytes, nblk, outs, a, nab, n, y);                                             \
     }
 MMT(mmt_q4_k, T_Q4_K)
@@ -1175,6 +1471,7 @@ MMT(mmt_q5_k, T_Q5_K)
 #define MATMUL_MMA(NAME, TY)                                                                          \
     extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int nblk, int outs, const Q8* a, int nab, \
                                     int n, float* y) {                                                \
+        after_previous();                                                                             \
         matmul_mma_body<TY>(w, row_bytes, nblk, outs, a, nab, n, y);                                  \
     }
 MATMUL_MMA(mma_q4_0, T_Q4_0)
@@ -1185,6 +1482,8 @@ MATMUL_MMA(mma_q8_0, T_Q8_0)
 MATMUL_MMA(mma_q4_k, T_Q4_K)
 MATMUL_MMA(mma_q5_k, T_Q5_K)
 MATMUL_MMA(mma_q6_k, T_Q6_K)
+MATMUL_MMA(mma_iq4_nl, T_IQ4_NL)
+MATMUL_MMA(mma_mxfp4, T_MXFP4)
 
 // Float weights times f32 activations in the CPU's dot_f32 order: element
 // i into lane i % 16 (fused), the lanes folded as lane k plus lane k + 8,
@@ -1224,6 +1523,7 @@ __device__ void matmul_f_body(const u8* w, u64 row_bytes, int cols, int outs, co
 #define MATMUL_F(NAME, TY)                                                                       \
     extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int cols, int outs, const float* x, \
                                     int n, float* y) {                                           \
+        after_previous();                                                                        \
         matmul_f_body<TY>(w, row_bytes, cols, outs, x, n, y);                                    \
     }
 MATMUL_F(matmul_f32, T_F32)
@@ -1245,6 +1545,7 @@ __device__ void rows_body(const u8* w, u64 row_bytes, int cols, const u32* token
 
 #define ROWS(NAME, TY)                                                                                   \
     extern "C" __global__ void NAME(const u8* w, u64 row_bytes, int cols, const u32* tokens, float* out) { \
+        after_previous();                                                                                  \
         rows_body<TY>(w, row_bytes, cols, tokens, out);                                                  \
     }
 ROWS(rows_f32, T_F32)
@@ -1258,6 +1559,11 @@ ROWS(rows_q8_0, T_Q8_0)
 ROWS(rows_q4_k, T_Q4_K)
 ROWS(rows_q5_k, T_Q5_K)
 ROWS(rows_q6_k, T_Q6_K)
+ROWS(rows_q2_k, T_Q2_K)
+ROWS(rows_q3_k, T_Q3_K)
+ROWS(rows_iq4_nl, T_IQ4_NL)
+ROWS(rows_iq4_xs, T_IQ4_XS)
+ROWS(rows_mxfp4, T_MXFP4)
 
 // RMS norm of each row of `dim` in the CPU's order
 // (snug_kernels::vec::sum_squares): element i's square into lane i % 8
@@ -1323,6 +1629,7 @@ __device__ __forceinline__ void rms_norm_body(float* x, const float* add, float*
 }
 
 extern "C" __global__ void rms_norm(float* x, const float* add, float* out, const float* w, int dim, float eps) {
+    after_previous();
     rms_norm_body(x, add, out, w, dim, eps, 0, nullptr);
 }
 
@@ -1330,20 +1637,24 @@ extern "C" __global__ void rms_norm(float* x, const float* add, float* out, cons
 // 256 threads per row, as rms_norm).
 extern "C" __global__ void norm_q8(float* x, const float* add, float* out, const float* w, int dim, float eps,
                                    int fmt, Q8* q8) {
+    after_previous();
     rms_norm_body(x, add, out, w, dim, eps, fmt, q8);
 }
 
 extern "C" __global__ void scale(float* x, u64 len, float by) {
+    after_previous();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] *= by;
 }
 
 extern "C" __global__ void add(float* to, const float* from, u64 len) {
+    after_previous();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) to[i] += from[i];
 }
 
 extern "C" __global__ void add_bias(float* x, const float* b, int width, u64 len) {
+    after_previous();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] += b[i % width];
 }
@@ -1360,6 +1671,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, con
                                          int kv_heads, int hd, const int* pa, const int* pb, int pairs,
                                          const int* rotated, const u32* page, const u32* slot, int layer,
                                          int layers, int pt, u16* kc, u16* vc) {
+    after_previous();
     int r = blockIdx.x;
     int nq = heads * pairs, nk = kv_heads * pairs, kvd = kv_heads * hd;
     int total = nq + nk + kvd;
@@ -1394,6 +1706,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, con
 extern "C" __global__ void write_kv_f16(const float* k, const float* v, const u32* page, const u32* slot,
                                         int layer, int layers, int kv_heads, int pt, int hd, u16* kc,
                                         u16* vc) {
+    after_previous();
     int r = blockIdx.x;
     int kvd = kv_heads * hd;
     for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < kvd; t += gridDim.y * blockDim.x) {
@@ -1589,6 +1902,7 @@ extern "C" __global__ void attend_f16(const float* q, const u32* table, const u3
                                       const u32* row_start, const u32* row_end, int heads, int kv_heads,
                                       int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
                                       float scale, float* scores, int ctx, float* out, int n_rows) {
+    after_previous();
     extern __shared__ float smem[];
     if ((int)blockIdx.x < n_rows)
         attend_set<1>(q, table, row_table, row_start, row_end, heads, kv_heads, hd, layer, layers, pt, kc, vc, scale,
@@ -1602,6 +1916,7 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
                                            const u32* row_start, const u32* row_end, int heads, int kv_heads,
                                            int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
                                            float scale, float* scores, int ctx, float* out, int n_rows) {
+    after_previous();
     extern __shared__ float smem[];
     int r0 = blockIdx.x * ATT_ROWS;
     int nr = min(ATT_ROWS, n_rows - r0);
@@ -1627,6 +1942,7 @@ __device__ __forceinline__ float gelu1(float x) {
 }
 
 extern "C" __global__ void gated(float* gate, const float* up, u64 len, int gelu) {
+    after_previous();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) gate[i] = (gelu ? gelu1(gate[i]) : silu1(gate[i])) * up[i];
 }
@@ -1635,6 +1951,7 @@ extern "C" __global__ void gated(float* gate, const float* up, u64 len, int gelu
 // q8_1 a warp per block of 32 (`blocks` in all, 8 warps a block), q8_K a
 // block of 256 threads per 256 values.
 extern "C" __global__ void gated_q8(float* gate, const float* up, u64 blocks, int gelu, int fmt, Q8* q8) {
+    after_previous();
     if (fmt == FMT_Q8_K) {
         __shared__ float v[256];
         u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
@@ -1654,6 +1971,7 @@ extern "C" __global__ void gated_q8(float* gate, const float* up, u64 blocks, in
 
 // to[m] = from[which[m]], rows of `width`.
 extern "C" __global__ void gather(const float* from, float* to, const u32* which, int width) {
+    after_previous();
     int m = blockIdx.x;
     const float* s = from + (u64)which[m] * width;
     float* d = to + (u64)m * width;

@@ -63,7 +63,7 @@ pub enum CudaError {
 const SOURCE: &str = include_str!("kernels.cu");
 
 /// The weight types the kernels read.
-pub const TYPES: [GgmlType; 11] = [
+pub const TYPES: [GgmlType; 16] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -75,6 +75,11 @@ pub const TYPES: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// Whether matrices of `ty` are multiplied as floats (the others as
@@ -96,8 +101,21 @@ fn type_suffix(ty: GgmlType) -> Option<&'static str> {
         GgmlType::Q4K => "q4_k",
         GgmlType::Q5K => "q5_k",
         GgmlType::Q6K => "q6_k",
+        GgmlType::Q2K => "q2_k",
+        GgmlType::Q3K => "q3_k",
+        GgmlType::IQ4NL => "iq4_nl",
+        GgmlType::IQ4XS => "iq4_xs",
+        GgmlType::MXFP4 => "mxfp4",
         _ => return None,
     })
+}
+
+/// The addresses of a kernel's arguments (references to locals), as the
+/// driver takes them.
+macro_rules! kernel_args {
+    ($($a:expr),*) => {
+        [$( ($a) as *const _ as *mut std::ffi::c_void ),*]
+    };
 }
 
 /// The kernels compiled by NVRTC to PTX for `arch` (`sm_90`, say). Needs
@@ -170,6 +188,9 @@ pub struct Device {
     /// The device's name and compute capability.
     pub name: String,
     pub capability: (i32, i32),
+    /// Whether kernels may be launched to overlap the one before them
+    /// (see [`launch_raw`]).
+    pub overlap: bool,
     /// Rows per block of `attend_f16_rows` (kernels.cu's ATT_ROWS).
     att_rows: usize,
     /// The staged tiles' shape (kernels.cu's MMT_R, MMT_S, MMT_WR,
@@ -227,7 +248,11 @@ impl Device {
                 matmul.push((ty, f(&format!("matmul_{s}"))?));
             } else {
                 matvec.push((ty, f(&format!("matvec_{s}"))?));
-                mma.push((ty, f(&format!("mma_{s}"))?));
+                // Q2_K, Q3_K and IQ4_XS have no tensor-core kernel: many
+                // rows take the one-row product, four rows a warp.
+                if !matches!(ty, GgmlType::Q2K | GgmlType::Q3K | GgmlType::IQ4XS) {
+                    mma.push((ty, f(&format!("mma_{s}"))?));
+                }
                 if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
                     mmt.push((ty, f(&format!("mmt_{s}"))?));
                 }
@@ -255,10 +280,39 @@ impl Device {
             gather: f("gather")?,
             _module: module,
         };
+        // Whether the driver takes launches that may overlap the kernel
+        // before (Hopper and later, a driver of CUDA 12.3 or later), in a
+        // stream and captured in a graph: two empty launches of each tell.
+        let overlap = capability.0 >= 9 && {
+            let (x, len, by) = (0u64, 0u64, 1.0f32);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let twice = || {
+                (0..2).try_for_each(|_| {
+                    let mut args = kernel_args!(&x, &len, &by);
+                    // SAFETY: `scale`'s arguments; with a length of 0 it
+                    // touches no memory.
+                    unsafe { launch_raw(&stream, &k.scale, cfg, true, &mut args) }
+                })
+            };
+            let plain = twice().and_then(|()| stream.synchronize()).is_ok();
+            let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            plain && stream.begin_capture(mode).is_ok() && {
+                let launched = twice().is_ok();
+                match stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)) {
+                    Ok(Some(g)) if launched => g.launch().and_then(|()| stream.synchronize()).is_ok(),
+                    _ => false,
+                }
+            }
+        };
         let dev = Arc::new(Device {
             ctx,
             stream,
             k,
+            overlap,
             name,
             capability,
             att_rows: define(defines, "ATT_ROWS", 4) as usize,
@@ -459,6 +513,9 @@ pub struct CudaWorkspace {
     /// its first pass and replayed after.
     graphs: HashMap<(usize, u64), Graph>,
     graphs_on: bool,
+    /// Whether kernels are launched to overlap the one before them (the
+    /// same bits either way; see [`launch_raw`]).
+    overlap: bool,
     /// Whether products of many rows use tensor cores (the same bits
     /// either way).
     tensor_cores: bool,
@@ -557,6 +614,7 @@ impl CudaWorkspace {
             logits_host: Pinned::new(rows.min(GRAPH_ROWS) * c.vocab)?,
             graphs: HashMap::new(),
             graphs_on: true,
+            overlap: dev.overlap,
             tensor_cores: true,
             tiles: Tiles::Staged,
             mode: Mode::Direct,
@@ -647,6 +705,14 @@ impl CudaWorkspace {
         if !on {
             self.graphs.clear();
         }
+    }
+
+    /// Whether kernels are launched to overlap the one before them (on by
+    /// default where the device and driver allow it; the bits are the
+    /// same either way). Graphs captured before keep how they were made.
+    pub fn set_overlap(&mut self, on: bool) {
+        self.overlap = on && self.dev.overlap;
+        self.graphs.clear();
     }
 
     /// Whether products of 16 rows or more run on tensor cores (on by
@@ -755,16 +821,54 @@ macro_rules! launch {
     ($ws:expr, $f:expr, $cfg:expr, $($a:expr),*) => {{
         $ws.quantized = None;
         if $ws.mode != Mode::Replay {
-        let s = $ws.dev.stream.clone();
-        let mut b = s.launch_builder($f);
-        $( b.arg($a); )*
-        // SAFETY: each caller passes the kernel's arguments in its order
-        // and types, with buffers that hold what the launch reads and
-        // writes (the workspace is sized for its rows and context).
-        let r = unsafe { b.launch($cfg) };
-        $ws.note(r);
+            let mut args = kernel_args!($($a),*);
+            // SAFETY: each caller passes the kernel's arguments in its
+            // order and types, with buffers that hold what the launch reads
+            // and writes (the workspace is sized for its rows and context).
+            let r = unsafe { launch_raw(&$ws.dev.stream, $f, $cfg, $ws.overlap, &mut args) };
+            $ws.note(r);
         }
     }};
+}
+
+/// Launches `f` in `cfg` on `stream` with `args`. With `overlap`, the
+/// launch may start while the kernel before it in the stream is still
+/// running (programmatic dependent launch): every kernel waits for the one
+/// before it in `after_previous` (kernels.cu) before touching any buffer,
+/// so only its start-up and its first loads of weights overlap.
+///
+/// # Safety
+///
+/// `args` are the addresses of the kernel's arguments, in its order and
+/// types; the buffers they name hold what the kernel reads and writes.
+unsafe fn launch_raw(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    overlap: bool,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    stream.context().bind_to_thread()?;
+    // SAFETY: a plain C struct and union, valid zeroed.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: if overlap { &mut attr } else { std::ptr::null_mut() },
+        numAttrs: u32::from(overlap),
+    };
+    // SAFETY: the configuration and attribute outlive the call; the caller
+    // vouches for the arguments.
+    unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }.result()
 }
 
 /// Launches an element-wise kernel over `len` elements, 256 a block.
@@ -1453,20 +1557,12 @@ fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, 
                 32
             };
             let nblk = (w.cols / per_block) as i32;
-            let mut b = dev.stream.launch_builder(f);
-            b.arg(&wp)
-                .arg(&rb_)
-                .arg(&nblk)
-                .arg(&outs)
-                .arg(&q8)
-                .arg(&nab)
-                .arg(&n)
-                .arg(&y);
+            let mut args = kernel_args!(&wp, &rb_, &nblk, &outs, &q8, &nab, &n, &y);
             // SAFETY: the arguments match the kernels' signature; the
             // quantized activations hold `rows` rows of `cols / 32` blocks,
             // and the shared memory is what the staged tiles' two stages
             // take.
-            let r = unsafe { b.launch(cfg) };
+            let r = unsafe { launch_raw(&dev.stream, f, cfg, ws.overlap, &mut args) };
             return ws.note(r);
         }
     }
@@ -1517,25 +1613,13 @@ fn products(ws: &mut CudaWorkspace, list: &[(CudaMatrix, u64)], rows: usize) {
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = dev.stream.launch_builder(dev.matvec_fn(w.ty));
-    b.arg(&wp[0])
-        .arg(&wp[1])
-        .arg(&wp[2])
-        .arg(&rb)
-        .arg(&nblk)
-        .arg(&outs[0])
-        .arg(&outs[1])
-        .arg(&outs[2])
-        .arg(&q8)
-        .arg(&nab)
-        .arg(&n)
-        .arg(&y[0])
-        .arg(&y[1])
-        .arg(&y[2]);
+    let mut args = kernel_args!(
+        &wp[0], &wp[1], &wp[2], &rb, &nblk, &outs[0], &outs[1], &outs[2], &q8, &nab, &n, &y[0], &y[1], &y[2]
+    );
     // SAFETY: the arguments match the kernel's signature; the quantized
     // activations hold `rows` rows of `cols / 32` blocks, and each output
     // holds `rows` rows of its matrix's outputs.
-    let r = unsafe { b.launch(cfg) };
+    let r = unsafe { launch_raw(&dev.stream, dev.matvec_fn(w.ty), cfg, ws.overlap, &mut args) };
     ws.note(r);
 }
 
@@ -1552,11 +1636,10 @@ fn float_product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: u
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = dev.stream.launch_builder(dev.matmul_fn(w.ty));
-    b.arg(&wp).arg(&rb).arg(&cols).arg(&outs).arg(&x).arg(&n).arg(&y);
+    let mut args = kernel_args!(&wp, &rb, &cols, &outs, &x, &n, &y);
     // SAFETY: the arguments match the kernel's signature; the buffers
     // hold `rows` rows of `cols` and `outs`.
-    let r = unsafe { b.launch(cfg) };
+    let r = unsafe { launch_raw(&dev.stream, dev.matmul_fn(w.ty), cfg, ws.overlap, &mut args) };
     ws.note(r);
 }
 
@@ -1611,6 +1694,11 @@ mod tests {
                     "mmt_q4_k",
                     "mmt_q5_k",
                     "mma_q6_k",
+                    "mma_iq4_nl",
+                    "mma_mxfp4",
+                    "rows_q2_k",
+                    "rows_q3_k",
+                    "rows_iq4_xs",
                 ] {
                     assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing");
                 }
@@ -1620,6 +1708,30 @@ mod tests {
             }
             Err(CudaError::NoNvrtc) => eprintln!("skipping: no NVRTC library on this machine"),
             Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// The level tables kernels.cu holds as words of four bytes are the
+    /// CPU's (IQ4_NL and IQ4_XS; MXFP4).
+    #[test]
+    fn the_kernels_level_tables_are_the_cpus() {
+        let word = |name: &str| -> u32 {
+            let line = SOURCE
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} missing"));
+            let hex = line.split_whitespace().nth(2).expect("a value");
+            u32::from_str_radix(hex.trim_start_matches("0x").trim_end_matches('u'), 16).expect("hex")
+        };
+        for (prefix, want) in [
+            ("IQ4", snug_kernels::quant::IQ4_LEVELS),
+            ("MXFP4", snug_kernels::quant::MXFP4_LEVELS),
+        ] {
+            let got: Vec<i8> = (0..4)
+                .flat_map(|k| word(&format!("{prefix}_T{k}")).to_le_bytes())
+                .map(|b| b as i8)
+                .collect();
+            assert_eq!(got, want, "{prefix}");
         }
     }
 
