@@ -5,17 +5,21 @@
 # and `snug bench` of the two builds alternating. .gpu/ as for compare.sh,
 # with gpucheck-old.gz and snug-old.gz; no llama.cpp. Run from the
 # repository root (STEPS=0 leaves out the decode steps, BENCH=0 `snug
-# bench`; VARIANTS, DEPTHS and NSYS=1 below); a summary on
+# bench`; MODELS, VARIANTS, DEPTHS and NSYS=1 below); a summary on
 # stdout and in $OUT/ab.txt.
 set -u
 . bench/gpu/setup.sh
 gpu_setup /tmp/ab gpucheck synth snug gpucheck-old snug-old
 export SNUG_HOME=/tmp/snug-home
-./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> /dev/null
-./synth --like tok.gguf --shape 1.5b --out 1.5b.gguf 2> /dev/null
-./synth --like tok.gguf --shape 7b --out 7b.gguf 2> /dev/null
+models=${MODELS:-smol 1.5b 7b}
+for m in $models; do
+  case $m in
+    smol) ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> /dev/null ;;
+    *) ./synth --like tok.gguf --shape $m --out $m.gguf 2> /dev/null ;;
+  esac
+done
 {
-  for m in smol 1.5b 7b; do
+  for m in $models; do
     ./gpucheck $m.gguf --prompt 32 --gen 8 --pp 64 --tg 8 --out check-$m.json > /dev/null 2>&1
     python3 -c "
 import json; d=json.load(open('check-$m.json'))
@@ -24,7 +28,7 @@ print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 
   # Decode-step variants, `|` between them (a build and its flags).
   variants=${VARIANTS:-gpucheck-old|gpucheck|gpucheck-old|gpucheck}
   [ "${STEPS:-1}" = 0 ] || for n in ${DEPTHS:-64 512}; do
-    for m in smol 1.5b 7b; do
+    for m in $models; do
       echo "$variants" | tr '|' '\n' | while read -r b flags; do
         echo "$b $flags $m depth $n: $(./$b $m.gguf --prompt $n --profile-decode 30 $flags 2>/dev/null < /dev/null | tail -1)"
       done
@@ -38,7 +42,7 @@ print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 
     $nsys stats -q -r cuda_gpu_trace -f csv /tmp/ab/n7b.nsys-rep 2>/dev/null | tail -400 > $OUT/nsys-7b-trace.csv
     head -20 $OUT/nsys-7b.csv
   fi
-  [ "${BENCH:-1}" = 0 ] || for m in smol 1.5b 7b; do
+  [ "${BENCH:-1}" = 0 ] || for m in $models; do
     for b in snug-old snug; do
       ./$b bench $m.gguf -p 512 -n 128 -r 3 --device cuda -o json > bench-$b-$m.json 2> /dev/null
       python3 -c "
