@@ -473,12 +473,6 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 // Waits until at most one group of copies is in flight.
 __device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;"); }
 
-// Waits until at most N groups of copies are in flight.
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
 // Quantized products: a warp per output for a few rows of activations
 // (matvec_body), tensor cores for many (matmul_mma_body further down).
 #define MM_WARPS 4
@@ -596,35 +590,6 @@ struct WShare {
 #ifndef MV_BLOCKS
 #define MV_BLOCKS 1
 #endif
-// Steps of a warp's Q4_K and Q5_K weights copied ahead into shared memory
-// (0: loaded into registers, MV_U steps at a time).
-#ifndef MV_RING
-#define MV_RING 0
-#endif
-
-// Bytes of a super-block of a K-quant staged in shared memory (Q4_K,
-// Q5_K: multiples of 16, so each lies at a 16-byte aligned offset).
-#define MV_SB(TY) ((TY) == T_Q4_K ? 144 : 176)
-
-// Copies step `step` of a row (super-blocks 4 step .. 4 step + 3, those
-// that exist) into `dst`, 16 bytes a copy spread over the warp's lanes.
-template <int TY>
-__device__ __forceinline__ void mv_copy_step(const u8* row, int step, u8* dst, int nblk, int lane) {
-    int nsb = min(4, nblk - 4 * step);
-    int chunks = nsb * MV_SB(TY) / 16;
-    const u8* src = row + (u64)step * 4 * MV_SB(TY);
-    for (int c = lane; c < chunks; c += 32) att_copy16(dst + 16 * c, src + 16 * c);
-}
-
-// A lane's share of a Q4_K or Q5_K super-block staged at `sb` (as wshare
-// loads it from the weights).
-template <int TY>
-__device__ __forceinline__ void wshare_staged(const u8* sb, int lane, WShare* s) {
-    int l = lane & 7;
-    s->a = *(const uint4*)sb;
-    s->b = *(const uint4*)(sb + (TY == T_Q4_K ? 16 : 48) + 16 * l);
-    if (TY == T_Q5_K) s->c = *(const uint4*)(sb + 16 + 16 * (l & 1));
-}
 
 // Loads lane `lane`'s share of block `b` (32-element types: lane t = lane
 // & 3 of block b; K-quants: lane l = lane & 7 of super-block b).
@@ -719,47 +684,18 @@ __device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk
     float acc[QM_RT][2];
 #pragma unroll
     for (int r = 0; r < QM_RT; r++) acc[r][0] = acc[r][1] = 0.0f;
-    // With MV_RING, Q4_K and Q5_K weights go through a ring of steps in
-    // shared memory, MV_RING steps copied ahead of the one computed.
-    const bool staged = MV_RING > 0 && (TY == T_Q4_K || TY == T_Q5_K);
-    const int ring_step = 4 * MV_SB(TY);
-    __shared__ __align__(16) u8 ring_all[staged ? MM_WARPS * (MV_RING > 0 ? MV_RING : 1) * ring_step : 16];
-    u8* ring = ring_all + (threadIdx.x >> 5) * (MV_RING > 0 ? MV_RING : 1) * ring_step;
-    if (staged) {
-#pragma unroll
-        for (int s = 0; s < MV_RING; s++) {
-            if (s < steps) mv_copy_step<TY>(row, s, ring + s * ring_step, nblk, lane);
-            cp_commit();
-        }
-        after_previous();
-    }
-    const int per_load = staged ? 1 : MV_U;
-    for (int i0 = 0; i0 < steps; i0 += per_load) {
+    for (int i0 = 0; i0 < steps; i0 += MV_U) {
         WShare ws[MV_U] = {};
-        if (staged) {
-            // Step i0 has landed once at most MV_RING - 1 later groups are
-            // in flight; its slot takes step i0 + MV_RING once every lane
-            // has read its share.
-            cp_wait<(MV_RING > 0 ? MV_RING - 1 : 0)>();
-            __syncwarp();
-            u8* slot = ring + (i0 % (MV_RING > 0 ? MV_RING : 1)) * ring_step;
-            int b = per * i0 + grp;
-            if (b < nblk) wshare_staged<TY>(slot + MV_SB(TY) * grp, lane, &ws[0]);
-            __syncwarp();
-            if (i0 + MV_RING < steps) mv_copy_step<TY>(row, i0 + MV_RING, slot, nblk, lane);
-            cp_commit();
-        } else {
 #pragma unroll
-            for (int u = 0; u < MV_U; u++) {
-                int b = per * (i0 + u) + grp;
-                if (b < nblk) wshare<TY>(row, b, lane, &ws[u]);
-            }
-            // The first steps' weights are loaded before the kernel ahead
-            // has finished (after_previous).
-            if (i0 == 0) after_previous();
+        for (int u = 0; u < MV_U; u++) {
+            int b = per * (i0 + u) + grp;
+            if (b < nblk) wshare<TY>(row, b, lane, &ws[u]);
         }
+        // The first steps' weights are loaded before the kernel ahead
+        // has finished (after_previous).
+        if (i0 == 0) after_previous();
 #pragma unroll
-        for (int u = 0; u < per_load; u++) {
+        for (int u = 0; u < MV_U; u++) {
             int i = i0 + u;
             if (i >= steps) break;
             int b = per * i + grp;

@@ -1551,12 +1551,8 @@ fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, 
             }),
         };
         if let Some((f, cfg)) = kernel {
-            let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
-                256
-            } else {
-                32
-            };
-            let nblk = (w.cols / per_block) as i32;
+            // Blocks of 32, or super-blocks of 256 for the K-quants.
+            let nblk = (w.cols / w.ty.block_size()) as i32;
             let mut args = kernel_args!(&wp, &rb_, &nblk, &outs, &q8, &nab, &n, &y);
             // SAFETY: the arguments match the kernels' signature; the
             // quantized activations hold `rows` rows of `cols / 32` blocks,
@@ -1586,13 +1582,9 @@ fn products(ws: &mut CudaWorkspace, list: &[(CudaMatrix, u64)], rows: usize) {
     }
     let dev = ws.dev.clone();
     let w = list[0].0;
-    let per_block = if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
-        256
-    } else {
-        32
-    };
+    // Blocks of 32, or super-blocks of 256 for the K-quants.
     let (nblk, nab, n, rb) = (
-        (w.cols / per_block) as i32,
+        (w.cols / w.ty.block_size()) as i32,
         (w.cols / 32) as i32,
         rows as i32,
         w.row_bytes as u64,
