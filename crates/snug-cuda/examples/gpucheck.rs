@@ -460,47 +460,27 @@ fn main() {
     let gpu_rows = greedy::<snug_cuda::Cuda>(&c, gwt, &mut gws, &mut gkv, &pages[..1], &[prompt.clone()], 1, gen);
     let gpu_chunks = greedy::<snug_cuda::Cuda>(&c, gwt, &mut gws, &mut gkv, &pages[..1], &[prompt.clone()], 7, gen);
     let alone2 = greedy::<snug_cuda::Cuda>(&c, gwt, &mut gws, &mut gkv, &pages[1..], &[prompt2.clone()], 64, gen);
-    let together = greedy::<snug_cuda::Cuda>(
-        &c,
-        gwt,
-        &mut gws,
-        &mut gkv,
-        &pages,
-        &[prompt.clone(), prompt2.clone()],
-        64,
-        gen,
-    );
+    // Both sequences decoded in one batch.
+    let both = |gws: &mut CudaWorkspace, gkv: &mut CudaKv| {
+        greedy::<snug_cuda::Cuda>(&c, gwt, gws, gkv, &pages, &[prompt.clone(), prompt2.clone()], 64, gen)
+    };
+    let together = both(&mut gws, &mut gkv);
     gws.check().unwrap();
+    let same_as_together = |other: &[(Vec<u32>, Vec<Vec<f32>>)]| {
+        same_bits(&together[0].1, &other[0].1) && same_bits(&together[1].1, &other[1].1)
+    };
     // The same passes launched one by one instead of replayed as graphs.
     gws.set_graphs(false);
-    let no_graphs = greedy::<snug_cuda::Cuda>(
-        &c,
-        gwt,
-        &mut gws,
-        &mut gkv,
-        &pages,
-        &[prompt.clone(), prompt2.clone()],
-        64,
-        gen,
-    );
+    let no_graphs = both(&mut gws, &mut gkv);
     gws.set_graphs(true);
     gws.check().unwrap();
-    let graphs_same_bits = same_bits(&together[0].1, &no_graphs[0].1) && same_bits(&together[1].1, &no_graphs[1].1);
+    let graphs_same_bits = same_as_together(&no_graphs);
     // And with every kernel launched after the one before has finished.
     gws.set_overlap(false);
-    let no_overlap = greedy::<snug_cuda::Cuda>(
-        &c,
-        gwt,
-        &mut gws,
-        &mut gkv,
-        &pages,
-        &[prompt.clone(), prompt2.clone()],
-        64,
-        gen,
-    );
+    let no_overlap = both(&mut gws, &mut gkv);
     gws.set_overlap(true);
     gws.check().unwrap();
-    let overlap_same_bits = same_bits(&together[0].1, &no_overlap[0].1) && same_bits(&together[1].1, &no_overlap[1].1);
+    let overlap_same_bits = same_as_together(&no_overlap);
 
     let (ct, cl) = &cpu[0];
     let (gt, gl) = &gpu_whole[0];

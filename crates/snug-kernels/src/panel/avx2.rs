@@ -192,6 +192,43 @@ fn class_units(n: usize, c: usize) -> usize {
     n.saturating_sub(c).div_ceil(8)
 }
 
+/// The walk every kernel here takes over a panel of `n` units (blocks or
+/// super-blocks) of `ub` bytes: accumulator class `c` takes units c,
+/// c + 8, ... (stored class by class), each pass over a class's units does
+/// `NH` of the panel's two halves, and `unit(q, u, h, first, acc)` adds
+/// unit `u` (at `q`) of half `h` into each activation row's accumulators
+/// (`first`: the unit's first visit, which prefetches ahead). The classes'
+/// sums are folded as they finish and stored.
+#[inline(always)]
+unsafe fn walk<const R: usize, const NH: usize>(
+    mut p: *const u8,
+    n: usize,
+    ub: usize,
+    out: Out,
+    mut unit: impl FnMut(*const u8, usize, usize, bool, &mut [__m256; R]),
+) {
+    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
+    for c in 0..8 {
+        let units = class_units(n, c);
+        for pass in 0..2 / NH {
+            let mut accs = [[_mm256_setzero_ps(); R]; NH];
+            let mut q = p;
+            for k in 0..units {
+                for (hh, acc) in accs.iter_mut().enumerate() {
+                    unit(q, c + 8 * k, pass * NH + hh, out.prefetch && pass == 0 && hh == 0, acc);
+                }
+                q = q.add(ub);
+            }
+            for (hh, acc) in accs.iter().enumerate() {
+                trees[pass * NH + hh].push(c, acc);
+            }
+        }
+        p = p.add(units * ub);
+    }
+    trees[0].store(out, 0);
+    trees[1].store(out, 1);
+}
+
 /// Per-32-block types (see the AVX-512 kernel): accumulator class `c`
 /// takes blocks c, c + 8, ...; `KIND`, `MIN` and `OFF` as there. Q8_0's
 /// levels are made signed again (the panel stores them offset by 128) and
@@ -207,7 +244,7 @@ unsafe fn dot_blocks<
     const R: usize,
     const NH: usize,
 >(
-    mut p: *const u8,
+    p: *const u8,
     ub: usize,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
@@ -225,117 +262,96 @@ unsafe fn dot_blocks<
         Q5 => 320,
         _ => 256,
     };
-    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
-    for c in 0..8 {
-        let units = class_units(n_blocks, c);
-        for pass in 0..2 / NH {
-            let mut accs = [[_mm256_setzero_ps(); R]; NH];
-            let mut q = p;
-            let mut b = c;
-            for _ in 0..units {
-                prefetch(q, ub, out.prefetch && pass == 0);
-                for hh in 0..NH {
-                    let h = pass * NH + hh;
-                    let hb = 32 * h;
-                    let acc = &mut accs[hh];
-                    let mut i = [zero; R];
-                    if KIND == NL {
-                        // Signed levels from the table: no offset to take
-                        // out (unlike the AVX-512 kernel's unsigned ones).
-                        for t in 0..4 {
-                            let v = load(q.add(t * 64 + hb));
-                            let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m0f));
-                            let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f));
-                            for r in 0..R {
-                                let a = acts.get_unchecked(r).get_unchecked(b);
-                                let x = _mm256_add_epi32(signed_word(lo, act4(a, t)), signed_word(hi, act4(a, t + 4)));
-                                i[r] = _mm256_add_epi32(i[r], x);
-                            }
-                        }
-                    } else if KIND == Q8 {
-                        for t in 0..8 {
-                            let w = _mm256_xor_si256(load(q.add(t * 64 + hb)), m80);
-                            let aw = _mm256_sign_epi8(w, w);
-                            for r in 0..R {
-                                let a = acts.get_unchecked(r).get_unchecked(b);
-                                let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(act4(a, t), w));
-                                i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(p16, ones));
-                            }
-                        }
-                    } else {
-                        // Q4: all eight words in one 16-bit sum; Q5: two sums of four.
-                        let mut s16 = [zero; R];
-                        for t in 0..4 {
-                            let v = load(q.add(t * 64 + hb));
-                            let mut lo = _mm256_and_si256(v, m0f);
-                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
-                            if KIND == Q5 {
-                                // As in the AVX-512 kernel: element 4t + j's bit at
-                                // bit 2t of byte j, element 16 + 4t + j's at 2t + 1.
-                                let hv = load(q.add(256 + hb));
-                                let (bl, bh) = match t {
-                                    0 => (_mm256_slli_epi16::<4>(hv), _mm256_slli_epi16::<3>(hv)),
-                                    1 => (_mm256_slli_epi16::<2>(hv), _mm256_slli_epi16::<1>(hv)),
-                                    2 => (hv, _mm256_srli_epi16::<1>(hv)),
-                                    _ => (_mm256_srli_epi16::<2>(hv), _mm256_srli_epi16::<3>(hv)),
-                                };
-                                lo = _mm256_or_si256(lo, _mm256_and_si256(bl, m10));
-                                hi = _mm256_or_si256(hi, _mm256_and_si256(bh, m10));
-                            }
-                            for r in 0..R {
-                                let a = acts.get_unchecked(r).get_unchecked(b);
-                                let x = _mm256_add_epi16(
-                                    _mm256_maddubs_epi16(lo, act4(a, t)),
-                                    _mm256_maddubs_epi16(hi, act4(a, t + 4)),
-                                );
-                                s16[r] = _mm256_add_epi16(s16[r], x);
-                            }
-                            if KIND == Q5 && t == 1 {
-                                for r in 0..R {
-                                    i[r] = _mm256_madd_epi16(s16[r], ones);
-                                    s16[r] = zero;
-                                }
-                            }
-                        }
-                        for r in 0..R {
-                            i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(s16[r], ones));
-                        }
-                    }
-                    let dw = if E8 {
-                        e8m0x8(q.add(d_at + LANES * h))
-                    } else {
-                        f16x8(q.add(d_at + 2 * LANES * h))
+    walk::<R, NH>(p, n_blocks, ub, out, |q, b, h, first, acc| {
+        prefetch(q, ub, first);
+        let hb = 32 * h;
+        let mut i = [zero; R];
+        if KIND == NL {
+            // Signed levels from the table: no offset to take
+            // out (unlike the AVX-512 kernel's unsigned ones).
+            for t in 0..4 {
+                let v = load(q.add(t * 64 + hb));
+                let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m0f));
+                let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f));
+                for r in 0..R {
+                    let a = acts.get_unchecked(r).get_unchecked(b);
+                    let x = _mm256_add_epi32(signed_word(lo, act4(a, t)), signed_word(hi, act4(a, t + 4)));
+                    i[r] = _mm256_add_epi32(i[r], x);
+                }
+            }
+        } else if KIND == Q8 {
+            for t in 0..8 {
+                let w = _mm256_xor_si256(load(q.add(t * 64 + hb)), m80);
+                let aw = _mm256_sign_epi8(w, w);
+                for r in 0..R {
+                    let a = acts.get_unchecked(r).get_unchecked(b);
+                    let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(act4(a, t), w));
+                    i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(p16, ones));
+                }
+            }
+        } else {
+            // Q4: all eight words in one 16-bit sum; Q5: two sums of four.
+            let mut s16 = [zero; R];
+            for t in 0..4 {
+                let v = load(q.add(t * 64 + hb));
+                let mut lo = _mm256_and_si256(v, m0f);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                if KIND == Q5 {
+                    // As in the AVX-512 kernel: element 4t + j's bit at
+                    // bit 2t of byte j, element 16 + 4t + j's at 2t + 1.
+                    let hv = load(q.add(256 + hb));
+                    let (bl, bh) = match t {
+                        0 => (_mm256_slli_epi16::<4>(hv), _mm256_slli_epi16::<3>(hv)),
+                        1 => (_mm256_slli_epi16::<2>(hv), _mm256_slli_epi16::<1>(hv)),
+                        2 => (hv, _mm256_srli_epi16::<1>(hv)),
+                        _ => (_mm256_srli_epi16::<2>(hv), _mm256_srli_epi16::<3>(hv)),
                     };
-                    let mw = if MIN {
-                        f16x8(q.add(d_at + 32 + 2 * LANES * h))
-                    } else {
-                        _mm256_setzero_ps()
-                    };
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(bl, m10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(bh, m10));
+                }
+                for r in 0..R {
+                    let a = acts.get_unchecked(r).get_unchecked(b);
+                    let x = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, act4(a, t)),
+                        _mm256_maddubs_epi16(hi, act4(a, t + 4)),
+                    );
+                    s16[r] = _mm256_add_epi16(s16[r], x);
+                }
+                if KIND == Q5 && t == 1 {
                     for r in 0..R {
-                        let a = acts.get_unchecked(r).get_unchecked(b);
-                        let v = if OFF {
-                            _mm256_add_epi32(i[r], _mm256_set1_epi32(*aux.get_unchecked(r).get_unchecked(b)))
-                        } else {
-                            i[r]
-                        };
-                        let s = _mm256_mul_ps(dw, _mm256_set1_ps(a.d));
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, acc[r]);
-                        if MIN {
-                            acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[r]);
-                        }
+                        i[r] = _mm256_madd_epi16(s16[r], ones);
+                        s16[r] = zero;
                     }
                 }
-                q = q.add(ub);
-                b += 8;
             }
-            for hh in 0..NH {
-                trees[pass * NH + hh].push(c, &accs[hh]);
+            for r in 0..R {
+                i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(s16[r], ones));
             }
         }
-        p = p.add(units * ub);
-    }
-    trees[0].store(out, 0);
-    trees[1].store(out, 1);
+        let dw = if E8 {
+            e8m0x8(q.add(d_at + LANES * h))
+        } else {
+            f16x8(q.add(d_at + 2 * LANES * h))
+        };
+        let mw = if MIN {
+            f16x8(q.add(d_at + 32 + 2 * LANES * h))
+        } else {
+            _mm256_setzero_ps()
+        };
+        for r in 0..R {
+            let a = acts.get_unchecked(r).get_unchecked(b);
+            let v = if OFF {
+                _mm256_add_epi32(i[r], _mm256_set1_epi32(*aux.get_unchecked(r).get_unchecked(b)))
+            } else {
+                i[r]
+            };
+            let s = _mm256_mul_ps(dw, _mm256_set1_ps(a.d));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, acc[r]);
+            if MIN {
+                acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), acc[r]);
+            }
+        }
+    });
 }
 
 /// Every byte's bit `from` moved to bit `to` (other bits left for the
@@ -354,7 +370,7 @@ unsafe fn move_bit(v: __m256i, from: usize, to: usize) -> __m256i {
 /// ...
 #[inline(always)]
 unsafe fn dot_q4k<const R: usize, const NH: usize, const FIVE: bool>(
-    mut p: *const u8,
+    p: *const u8,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
     aux: &[&[i32]],
@@ -366,93 +382,68 @@ unsafe fn dot_q4k<const R: usize, const NH: usize, const FIVE: bool>(
     let m0f = _mm256_set1_epi8(0x0f);
     let m10 = _mm256_set1_epi8(0x10);
     let zero = _mm256_setzero_si256();
-    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
-    for c in 0..8 {
-        let units = class_units(n_sb, c);
-        for pass in 0..2 / NH {
-            let mut accs = [[_mm256_setzero_ps(); R]; NH];
-            let mut q = p;
-            let mut sb = c;
-            for _ in 0..units {
-                for hh in 0..NH {
-                    let h = pass * NH + hh;
-                    let hb = 32 * h;
-                    let acc = &mut accs[hh];
-                    let mut isum = [zero; R];
-                    for jp in 0..4 {
-                        prefetch_part(q, ub, jp, 4, out.prefetch && pass == 0 && hh == 0);
-                        // Blocks 2jp and 2jp + 1: the low and high nibbles of
-                        // words 8jp .. 8jp + 8, each word loaded once; at most
-                        // 8 * 2 * 15 * 127 in a 16-bit lane (Q5_K's 5-bit
-                        // levels: 4 * 2 * 31 * 127, so two sums of four).
-                        let (j0, j1) = (2 * jp, 2 * jp + 1);
-                        let s0 = scale_pairs(q.add(Q4K_SC + 16 * j0 + LANES * h), false);
-                        let s1 = scale_pairs(q.add(Q4K_SC + 16 * j1 + LANES * h), false);
-                        let mut lo16 = [zero; R];
-                        let mut hi16 = [zero; R];
-                        for t in 0..8 {
-                            let v = load(q.add(Q4K_QS + (jp * 8 + t) * 64 + hb));
-                            let mut lo = _mm256_and_si256(v, m0f);
-                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
-                            if FIVE {
-                                let hv = load(q.add(Q5K_QH + t * 64 + hb));
-                                lo = _mm256_or_si256(lo, _mm256_and_si256(move_bit(hv, j0, 4), m10));
-                                hi = _mm256_or_si256(hi, _mm256_and_si256(move_bit(hv, j1, 4), m10));
-                            }
-                            for r in 0..R {
-                                let a = acts.get_unchecked(r).as_ptr().add(sb * 8);
-                                lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(lo, act4(&*a.add(j0), t)));
-                                hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, act4(&*a.add(j1), t)));
-                            }
-                            if t == 7 || (FIVE && t == 3) {
-                                for r in 0..R {
-                                    let x = _mm256_add_epi32(
-                                        _mm256_madd_epi16(lo16[r], s0),
-                                        _mm256_madd_epi16(hi16[r], s1),
-                                    );
-                                    isum[r] = _mm256_add_epi32(isum[r], x);
-                                    lo16[r] = zero;
-                                    hi16[r] = zero;
-                                }
-                            }
-                        }
-                    }
-                    let d = f16x8(q.add(Q4K_D + 2 * LANES * h));
+    walk::<R, NH>(p, n_sb, ub, out, |q, sb, h, first, acc| {
+        let hb = 32 * h;
+        let mut isum = [zero; R];
+        for jp in 0..4 {
+            prefetch_part(q, ub, jp, 4, first);
+            // Blocks 2jp and 2jp + 1: the low and high nibbles of
+            // words 8jp .. 8jp + 8, each word loaded once; at most
+            // 8 * 2 * 15 * 127 in a 16-bit lane (Q5_K's 5-bit
+            // levels: 4 * 2 * 31 * 127, so two sums of four).
+            let (j0, j1) = (2 * jp, 2 * jp + 1);
+            let s0 = scale_pairs(q.add(Q4K_SC + 16 * j0 + LANES * h), false);
+            let s1 = scale_pairs(q.add(Q4K_SC + 16 * j1 + LANES * h), false);
+            let mut lo16 = [zero; R];
+            let mut hi16 = [zero; R];
+            for t in 0..8 {
+                let v = load(q.add(Q4K_QS + (jp * 8 + t) * 64 + hb));
+                let mut lo = _mm256_and_si256(v, m0f);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                if FIVE {
+                    let hv = load(q.add(Q5K_QH + t * 64 + hb));
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(move_bit(hv, j0, 4), m10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(move_bit(hv, j1, 4), m10));
+                }
+                for r in 0..R {
+                    let a = acts.get_unchecked(r).as_ptr().add(sb * 8);
+                    lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(lo, act4(&*a.add(j0), t)));
+                    hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, act4(&*a.add(j1), t)));
+                }
+                if t == 7 || (FIVE && t == 3) {
                     for r in 0..R {
-                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
-                    }
-                    let dmin = f16x8(q.add(Q4K_DMIN + 2 * LANES * h));
-                    let mut mv = [zero; 4];
-                    for k in 0..4 {
-                        mv[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                            q.add(Q4K_MINS + 32 * k + 2 * LANES * h) as *const __m128i
-                        ));
-                    }
-                    for r in 0..R {
-                        let x = aux.get_unchecked(r);
-                        let mut msum = zero;
-                        for k in 0..4 {
-                            let m = _mm256_madd_epi16(mv[k], _mm256_set1_epi32(*x.get_unchecked(sb * 4 + k)));
-                            msum = _mm256_add_epi32(msum, m);
-                        }
-                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                        let cm =
-                            _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, da)), neg));
-                        acc[r] = _mm256_fmadd_ps(cm, _mm256_cvtepi32_ps(msum), acc[r]);
+                        let x = _mm256_add_epi32(_mm256_madd_epi16(lo16[r], s0), _mm256_madd_epi16(hi16[r], s1));
+                        isum[r] = _mm256_add_epi32(isum[r], x);
+                        lo16[r] = zero;
+                        hi16[r] = zero;
                     }
                 }
-                q = q.add(ub);
-                sb += 8;
-            }
-            for hh in 0..NH {
-                trees[pass * NH + hh].push(c, &accs[hh]);
             }
         }
-        p = p.add(units * ub);
-    }
-    trees[0].store(out, 0);
-    trees[1].store(out, 1);
+        let d = f16x8(q.add(Q4K_D + 2 * LANES * h));
+        for r in 0..R {
+            let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+        }
+        let dmin = f16x8(q.add(Q4K_DMIN + 2 * LANES * h));
+        let mut mv = [zero; 4];
+        for k in 0..4 {
+            mv[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                q.add(Q4K_MINS + 32 * k + 2 * LANES * h) as *const __m128i
+            ));
+        }
+        for r in 0..R {
+            let x = aux.get_unchecked(r);
+            let mut msum = zero;
+            for k in 0..4 {
+                let m = _mm256_madd_epi16(mv[k], _mm256_set1_epi32(*x.get_unchecked(sb * 4 + k)));
+                msum = _mm256_add_epi32(msum, m);
+            }
+            let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+            let cm = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, da)), neg));
+            acc[r] = _mm256_fmadd_ps(cm, _mm256_cvtepi32_ps(msum), acc[r]);
+        }
+    });
 }
 
 /// Q6_K's blocks `4 half + KP` and `4 half + KP + 2` of super-block `sb`:
@@ -525,7 +516,7 @@ unsafe fn q6k_pair<const KP: usize, const R: usize>(
 /// starting values).
 #[inline(always)]
 unsafe fn dot_q6k<const R: usize, const NH: usize>(
-    mut p: *const u8,
+    p: *const u8,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
     aux: &[&[i32]],
@@ -534,120 +525,75 @@ unsafe fn dot_q6k<const R: usize, const NH: usize>(
     let ub = unit_bytes(GgmlType::Q6K);
     let n_sb = n_blocks / 8;
     let zero = _mm256_setzero_si256();
-    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
-    for c in 0..8 {
-        let units = class_units(n_sb, c);
-        for pass in 0..2 / NH {
-            let mut accs = [[_mm256_setzero_ps(); R]; NH];
-            let mut q = p;
-            let mut sb = c;
-            for _ in 0..units {
-                for hh in 0..NH {
-                    let h = pass * NH + hh;
-                    let acc = &mut accs[hh];
-                    let mut isum = [zero; R];
-                    let on = out.prefetch && pass == 0 && hh == 0;
-                    for half in 0..2 {
-                        prefetch_part(q, ub, 2 * half, 4, on);
-                        q6k_pair::<0, R>(q, sb, half, h, acts, &mut isum);
-                        prefetch_part(q, ub, 2 * half + 1, 4, on);
-                        q6k_pair::<1, R>(q, sb, half, h, acts, &mut isum);
-                    }
-                    // The offset: per block j, its two groups' scales beside
-                    // each other in every lane, against the row's two sums.
-                    let mut sp = [zero; 8];
-                    for j in 0..8 {
-                        let lo = _mm_loadl_epi64(q.add(Q6K_SC + 16 * (2 * j) + LANES * h) as *const __m128i);
-                        let hi = _mm_loadl_epi64(q.add(Q6K_SC + 16 * (2 * j + 1) + LANES * h) as *const __m128i);
-                        sp[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
-                    }
-                    let d = f16x8(q.add(Q6K_D + 2 * LANES * h));
-                    for r in 0..R {
-                        // The row's 16-element sums in pairs, after the starts.
-                        let x = aux.get_unchecked(r).as_ptr().add(2 * n_blocks + sb * 8);
-                        let mut corr = zero;
-                        for j in 0..8 {
-                            let pair = _mm256_set1_epi32(*x.add(j));
-                            corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sp[j], pair));
-                        }
-                        let v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(corr));
-                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, da), acc[r]);
-                    }
-                }
-                q = q.add(ub);
-                sb += 8;
-            }
-            for hh in 0..NH {
-                trees[pass * NH + hh].push(c, &accs[hh]);
-            }
+    walk::<R, NH>(p, n_sb, ub, out, |q, sb, h, first, acc| {
+        let mut isum = [zero; R];
+        for half in 0..2 {
+            prefetch_part(q, ub, 2 * half, 4, first);
+            q6k_pair::<0, R>(q, sb, half, h, acts, &mut isum);
+            prefetch_part(q, ub, 2 * half + 1, 4, first);
+            q6k_pair::<1, R>(q, sb, half, h, acts, &mut isum);
         }
-        p = p.add(units * ub);
-    }
-    trees[0].store(out, 0);
-    trees[1].store(out, 1);
+        // The offset: per block j, its two groups' scales beside
+        // each other in every lane, against the row's two sums.
+        let mut sp = [zero; 8];
+        for j in 0..8 {
+            let lo = _mm_loadl_epi64(q.add(Q6K_SC + 16 * (2 * j) + LANES * h) as *const __m128i);
+            let hi = _mm_loadl_epi64(q.add(Q6K_SC + 16 * (2 * j + 1) + LANES * h) as *const __m128i);
+            sp[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
+        }
+        let d = f16x8(q.add(Q6K_D + 2 * LANES * h));
+        for r in 0..R {
+            // The row's 16-element sums in pairs, after the starts.
+            let x = aux.get_unchecked(r).as_ptr().add(2 * n_blocks + sb * 8);
+            let mut corr = zero;
+            for j in 0..8 {
+                let pair = _mm256_set1_epi32(*x.add(j));
+                corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sp[j], pair));
+            }
+            let v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(corr));
+            let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, da), acc[r]);
+        }
+    });
 }
 
 /// IQ4_XS: accumulator class `c` takes super-blocks c, c + 8, ... Block
 /// j's nibbles are looked up as signed levels (see [`signed_word`]) and
 /// its integer sum times its signed 6-bit scale (less 32).
 #[inline(always)]
-unsafe fn dot_iq4xs<const R: usize, const NH: usize>(mut p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], out: Out) {
+unsafe fn dot_iq4xs<const R: usize, const NH: usize>(p: *const u8, n_blocks: usize, acts: &[&[BlockQ8]], out: Out) {
     let ub = unit_bytes(GgmlType::IQ4XS);
     let n_sb = n_blocks / 8;
     let m0f = _mm256_set1_epi8(0x0f);
     let lut = signed_table(GgmlType::IQ4XS);
     let zero = _mm256_setzero_si256();
-    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
-    for c in 0..8 {
-        let units = class_units(n_sb, c);
-        for pass in 0..2 / NH {
-            let mut accs = [[_mm256_setzero_ps(); R]; NH];
-            let mut q = p;
-            let mut sb = c;
-            for _ in 0..units {
-                for hh in 0..NH {
-                    let h = pass * NH + hh;
-                    let hb = 32 * h;
-                    let acc = &mut accs[hh];
-                    let mut isum = [zero; R];
-                    for j in 0..8 {
-                        prefetch_part(q, ub, j, 8, out.prefetch && pass == 0 && hh == 0);
-                        let mut i = [zero; R];
-                        for t in 0..4 {
-                            let v = load(q.add(IQ4XS_QS + 256 * j + t * 64 + hb));
-                            let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m0f));
-                            let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f));
-                            for r in 0..R {
-                                let a = acts.get_unchecked(r).get_unchecked(sb * 8 + j);
-                                let x = _mm256_add_epi32(signed_word(lo, act4(a, t)), signed_word(hi, act4(a, t + 4)));
-                                i[r] = _mm256_add_epi32(i[r], x);
-                            }
-                        }
-                        let s = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                            q.add(IQ4XS_SC + 16 * j + LANES * h) as *const __m128i
-                        ));
-                        for r in 0..R {
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(i[r], s));
-                        }
-                    }
-                    let d = f16x8(q.add(IQ4XS_D + 2 * LANES * h));
-                    for r in 0..R {
-                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
-                    }
+    walk::<R, NH>(p, n_sb, ub, out, |q, sb, h, first, acc| {
+        let hb = 32 * h;
+        let mut isum = [zero; R];
+        for j in 0..8 {
+            prefetch_part(q, ub, j, 8, first);
+            let mut i = [zero; R];
+            for t in 0..4 {
+                let v = load(q.add(IQ4XS_QS + 256 * j + t * 64 + hb));
+                let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m0f));
+                let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f));
+                for r in 0..R {
+                    let a = acts.get_unchecked(r).get_unchecked(sb * 8 + j);
+                    let x = _mm256_add_epi32(signed_word(lo, act4(a, t)), signed_word(hi, act4(a, t + 4)));
+                    i[r] = _mm256_add_epi32(i[r], x);
                 }
-                q = q.add(ub);
-                sb += 8;
             }
-            for hh in 0..NH {
-                trees[pass * NH + hh].push(c, &accs[hh]);
+            let s = _mm256_cvtepi8_epi32(_mm_loadl_epi64(q.add(IQ4XS_SC + 16 * j + LANES * h) as *const __m128i));
+            for r in 0..R {
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(i[r], s));
             }
         }
-        p = p.add(units * ub);
-    }
-    trees[0].store(out, 0);
-    trees[1].store(out, 1);
+        let d = f16x8(q.add(IQ4XS_D + 2 * LANES * h));
+        for r in 0..R {
+            let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+        }
+    });
 }
 
 /// Q3_K (`THREE`) and Q2_K: accumulator class `c` takes super-blocks c,
@@ -659,7 +605,7 @@ unsafe fn dot_iq4xs<const R: usize, const NH: usize>(mut p: *const u8, n_blocks:
 /// 16-element sums, which `aux` holds in pairs.
 #[inline(always)]
 unsafe fn dot_k23<const R: usize, const NH: usize, const THREE: bool>(
-    mut p: *const u8,
+    p: *const u8,
     n_blocks: usize,
     acts: &[&[BlockQ8]],
     aux: &[&[i32]],
@@ -673,106 +619,81 @@ unsafe fn dot_k23<const R: usize, const NH: usize, const THREE: bool>(
     let neg = _mm256_set1_epi32(i32::MIN);
     let zero = _mm256_setzero_si256();
     let qs_at = if THREE { Q3K_QS } else { Q2K_QS };
-    let mut trees = [Tree::<R>::new(), Tree::<R>::new()];
-    for c in 0..8 {
-        let units = class_units(n_sb, c);
-        for pass in 0..2 / NH {
-            let mut accs = [[_mm256_setzero_ps(); R]; NH];
-            let mut q = p;
-            let mut sb = c;
-            for _ in 0..units {
-                for hh in 0..NH {
-                    let h = pass * NH + hh;
-                    let hb = 32 * h;
-                    let acc = &mut accs[hh];
-                    let mut isum = [zero; R];
-                    let mut msum = [zero; R];
-                    for j in 0..8 {
-                        prefetch_part(q, ub, j, 8, out.prefetch && pass == 0 && hh == 0);
-                        let (half, k) = (j / 4, j % 4);
-                        let blk = sb * 8 + j;
-                        // Each group's scale (Q2_K: and minimum) per lane.
-                        let (sc, mins) = if THREE {
-                            let sc = [
-                                _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                    q.add(Q3K_SC + 16 * (2 * j) + LANES * h) as *const __m128i
-                                )),
-                                _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                    q.add(Q3K_SC + 16 * (2 * j + 1) + LANES * h) as *const __m128i
-                                )),
-                            ];
-                            (sc, zero)
-                        } else {
-                            let raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                q.add(Q2K_SC + 32 * j + 2 * LANES * h) as *const __m128i
-                            ));
-                            let m0f = _mm256_set1_epi32(0x0f);
-                            let sc = [
-                                _mm256_and_si256(raw, m0f),
-                                _mm256_and_si256(_mm256_srli_epi32::<16>(raw), m0f),
-                            ];
-                            (
-                                sc,
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), _mm256_set1_epi16(0x0f)),
-                            )
-                        };
-                        let mut s16 = [[zero; R]; 2];
-                        for t in 0..8 {
-                            let l = load(q.add(qs_at + (8 * half + t) * 64 + hb));
-                            let mut w = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(2 * k as i32)), m03);
-                            if THREE {
-                                let hm = load(q.add(Q3K_HM + t * 64 + hb));
-                                w = _mm256_or_si256(w, _mm256_and_si256(move_bit(hm, j, 2), m04));
-                            }
-                            for r in 0..R {
-                                let a = acts.get_unchecked(r).get_unchecked(blk);
-                                s16[t / 4][r] = _mm256_add_epi16(s16[t / 4][r], _mm256_maddubs_epi16(w, act4(a, t)));
-                            }
-                        }
-                        for r in 0..R {
-                            let x = aux.get_unchecked(r);
-                            let ones = _mm256_set1_epi16(1);
-                            for g in 0..2 {
-                                let mut i = _mm256_madd_epi16(s16[g][r], ones);
-                                if THREE {
-                                    i = _mm256_add_epi32(i, _mm256_set1_epi32(*x.get_unchecked(2 * blk + g)));
-                                }
-                                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(i, sc[g]));
-                            }
-                            if !THREE {
-                                let pair = _mm256_set1_epi32(*x.get_unchecked(2 * n_blocks + blk));
-                                msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mins, pair));
-                            }
-                        }
-                    }
-                    let d = f16x8(q.add(if THREE { Q3K_D } else { Q2K_D } + 2 * LANES * h));
-                    for r in 0..R {
-                        let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
-                    }
-                    if !THREE {
-                        let dmin = f16x8(q.add(Q2K_DMIN + 2 * LANES * h));
-                        for r in 0..R {
-                            let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
-                            let cm = _mm256_castsi256_ps(_mm256_xor_si256(
-                                _mm256_castps_si256(_mm256_mul_ps(dmin, da)),
-                                neg,
-                            ));
-                            acc[r] = _mm256_fmadd_ps(cm, _mm256_cvtepi32_ps(msum[r]), acc[r]);
-                        }
-                    }
+    walk::<R, NH>(p, n_sb, ub, out, |q, sb, h, first, acc| {
+        let hb = 32 * h;
+        let mut isum = [zero; R];
+        let mut msum = [zero; R];
+        for j in 0..8 {
+            prefetch_part(q, ub, j, 8, first);
+            let (half, k) = (j / 4, j % 4);
+            let blk = sb * 8 + j;
+            // Each group's scale (Q2_K: and minimum) per lane.
+            let (sc, mins) = if THREE {
+                let sc = [
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        q.add(Q3K_SC + 16 * (2 * j) + LANES * h) as *const __m128i
+                    )),
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        q.add(Q3K_SC + 16 * (2 * j + 1) + LANES * h) as *const __m128i
+                    )),
+                ];
+                (sc, zero)
+            } else {
+                let raw =
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(q.add(Q2K_SC + 32 * j + 2 * LANES * h) as *const __m128i));
+                let m0f = _mm256_set1_epi32(0x0f);
+                let sc = [
+                    _mm256_and_si256(raw, m0f),
+                    _mm256_and_si256(_mm256_srli_epi32::<16>(raw), m0f),
+                ];
+                (
+                    sc,
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(raw), _mm256_set1_epi16(0x0f)),
+                )
+            };
+            let mut s16 = [[zero; R]; 2];
+            for t in 0..8 {
+                let l = load(q.add(qs_at + (8 * half + t) * 64 + hb));
+                let mut w = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(2 * k as i32)), m03);
+                if THREE {
+                    let hm = load(q.add(Q3K_HM + t * 64 + hb));
+                    w = _mm256_or_si256(w, _mm256_and_si256(move_bit(hm, j, 2), m04));
                 }
-                q = q.add(ub);
-                sb += 8;
+                for r in 0..R {
+                    let a = acts.get_unchecked(r).get_unchecked(blk);
+                    s16[t / 4][r] = _mm256_add_epi16(s16[t / 4][r], _mm256_maddubs_epi16(w, act4(a, t)));
+                }
             }
-            for hh in 0..NH {
-                trees[pass * NH + hh].push(c, &accs[hh]);
+            for r in 0..R {
+                let x = aux.get_unchecked(r);
+                let ones = _mm256_set1_epi16(1);
+                for g in 0..2 {
+                    let mut i = _mm256_madd_epi16(s16[g][r], ones);
+                    if THREE {
+                        i = _mm256_add_epi32(i, _mm256_set1_epi32(*x.get_unchecked(2 * blk + g)));
+                    }
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(i, sc[g]));
+                }
+                if !THREE {
+                    let pair = _mm256_set1_epi32(*x.get_unchecked(2 * n_blocks + blk));
+                    msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mins, pair));
+                }
             }
         }
-        p = p.add(units * ub);
-    }
-    trees[0].store(out, 0);
-    trees[1].store(out, 1);
+        let d = f16x8(q.add(if THREE { Q3K_D } else { Q2K_D } + 2 * LANES * h));
+        for r in 0..R {
+            let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, da), acc[r]);
+        }
+        if !THREE {
+            let dmin = f16x8(q.add(Q2K_DMIN + 2 * LANES * h));
+            for r in 0..R {
+                let da = _mm256_set1_ps(acts.get_unchecked(r).get_unchecked(sb * 8).d);
+                let cm = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, da)), neg));
+                acc[r] = _mm256_fmadd_ps(cm, _mm256_cvtepi32_ps(msum[r]), acc[r]);
+            }
+        }
+    });
 }
 
 #[inline(always)]
