@@ -23,20 +23,11 @@ fn main() {
         snug_kernels::cpu::limit(level);
         snug_kernels::cpu::disable_amx();
     }
-    let all = [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q6K,
-        GgmlType::Q2K,
-        GgmlType::Q3K,
-        GgmlType::Q5K,
-        GgmlType::IQ4NL,
-        GgmlType::IQ4XS,
-        GgmlType::MXFP4,
-    ];
+    // Every quantized type the panels take.
+    let all: Vec<GgmlType> = GgmlType::ALL
+        .into_iter()
+        .filter(|&t| snug_kernels::panel::supports(t))
+        .collect();
     let wanted: Vec<String> = std::env::args().skip(1).collect();
     let scale: usize = std::env::var("REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let only = std::env::var("ONLY").unwrap_or_default();
