@@ -6,6 +6,11 @@
 //!
 //!     gpucheck MODEL.gguf [--prompt N] [--gen N] [--pp N] [--tg N] [--out FILE] [--define NAME=VALUE]...
 //!         [--profile-decode N | --profile-prefill N [--tiles warp|staged]] [--no-graphs] [--no-overlap]
+//!         [--kv FORMAT[/FORMAT]]
+//!
+//! `--kv q8` (or `f16/q8`, `tq4/q8`: keys/values) runs every check over
+//! pages in those formats, each page with an F16 twin (the exact window),
+//! TQ4 keys coded against a key basis made up for the check.
 //!
 //! (An example: it unwraps and exits on failure.)
 #![allow(clippy::unwrap_used)]
@@ -13,7 +18,8 @@
 use std::time::Instant;
 
 use snug_cuda::{CudaKv, CudaWeights, CudaWorkspace, Device, Tiles};
-use snug_kernels::kv::{KvFormat, KvShape, KvStorage};
+use snug_kernels::kv::{KvFormat, KvShape, KvStorage, KvStore};
+use snug_kernels::kvbasis::KeyBasis;
 use snug_kernels::GgmlType;
 use snug_model::arch::{forward, BatchRow, Config, Head, KvView, Model, Weights};
 use snug_model::backend::{Backend, Cpu, Native, WorkspaceSize};
@@ -55,6 +61,8 @@ fn greedy<'w, B: Backend>(
     gen: usize,
 ) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
     let tables: Vec<&[u32]> = pages.iter().map(|p| p.as_slice()).collect();
+    // A coded cache: every page's twin is the page of the same number.
+    let twins: Vec<&[u32]> = if kv.is_lossy() { tables.clone() } else { Vec::new() };
     let mut out: Vec<(Vec<u32>, Vec<Vec<f32>>)> = vec![(Vec::new(), Vec::new()); prompts.len()];
     for (s, p) in prompts.iter().enumerate() {
         for (ci, part) in p.chunks(chunk).enumerate() {
@@ -72,7 +80,7 @@ fn greedy<'w, B: Backend>(
             let mut view = KvView {
                 storage: &mut *kv,
                 pages: &tables,
-                twins: &[],
+                twins: &twins,
             };
             forward::<B>(c, w, &rows, &mut view, ws, Head::Logits, &mut logits);
             if !logits.is_empty() {
@@ -96,7 +104,7 @@ fn greedy<'w, B: Backend>(
         let mut view = KvView {
             storage: &mut *kv,
             pages: &tables,
-            twins: &[],
+            twins: &twins,
         };
         forward::<B>(c, w, &rows, &mut view, ws, Head::Logits, &mut logits);
         for (s, l) in logits.chunks(c.vocab).enumerate() {
@@ -105,6 +113,39 @@ fn greedy<'w, B: Backend>(
         }
     }
     out
+}
+
+/// A key basis for TQ4 keys with offsets and weights away from the
+/// identity (the same for both elements of a rotary pair), so that coding
+/// against it and scoring its offset are exercised.
+fn test_basis(model: &Model) -> std::sync::Arc<KeyBasis> {
+    let c = &model.config;
+    let ropes = model.layer_ropes();
+    let mut b = KeyBasis::identity(c.layers, c.kv_heads, c.head_dim, ropes.clone());
+    for (l, rope) in ropes.iter().enumerate() {
+        for h in 0..c.kv_heads {
+            let o = (l * c.kv_heads + h) * c.head_dim;
+            for d in 0..c.head_dim {
+                b.offset[o + d] = 0.3 * ((o + 7 * d) as f32 * 0.37).sin();
+            }
+            for (j, &(a, bb, _)) in rope.pairs(c.head_dim).iter().enumerate() {
+                let w = 0.6 + 0.1 * (j % 9) as f32;
+                b.weight[o + a] = w;
+                b.weight[o + bb] = w;
+            }
+        }
+    }
+    std::sync::Arc::new(b)
+}
+
+/// `--kv K[/V]`: the formats of keys and values (F16 without it).
+fn kv_formats(args: &[String]) -> (KvFormat, KvFormat) {
+    let Some(i) = args.iter().position(|a| a == "--kv") else {
+        return (KvFormat::F16, KvFormat::F16);
+    };
+    let spec = &args[i + 1];
+    let (k, v) = spec.split_once('/').unwrap_or((spec, spec));
+    (KvFormat::parse(k).unwrap(), KvFormat::parse(v).unwrap())
 }
 
 fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
@@ -122,6 +163,10 @@ fn main() {
     let pp = arg(&args, "--pp", 512);
     let tg = arg(&args, "--tg", 128);
     let out_file = args.iter().position(|a| a == "--out").map(|i| args[i + 1].clone());
+    let formats = kv_formats(&args);
+    let lossy = [formats.0, formats.1]
+        .iter()
+        .any(|f| matches!(f, KvFormat::Q8 | KvFormat::Tq4));
 
     // `--cpu-only`: the CPU backend's own batch invariance on this file
     // (whole prompt, a row at a time, chunks of 7), no GPU needed.
@@ -148,7 +193,10 @@ fn main() {
             page_tokens: PT,
             threads: 2,
         };
-        let mut kv = KvStorage::new(shape, KvFormat::F16, ctx.div_ceil(PT) + 1);
+        let n = ctx.div_ceil(PT) + 1;
+        let mut kv = KvStorage::with_formats(shape, formats.0, formats.1, n)
+            .with_twins(if lossy { n } else { 0 })
+            .with_key_basis(test_basis(&model));
         let mut ws = <Cpu<Native> as Backend>::workspace(&c, size);
         let w = model.weights();
         let mut runs = Vec::new();
@@ -229,7 +277,16 @@ fn main() {
             page_tokens: PT,
             threads: 1,
         };
-        let mut kv = CudaKv::new(&dev, shape, ctx.div_ceil(PT) + 1).unwrap();
+        let n = ctx.div_ceil(PT) + 1;
+        let mut kv = CudaKv::with_formats(
+            &dev,
+            shape,
+            formats,
+            n,
+            if lossy { n } else { 0 },
+            Some(test_basis(&model)),
+        )
+        .unwrap();
         let mut ws = CudaWorkspace::new(&dev, &c, size).unwrap();
         ws.set_graphs(!args.iter().any(|a| a == "--no-graphs"));
         ws.set_overlap(!args.iter().any(|a| a == "--no-overlap"));
@@ -241,6 +298,7 @@ fn main() {
         );
         let pages: Vec<u32> = (0..(ctx.div_ceil(PT) + 1) as u32).collect();
         let tables: Vec<&[u32]> = vec![&pages];
+        let twins: Vec<&[u32]> = if lossy { tables.clone() } else { Vec::new() };
         let rows: Vec<BatchRow> = prompt
             .iter()
             .enumerate()
@@ -258,7 +316,7 @@ fn main() {
                 let mut view = KvView {
                     storage: &mut kv,
                     pages: &tables,
-                    twins: &[],
+                    twins: &twins,
                 };
                 dev.synchronize().unwrap();
                 let t = Instant::now();
@@ -281,7 +339,7 @@ fn main() {
         let mut view = KvView {
             storage: &mut kv,
             pages: &tables,
-            twins: &[],
+            twins: &twins,
         };
         forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
         let mut next = argmax(&logits);
@@ -299,7 +357,7 @@ fn main() {
             let mut view = KvView {
                 storage: &mut kv,
                 pages: &tables,
-                twins: &[],
+                twins: &twins,
             };
             forward::<snug_cuda::Cuda>(&c, &gw.weights, &rows, &mut view, &mut ws, Head::Logits, &mut logits);
             next = argmax(&logits);
@@ -431,12 +489,15 @@ fn main() {
         page_tokens: PT,
         threads: std::thread::available_parallelism().map_or(4, |n| n.get()),
     };
-    let mut gkv = CudaKv::new(&dev, shape, 2 * per_seq).unwrap();
+    let n_twins = if lossy { 2 * per_seq } else { 0 };
+    let mut gkv = CudaKv::with_formats(&dev, shape, formats, 2 * per_seq, n_twins, Some(test_basis(&model))).unwrap();
     let mut gws = CudaWorkspace::new(&dev, &c, size).unwrap();
     let gwt = &gw.weights;
 
     // The CPU reference (snug's own numerics).
-    let mut ckv = KvStorage::new(shape, KvFormat::F16, 2 * per_seq);
+    let mut ckv = KvStorage::with_formats(shape, formats.0, formats.1, 2 * per_seq)
+        .with_twins(n_twins)
+        .with_key_basis(test_basis(&model));
     let mut cws = <Cpu<Native> as Backend>::workspace(&c, size);
     let t = Instant::now();
     let cpu = greedy::<Cpu<Native>>(
@@ -523,6 +584,7 @@ fn main() {
     // Speed: prefill of `pp` rows in one pass; `tg` decode steps of one row.
     let bench_prompt: Vec<u32> = (0..pp).map(|i| prompt[i % prompt.len()]).collect();
     let tables: Vec<&[u32]> = vec![&pages[0]];
+    let twins: Vec<&[u32]> = if lossy { tables.clone() } else { Vec::new() };
     let mut pp_s = Vec::new();
     let mut tg_s = Vec::new();
     let mut tg_direct_s = Vec::new();
@@ -553,7 +615,7 @@ fn main() {
         let mut view = KvView {
             storage: &mut gkv,
             pages: &tables,
-            twins: &[],
+            twins: &twins,
         };
         forward::<snug_cuda::Cuda>(&c, gwt, &rows, &mut view, &mut gws, Head::Logits, &mut logits);
         dev.synchronize().unwrap();
@@ -577,7 +639,7 @@ fn main() {
             let mut view = KvView {
                 storage: &mut gkv,
                 pages: &tables,
-                twins: &[],
+                twins: &twins,
             };
             forward::<snug_cuda::Cuda>(&c, gwt, &rows, &mut view, &mut gws, Head::Logits, &mut logits);
             next = argmax(&logits);
@@ -599,6 +661,7 @@ fn main() {
     let (pps, tgs, tgd) = (med(&mut pp_s), med(&mut tg_s), med(&mut tg_direct_s));
     let report = serde_json::json!({
         "model": path.file_name().map(|n| n.to_string_lossy().to_string()),
+        "kv": format!("{}/{}", formats.0.name(), formats.1.name()),
         "device": dev.name,
         "capability": format!("sm_{}{}", dev.capability.0, dev.capability.1),
         "weights_bytes_on_device": gw.bytes,

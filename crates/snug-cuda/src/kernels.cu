@@ -1602,7 +1602,8 @@ extern "C" __global__ void add_bias(float* x, const float* b, int width, u64 len
 // computes them). Thread t of a row rotates pair t % pairs of query head
 // t / pairs, or of a key head (then stores the pair's two keys), or
 // stores one value and, where that dimension is not rotated (`rotated[d]`
-// is 0), its key.
+// is 0), its key. With `kc` and `vc` null nothing is stored (a coded cache:
+// write_kv_coded stores the rotated keys after).
 extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, const float* cs, int heads,
                                          int kv_heads, int hd, const int* pa, const int* pb, int pairs,
                                          const int* rotated, const u32* page, const u32* slot, int layer,
@@ -1621,13 +1622,14 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, con
             float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
             x[a] = y0;
             x[b] = y1;
-            if (h >= heads) {
+            if (h >= heads && kc) {
                 u64 base = ((((u64)page[r] * layers + layer) * kv_heads + (h - heads)) * pt + slot[r]) * hd;
                 kc[base + a] = f2h(y0);
                 kc[base + b] = f2h(y1);
             }
         } else {
             int e = t - nq - nk;
+            if (!vc) continue;
             int h = e / hd, d = e % hd;
             u64 at = ((((u64)page[r] * layers + layer) * kv_heads + h) * pt + slot[r]) * hd + d;
             vc[at] = f2h(v[(u64)r * kvd + e]);
@@ -1650,6 +1652,170 @@ extern "C" __global__ void write_kv_f16(const float* k, const float* v, const u3
         u64 at = ((((u64)page[r] * layers + layer) * kv_heads + h) * pt + slot[r]) * hd + d;
         kc[at] = f2h(k[(u64)r * kvd + t]);
         vc[at] = f2h(v[(u64)r * kvd + t]);
+    }
+}
+
+// KV formats (KvFormat): f16 elements, or codes of the rotated vector and
+// an f16 scale per vector (Q8: int8 codes; TQ4: 4-bit codes into a
+// 16-level codebook, element 2i in the low nibble of byte i).
+#define KV_F16 0
+#define KV_Q8 1
+#define KV_TQ4 2
+#define NO_TWIN 0xffffffffu
+
+// x <- H x (unnormalized Walsh-Hadamard) for the hd (a power of two)
+// values at x in shared memory, thread d of the block taking the pairs
+// (d, d + s) whose lower index it is, stage after stage: every butterfly
+// is the CPU's (tq4::hadamard), each a + b and a - b rounded once.
+__device__ __forceinline__ void hadamard_shared(float* x, int hd) {
+    int d = threadIdx.x;
+    for (int s = 1; s < hd; s <<= 1) {
+        for (int i = d; i < hd; i += blockDim.x)
+            if (!(i & s)) {
+                float a = x[i], b = x[i + s];
+                x[i] = a + b;
+                x[i + s] = a - b;
+            }
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ bool sign_of(const u64* signs, int i) { return (signs[i >> 6] >> (i & 63)) & 1; }
+
+// A cache with a coded part, as its kernels read it (CudaKv's KvDesc):
+// keys, key scales, values, value scales (codes, or f16 elements where a
+// part is F16), the twins, the rotation's signs per (layer, KV head), the
+// TQ4 codebook; for TQ4 keys, the key basis (kvbasis: offset m and weight
+// w per (layer, KV head, dimension)), the layer's rotary pairs and the
+// dimensions they leave alone, and its offset tables: within[j pt + t]
+// the cosine of pair j's angle at t positions into a page, then the
+// sines; starts[page np + j] the cosine at a page's start, then the sines.
+struct KvDesc {
+    u8* k;
+    u16* ks;
+    u8* v;
+    u16* vs;
+    u16* tk;
+    u16* tv;
+    const u64* signs;
+    const float* book;
+    const float* bm;
+    const float* bw;
+    const int* bpairs;
+    const int* bfixed;
+    const float* within;
+    const float* starts;
+    float rs;
+    int kf;
+    int vf;
+    int np;
+    int nfixed;
+    int n_pages;
+};
+
+// Each row's keys and values of `layer` into its slot, in the cache's
+// formats, as the CPU's KvStorage::write stores them: a block per (row,
+// KV head, keys or values), thread d holding element d. TQ4 keys are first
+// put in the key basis' terms, (k - rope(m, pos)) * w, the offset turned
+// by the row's cosines and sines `cs` as the query and key were. A coded
+// vector is rotated (signs, Hadamard, times rs = 1 / sqrt(hd),
+// tq4::rotate); then Q8 takes the scale max|x| / 127 rounded to f16 and
+// each element's round-to-even code of x / scale clamped to +-127; TQ4
+// takes each element's nearest level of the unit vector (the count of
+// cell bounds below it) and the least-squares scale <x, c> / |c|^2, its
+// sums taken in element order. Where the row's page has a twin, the vector
+// also goes there as f16, as it came.
+extern "C" __global__ void write_kv_coded(const float* k, const float* v, const u32* page, const u32* slot,
+                                          const u32* twin, int layer, int layers, int kv_heads, int pt, int hd,
+                                          const float* cs, int pairs, KvDesc kv) {
+    after_previous();
+    __shared__ float x[256];
+    __shared__ int code[256];
+    __shared__ float red[8];
+    int r = blockIdx.x, h = blockIdx.y, is_v = blockIdx.z, d = threadIdx.x;
+    int fmt = is_v ? kv.vf : kv.kf;
+    u8* codes = is_v ? kv.v : kv.k;
+    u16* scales = is_v ? kv.vs : kv.ks;
+    u64 vec = (((u64)page[r] * layers + layer) * kv_heads + h) * pt + slot[r];
+    float val = d < hd ? (is_v ? v : k)[((u64)r * kv_heads + h) * hd + d] : 0.0f;
+    if (d < hd && twin[r] != NO_TWIN) {
+        u64 tvec = (((u64)twin[r] * layers + layer) * kv_heads + h) * pt + slot[r];
+        (is_v ? kv.tv : kv.tk)[tvec * hd + d] = f2h(val);
+    }
+    if (fmt == KV_F16) {
+        if (d < hd) ((u16*)codes)[vec * hd + d] = f2h(val);
+        return;
+    }
+    u64 lh = ((u64)layer * kv_heads + h) * hd;
+    if (!is_v && kv.bm) {
+        // x = rope(m, pos), then (k - x) * w (kvbasis::to_coded).
+        if (d < hd) x[d] = kv.bm[lh + d];
+        __syncthreads();
+        for (int i = d; i < pairs; i += blockDim.x) {
+            float c = cs[2 * ((u64)r * pairs + i)], sn = cs[2 * ((u64)r * pairs + i) + 1];
+            int a = kv.bpairs[2 * i], b = kv.bpairs[2 * i + 1];
+            float x0 = x[a], x1 = x[b];
+            x[a] = x0 * c - x1 * sn;
+            x[b] = x0 * sn + x1 * c;
+        }
+        __syncthreads();
+        if (d < hd) val = (val - x[d]) * kv.bw[lh + d];
+        __syncthreads();
+    }
+    const u64* sg = kv.signs + ((u64)layer * kv_heads + h) * ((hd + 63) >> 6);
+    if (d < hd) x[d] = sign_of(sg, d) ? -val : val;
+    __syncthreads();
+    hadamard_shared(x, hd);
+    if (d < hd) x[d] = x[d] * kv.rs;
+    __syncthreads();
+    if (fmt == KV_Q8) {
+        float a = d < hd ? fabsf(x[d]) : 0.0f;
+        a = warp_max(a);
+        if ((d & 31) == 0) red[d >> 5] = a;
+        __syncthreads();
+        float amax = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) amax = fmaxf(amax, red[w]);
+        u16 s16 = f2h(amax / 127.0f);
+        float sc = h2f(s16);
+        bool finite = !(isinf(sc) || isnan(sc));
+        if (d < hd) {
+            int c = 0;
+            if (sc != 0.0f && finite) c = min(127, max(-127, __float2int_rn(x[d] * (1.0f / sc))));
+            ((signed char*)codes)[vec * hd + d] = (signed char)c;
+        }
+        if (d == 0) scales[vec] = finite ? s16 : 0;
+        return;
+    }
+    // TQ4.
+    if (d == 0) {
+        float sq = 0.0f;
+        for (int i = 0; i < hd; i++) sq = sq + x[i] * x[i];
+        red[0] = sqrtf(sq);
+    }
+    __syncthreads();
+    float norm = red[0];
+    u8* cv = codes + vec * (hd / 2);
+    if (norm == 0.0f || isinf(norm) || isnan(norm)) {
+        if (d < hd / 2) cv[d] = 0x88;
+        if (d == 0) scales[vec] = 0;
+        return;
+    }
+    if (d < hd) {
+        float u = x[d] * (1.0f / norm);
+        int c = 0;
+        for (int j = 0; j < 15; j++) c += (0.5f * (kv.book[j] + kv.book[j + 1])) < u;
+        code[d] = c;
+    }
+    __syncthreads();
+    if (d < hd / 2) cv[d] = (u8)(code[2 * d] | (code[2 * d + 1] << 4));
+    if (d == 0) {
+        float dot = 0.0f, sq = 0.0f;
+        for (int i = 0; i < hd; i++) {
+            float l = kv.book[code[i]];
+            dot = dot + x[i] * l;
+            sq = sq + l * l;
+        }
+        scales[vec] = f2h(sq > 0.0f ? dot / sq : 0.0f);
     }
 }
 
@@ -1868,6 +2034,345 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
                           scale, scores, ctx, out, r0 + k, 1, smem);
         __syncthreads();
     }
+}
+
+// Attention over pages with a coded part (Q8 keys, Q8 or TQ4 values), in
+// the CPU's order for such caches (snug_kernels::kv::coded), a block of
+// ATT_THREADS per (row, query head). The CPU goes through the pages in
+// order with a running softmax; here the steps that do not depend on the
+// pages before run for every page at once, and the chains that do
+// (running maximum, running sum, the value sums) run in the CPU's order:
+//
+// - Query: where keys are coded, the query rotated as keys are (signs,
+//   Hadamard, times rs); the exact window's twins and plain keys take it
+//   as it is.
+// - Scores (thread per position): element i of q . k into lane i % 16 by
+//   fused multiply-adds in order, folded as ((l0+l8)+(l1+l9))+...; times
+//   the key's scale (coded keys), times `scale`.
+// - Page maxima (a warp per page), then the chain through the pages (one
+//   warp, which loads 32 pages' maxima at once and takes the steps in
+//   order): the running maximum grows to the page's (`>`), and where it
+//   grows the factor exp_fixed(old - new) is kept for the page (0: it did
+//   not grow).
+// - Exponentials exp_fixed(score - running maximum) (a warp per page),
+//   summed with the page's position t in lane t % 16 and folded; each
+//   becomes its value's weight (times the value's scale where the value is
+//   coded). The warp then chains the sums: times the factor where the
+//   maximum grew, plus the page's sum.
+// - Values (thread per dimension): page by page, the sums times the
+//   factor where the maximum grew, then weight times value added by fused
+//   multiply-adds in position order (ATT_VB positions' loads in flight
+//   together): twins' and plain values into the
+//   output, coded ones into a rotated-domain sum, rotated back at the end
+//   (Hadamard, times rs, signs) and added to the output; the output times
+//   the reciprocal of the sum.
+//
+// `runs` holds three floats per (row, head, page): maximum, factor, sum.
+#ifndef ATT_VB
+#define ATT_VB 16
+#endif
+__device__ __forceinline__ float kv_level(int fmt, const u8* base, u64 vec, int hd, int d, const float* book) {
+    if (fmt == KV_Q8) return (float)((const signed char*)base)[vec * hd + d];
+    if (fmt == KV_TQ4) {
+        u8 b = base[vec * (hd / 2) + (d >> 1)];
+        return book[(d & 1) ? (b >> 4) : (b & 15)];
+    }
+    return h2f(((const u16*)base)[vec * hd + d]);
+}
+
+__device__ __forceinline__ float fold_lanes(const float* l) {
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) f[e] = l[e] + l[e + 8];
+    return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+}
+
+// Lane-order slot of coordinate e of a TQ4 vector of hd (kv::coded's
+// Kind::lane): the even coordinates of each 32 are read as one chunk of 16
+// lanes (low nibbles), the odd ones as the next (high nibbles).
+__device__ __forceinline__ int tq4_lane(int e, int hd) {
+    if (hd == 16) return e / 2 + 8 * (e % 2);
+    return 32 * (e / 32) + 16 * (e % 2) + (e % 32) / 2;
+}
+
+extern "C" __global__ void attend_coded(const float* q, const u32* table, const u32* twins, const u32* row_table,
+                                        const u32* row_start, const u32* row_end, int heads, int kv_heads, int hd,
+                                        int layer, int layers, int pt, KvDesc kv, float scale, float* scores,
+                                        float* runs, int ctx, int max_pages, float* out, int n_rows) {
+    after_previous();
+    __shared__ float qs[256], qr[256], rot[256], lv[16], xy[256], inv_s, c0;
+    int r = blockIdx.x;
+    if (r >= n_rows) return;
+    int h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int nwarps = blockDim.x >> 5;
+    int g = h / (heads / kv_heads);
+    int kf = kv.kf, vf = kv.vf;
+    const u32* pages = table + row_table[r];
+    const u32* tw = twins + row_table[r];
+    int start = row_start[r], end = row_end[r];
+    int own = (end - 1) / pt, p0 = start / pt, np = own - p0 + 1;
+    const u64* sg = kv.signs + ((u64)layer * kv_heads + g) * ((hd + 63) >> 6);
+    u64 lh = ((u64)layer * kv_heads + g) * hd;
+    bool basis = kf == KV_TQ4 && kv.bm;
+    for (int d = tid; d < hd; d += blockDim.x) {
+        float x = q[((u64)r * heads + h) * hd + d];
+        qs[d] = x;
+        // Coded keys: the query divided by the basis' weights (TQ4 keys),
+        // then rotated.
+        float y = basis ? x / kv.bw[lh + d] : x;
+        rot[d] = sign_of(sg, d) ? -y : y;
+    }
+    if (tid < 16) lv[tid] = kv.book[tid];
+    if (basis) {
+        // The offset's terms (kvbasis::Trig::prepare): per pair j, X and
+        // Y; and C, the unrotated dimensions' part, summed in order.
+        const float* m = kv.bm + lh;
+        for (int j = tid; j < kv.np; j += blockDim.x) {
+            int a = kv.bpairs[2 * j], b = kv.bpairs[2 * j + 1];
+            float qa = q[((u64)r * heads + h) * hd + a], qb = q[((u64)r * heads + h) * hd + b];
+            xy[j] = qa * m[a] + qb * m[b];
+            xy[kv.np + j] = qb * m[a] - qa * m[b];
+        }
+        if (tid == 0) {
+            float c = -0.0f;
+            for (int i = 0; i < kv.nfixed; i++) {
+                int d = kv.bfixed[i];
+                c = c + q[((u64)r * heads + h) * hd + d] * m[d];
+            }
+            c0 = c;
+        }
+    }
+    __syncthreads();
+    if (kf != KV_F16) {
+        hadamard_shared(rot, hd);
+        for (int d = tid; d < hd; d += blockDim.x) {
+            float y = rot[d] * kv.rs;
+            qr[kf == KV_TQ4 ? tq4_lane(d, hd) : d] = y;
+        }
+        __syncthreads();
+    }
+    float* sc = scores + ((u64)r * heads + h) * ctx;
+    float* run = runs + ((u64)r * heads + h) * max_pages * 3;
+    // The twin page `idx` of the sequence is read from, or NO_TWIN.
+#define TWIN_OF(idx) (((idx) == 0 || (idx) == own) ? tw[idx] : NO_TWIN)
+#define VEC(pg, p) ((((u64)(pg) * layers + layer) * kv_heads + g) * pt + ((p) % pt))
+    for (int p = start + tid; p < end; p += blockDim.x) {
+        int idx = p / pt;
+        u32 t = TWIN_OF(idx);
+        float l16[16];
+#pragma unroll
+        for (int e = 0; e < 16; e++) l16[e] = 0.0f;
+        float s;
+        if (t != NO_TWIN || kf == KV_F16) {
+            const u16* kp = t != NO_TWIN ? kv.tk + VEC(t, p) * hd : (const u16*)kv.k + VEC(pages[idx], p) * hd;
+            const uint4* k4 = (const uint4*)kp;
+            for (int d0 = 0; d0 < hd; d0 += 16) {
+                uint4 a = k4[d0 / 8], b = k4[d0 / 8 + 1];
+                u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int e = 0; e < 16; e++)
+                    l16[e] = fmaf(qs[d0 + e], h2f((u16)(w[e >> 1] >> (16 * (e & 1)))), l16[e]);
+            }
+            s = fold_lanes(l16) * scale;
+        } else if (kf == KV_Q8) {
+            u64 vec = VEC(pages[idx], p);
+            const uint4* k4 = (const uint4*)(kv.k + vec * hd);
+            for (int d0 = 0; d0 < hd; d0 += 16) {
+                uint4 a = k4[d0 / 16];
+                u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+                for (int e = 0; e < 16; e++)
+                    l16[e] = fmaf(qr[d0 + e], (float)(signed char)(w[e >> 2] >> (8 * (e & 3))), l16[e]);
+            }
+            s = fold_lanes(l16) * h2f(kv.ks[vec]);
+        } else {
+            // TQ4: lane i of chunk 2c takes byte 16c + i's low nibble, of
+            // chunk 2c + 1 its high nibble (a vector of 16: bytes 0..7, low
+            // nibbles in lanes 0..7, high in 8..15).
+            u64 vec = VEC(pages[idx], p);
+            const u8* kb = kv.k + vec * (hd / 2);
+            if (hd == 16) {
+                uint2 a = *(const uint2*)kb;
+                u32 w[2] = {a.x, a.y};
+#pragma unroll
+                for (int e = 0; e < 16; e++) {
+                    u32 byte = (w[(e & 7) >> 2] >> (8 * (e & 3))) & 0xff;
+                    l16[e] = fmaf(qr[e], lv[e < 8 ? (byte & 15) : (byte >> 4)], l16[e]);
+                }
+            } else {
+                for (int c2 = 0; c2 < hd / 32; c2++) {
+                    uint4 a = ((const uint4*)kb)[c2];
+                    u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+                    for (int e = 0; e < 16; e++)
+                        l16[e] = fmaf(qr[32 * c2 + e], lv[(w[e >> 2] >> (8 * (e & 3))) & 15], l16[e]);
+#pragma unroll
+                    for (int e = 0; e < 16; e++)
+                        l16[e] = fmaf(qr[32 * c2 + 16 + e], lv[(w[e >> 2] >> (8 * (e & 3) + 4)) & 15], l16[e]);
+                }
+            }
+            s = fold_lanes(l16) * h2f(kv.ks[vec]);
+            if (basis) {
+                // The offset's part at t = p % pt into page idx: the pairs'
+                // (X, Y) turned to the page's start (kvbasis::Trig::shift),
+                // times the cosines and sines of t, each summed over the
+                // pairs in order; plus C.
+                int t = p % pt, n = kv.np;
+                const float* sc_ = kv.starts + (u64)idx * n;
+                const float* ss_ = kv.starts + (u64)kv.n_pages * n + (u64)idx * n;
+                const float* wc = kv.within;
+                const float* wsn = kv.within + (u64)n * pt;
+                float ax = 0.0f, ay = 0.0f;
+                for (int j = 0; j < n; j++) {
+                    float x = xy[j], y = xy[n + j], c = sc_[j], sn = ss_[j];
+                    float xs = x * c + y * sn, ys = y * c - x * sn;
+                    ax = fmaf(xs, wc[j * pt + t], ax);
+                    ay = fmaf(ys, wsn[j * pt + t], ay);
+                }
+                s = s + ((ax + ay) + c0);
+            }
+        }
+        if (t == NO_TWIN && kf != KV_F16) s = s * scale;
+        sc[p - start] = s;
+    }
+    __syncthreads();
+    for (int k = warp; k < np; k += nwarps) {
+        int idx = p0 + k;
+        int a = max(start, idx * pt), b = min(end, (idx + 1) * pt);
+        float m = -__int_as_float(0x7f800000);
+        for (int p = a + lane; p < b; p += 32) m = fmaxf(m, sc[p - start]);
+        m = warp_max(m);
+        if (lane == 0) run[3 * k] = m;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // The chain, 32 pages at a time: each lane loads one page's
+        // maximum, every lane follows the chain through the 32 (the same
+        // steps), and lane j keeps page j's.
+        float was = -__int_as_float(0x7f800000);
+        for (int base = 0; base < np; base += 32) {
+            int k = base + lane;
+            float pm = k < np ? run[3 * k] : 0.0f;
+            float mine = 0.0f, factor = 0.0f;
+            for (int j = 0; j < 32 && base + j < np; j++) {
+                float pj = __shfl_sync(0xffffffffu, pm, j);
+                float grown = pj > was ? pj : was;
+                float f = grown > was ? exp_fixed(was - grown) : 0.0f;
+                if (lane == j) {
+                    mine = grown;
+                    factor = f;
+                }
+                was = grown;
+            }
+            if (k < np) {
+                run[3 * k] = mine;
+                run[3 * k + 1] = factor;
+            }
+        }
+    }
+    __syncthreads();
+    for (int k = warp; k < np; k += nwarps) {
+        int idx = p0 + k;
+        int a = max(start, idx * pt), b = min(end, (idx + 1) * pt);
+        float gm = run[3 * k];
+        bool scaled = vf != KV_F16 && TWIN_OF(idx) == NO_TWIN;
+        u64 v0 = VEC(pages[idx], 0);
+        float acc = 0.0f;
+        for (int p = a; p < b; p += 32) {
+            int pp = p + lane;
+            float e = 0.0f;
+            if (pp < b) {
+                e = exp_fixed(sc[pp - start] - gm);
+                sc[pp - start] = scaled ? e * h2f(kv.vs[v0 + (pp % pt)]) : e;
+            }
+            float other = __shfl_down_sync(0xffffffffu, e, 16);
+            if (pp < b) acc = acc + e;
+            if (pp + 16 < b) acc = acc + other;
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 8);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+        if (lane == 0) run[3 * k + 2] = acc;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float sum = 0.0f;
+        for (int base = 0; base < np; base += 32) {
+            int k = base + lane;
+            float fk = k < np ? run[3 * k + 1] : 0.0f, sk = k < np ? run[3 * k + 2] : 0.0f;
+            for (int j = 0; j < 32 && base + j < np; j++) {
+                float f = __shfl_sync(0xffffffffu, fk, j), ps = __shfl_sync(0xffffffffu, sk, j);
+                if (f != 0.0f) sum = sum * f;
+                sum = sum + ps;
+            }
+        }
+        if (lane == 0) inv_s = 1.0f / sum;
+    }
+    // Dimensions tid and tid + blockDim.x (head_dim <= 256).
+    int d1 = tid + blockDim.x;
+    bool on0 = tid < hd, on1 = d1 < hd;
+    float o0 = 0.0f, o1 = 0.0f, a0 = 0.0f, a1 = 0.0f;
+    for (int k = 0; k < np; k++) {
+        int idx = p0 + k;
+        int a = max(start, idx * pt), b = min(end, (idx + 1) * pt);
+        float f = run[3 * k + 1];
+        if (f != 0.0f) {
+            o0 = o0 * f;
+            o1 = o1 * f;
+            a0 = a0 * f;
+            a1 = a1 * f;
+        }
+        // The page's values, ATT_VB positions at a time: their loads in
+        // flight together, then added in position order.
+        u32 t = TWIN_OF(idx);
+        const u8* vbase = t != NO_TWIN ? (const u8*)kv.tv : kv.v;
+        int kind = t != NO_TWIN ? KV_F16 : vf;
+        u64 v0 = t != NO_TWIN ? VEC(t, a) : VEC(pages[idx], a);
+        for (int p = a; p < b; p += ATT_VB) {
+            int n = min(ATT_VB, b - p);
+            float w[ATT_VB], x0[ATT_VB], x1[ATT_VB];
+#pragma unroll
+            for (int i = 0; i < ATT_VB; i++) {
+                w[i] = x0[i] = x1[i] = 0.0f;
+                if (i < n) {
+                    u64 vec = v0 + (p - a) + i;
+                    w[i] = sc[p + i - start];
+                    if (on0) x0[i] = kv_level(kind, vbase, vec, hd, tid, lv);
+                    if (on1) x1[i] = kv_level(kind, vbase, vec, hd, d1, lv);
+                }
+            }
+            if (kind == KV_F16) {
+#pragma unroll
+                for (int i = 0; i < ATT_VB; i++)
+                    if (i < n) {
+                        o0 = fmaf(w[i], x0[i], o0);
+                        o1 = fmaf(w[i], x1[i], o1);
+                    }
+            } else {
+#pragma unroll
+                for (int i = 0; i < ATT_VB; i++)
+                    if (i < n) {
+                        a0 = fmaf(w[i], x0[i], a0);
+                        a1 = fmaf(w[i], x1[i], a1);
+                    }
+            }
+        }
+    }
+#undef TWIN_OF
+#undef VEC
+    if (vf != KV_F16) {
+        if (on0) rot[tid] = a0;
+        if (on1) rot[d1] = a1;
+        __syncthreads();
+        hadamard_shared(rot, hd);
+        if (on0) o0 = o0 + (sign_of(sg, tid) ? -(rot[tid] * kv.rs) : rot[tid] * kv.rs);
+        if (on1) o1 = o1 + (sign_of(sg, d1) ? -(rot[d1] * kv.rs) : rot[d1] * kv.rs);
+    }
+    __syncthreads();
+    float* o = out + ((u64)r * heads + h) * hd;
+    if (on0) o[tid] = o0 * inv_s;
+    if (on1) o[d1] = o1 * inv_s;
 }
 
 __device__ __forceinline__ float silu1(float x) { return x / (1.0f + exp_fixed(-x)); }

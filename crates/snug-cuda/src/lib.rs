@@ -24,7 +24,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use snug_kernels::kv::{KvSlot, KvStore};
+use snug_kernels::kv::{KvSlot, KvStore, NO_TWIN};
 use snug_kernels::GgmlType;
 use snug_model::arch::{Activation, BatchRow, Config, Experts, Head, KvView};
 use snug_model::backend::{Backend, Buf, WorkspaceSize};
@@ -58,6 +58,8 @@ pub enum CudaError {
     HeadDim(usize),
     #[error("embedding width {0} is not supported on CUDA (at most 12,288)")]
     Width(usize),
+    #[error("KV format {0} is not supported on CUDA (f16, q8 and tq4 are, for head sizes up to 256)")]
+    KvFormat(&'static str),
 }
 
 const SOURCE: &str = include_str!("kernels.cu");
@@ -169,7 +171,11 @@ struct Kernels {
     add_bias: CudaFunction,
     rope_write_kv: CudaFunction,
     write_kv_f16: CudaFunction,
+    /// Keys and values into Q8 or TQ4 (or F16) pages and their twins.
+    write_kv_coded: CudaFunction,
     attend_f16: CudaFunction,
+    /// Attention over pages with a coded part.
+    attend_coded: CudaFunction,
     /// Attention for groups of rows of one sequence (prefill).
     attend_f16_rows: CudaFunction,
     gated: CudaFunction,
@@ -273,6 +279,8 @@ impl Device {
             add_bias: f("add_bias")?,
             rope_write_kv: f("rope_write_kv")?,
             write_kv_f16: f("write_kv_f16")?,
+            write_kv_coded: f("write_kv_coded")?,
+            attend_coded: f("attend_coded")?,
             attend_f16: f("attend_f16")?,
             attend_f16_rows: f("attend_f16_rows")?,
             gated: f("gated")?,
@@ -493,10 +501,16 @@ pub struct CudaWorkspace {
     q8: CudaSlice<u8>,
     logits: CudaSlice<f32>,
     scores: CudaSlice<f32>,
+    /// Attention over coded pages: per (row, query head, page) the running
+    /// maximum, its factor and the page's sum.
+    runs: CudaSlice<f32>,
+    /// Pages a sequence of the context spans, at most.
+    max_pages: usize,
     /// The tables written every pass, in [`Which`]'s order: per row its
     /// token, position, KV page, slot, then the gathered rows; the batch's
     /// page lists, each row's offset into them, each row's first key
-    /// position (global and local layers) and last.
+    /// position (global and local layers) and last; each row's twin, and
+    /// the batch's twin lists (coded caches).
     tables: Vec<Staged<u32>>,
     /// RoPE pairs of a head, the rotations of the global and local layers,
     /// and each row's cosines and sines for them (computed on the host,
@@ -593,12 +607,18 @@ impl CudaWorkspace {
             q8: dev.alloc(rows * widest.div_ceil(32) * 48, "quantized activations")?,
             logits: dev.alloc(rows * c.vocab, "logits")?,
             scores: dev.alloc(rows * c.heads * ctx, "attention scores")?,
+            runs: dev.alloc(rows * c.heads * max_pages * 3, "attention scores")?,
+            max_pages,
             tables: Which::ALL
                 .iter()
                 .map(|w| {
                     Staged::new(
                         dev,
-                        if *w == Which::Table { rows * max_pages } else { rows },
+                        if matches!(w, Which::Table | Which::Twins) {
+                            rows * max_pages
+                        } else {
+                            rows
+                        },
                         "batch tables",
                     )
                 })
@@ -637,6 +657,7 @@ impl CudaWorkspace {
             + self.q8.num_bytes()
             + self.logits.num_bytes()
             + self.scores.num_bytes()
+            + self.runs.num_bytes()
             + self.rope_cs.iter().map(|b| b.device_bytes()).sum::<usize>()
             + self.tables.iter().map(|b| b.device_bytes()).sum::<usize>()
     }
@@ -798,10 +819,14 @@ enum Which {
     StartGlobal,
     StartLocal,
     End,
+    /// Per row, the twin its keys and values are also written to.
+    TwinSlot,
+    /// The batch's twin lists, as `Table` (NO_TWIN where none).
+    Twins,
 }
 
 impl Which {
-    const ALL: [Which; 10] = [
+    const ALL: [Which; 12] = [
         Which::Tokens,
         Which::Pos,
         Which::Page,
@@ -812,6 +837,8 @@ impl Which {
         Which::StartGlobal,
         Which::StartLocal,
         Which::End,
+        Which::TwinSlot,
+        Which::Twins,
     ];
 }
 
@@ -1053,7 +1080,9 @@ impl Backend for Cuda {
         );
         let (pg, sl) = (ws.table(Which::Page), ws.table(Which::Slot));
         let (l, layers, pt) = (layer as i32, shape.layers as i32, shape.page_tokens as i32);
-        let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
+        // A coded cache is written after the rotation, by write_kv.
+        let plain = kv.plain();
+        let (kc, vc) = if plain { (kv.k_ptr(), kv.v_ptr()) } else { (0, 0) };
         let total = (ws.heads + ws.kv_heads) * ws.pairs + ws.kv_heads * ws.head_dim;
         let cfg = LaunchConfig {
             grid_dim: (rows.len() as u32, total.div_ceil(128) as u32, 1),
@@ -1083,6 +1112,9 @@ impl Backend for Cuda {
             &kc,
             &vc
         );
+        if !plain {
+            write_kv_with(ws, layer, slots, kv, cs, pairs);
+        }
     }
 
     fn attention(ws: &mut CudaWorkspace, c: &Config, layer: usize, rows: &[BatchRow], kv: &KvView<CudaKv>, scale: f32) {
@@ -1095,10 +1127,15 @@ impl Backend for Cuda {
             // The page lists of the batch's sequences, and each row's
             // window in a global and in a local layer.
             let mut table = Vec::new();
+            let mut twins = Vec::new();
             let mut offset = Vec::new();
-            for pages in kv.pages {
+            for (s, pages) in kv.pages.iter().enumerate() {
                 offset.push(table.len() as u32);
                 table.extend_from_slice(pages);
+                if !kv.storage.plain() {
+                    let of = kv.twins.get(s).copied().unwrap_or(&[]);
+                    twins.extend((0..pages.len()).map(|i| of.get(i).copied().unwrap_or(NO_TWIN)));
+                }
             }
             let row_table: Vec<u32> = rows.iter().map(|r| offset[r.seq]).collect();
             let end: Vec<u32> = rows.iter().map(|r| r.pos as u32 + 1).collect();
@@ -1109,6 +1146,9 @@ impl Backend for Cuda {
                 .map(|r| local_layer.map_or(0, |l| c.window_start(l, r.pos)) as u32)
                 .collect();
             ws.upload(Which::Table, &table);
+            if !kv.storage.plain() {
+                ws.upload(Which::Twins, &twins);
+            }
             ws.upload(Which::RowTable, &row_table);
             ws.upload(Which::End, &end);
             ws.upload(Which::StartGlobal, &global);
@@ -1138,6 +1178,47 @@ impl Backend for Cuda {
             ptr(&ws.scores, s),
             ws.ctx as i32,
         );
+        if !kv.storage.plain() {
+            // Pages with a coded part: a block per row and query head.
+            let desc = kv.storage.desc(layer);
+            let (tw, runs, mp, n) = (
+                ws.table(Which::Twins),
+                ptr(&ws.runs, s),
+                ws.max_pages as i32,
+                rows.len() as i32,
+            );
+            let cfg = LaunchConfig {
+                grid_dim: (rows.len() as u32, ws.heads as u32, 1),
+                block_dim: (ATT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                ws,
+                &dev.k.attend_coded,
+                cfg,
+                &q,
+                &table,
+                &tw,
+                &rt,
+                &st,
+                &en,
+                &heads,
+                &kvh,
+                &hd,
+                &l,
+                &layers,
+                &pt,
+                &desc,
+                &scale,
+                &sc,
+                &runs,
+                &ctx,
+                &mp,
+                &out,
+                &n
+            );
+            return;
+        }
         // The queries, a tile of values and their weights (kernels.cu): in
         // a prefill, groups of rows share their keys' and values' loads.
         let tile = ATT_TILE_BYTES / (ws.head_dim * 2);
@@ -1314,9 +1395,17 @@ fn rope_tables(ws: &mut CudaWorkspace, rows: &[BatchRow]) {
     }
 }
 
-/// Each row's keys and values of `layer` into its slot, as f16 (the
-/// pass' page and slot tables uploaded already).
+/// Each row's keys and values of `layer` into its slot, in the cache's
+/// formats (and, for a coded cache, into its page's twin where it has one;
+/// the pass' page, slot and twin tables uploaded already), with no
+/// rotation.
 fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut CudaKv) {
+    write_kv_with(ws, layer, slots, kv, 0, 0)
+}
+
+/// [`write_kv`] after the rotation whose cosines and sines are at `cs`
+/// (`pairs` a row): TQ4 keys turn their basis' offset by them.
+fn write_kv_with(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut CudaKv, cs: u64, pairs: i32) {
     let dev = ws.dev.clone();
     let shape = kv.shape();
     let (k, v, pg, sl) = (ws.p(Buf::K), ws.p(Buf::V), ws.table(Which::Page), ws.table(Which::Slot));
@@ -1327,31 +1416,59 @@ fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut Cud
         shape.page_tokens as i32,
         shape.head_dim as i32,
     );
-    let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
+    if kv.plain() {
+        let cfg = LaunchConfig {
+            grid_dim: (
+                slots.len() as u32,
+                (shape.kv_heads * shape.head_dim).div_ceil(128) as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (kc, vc) = (kv.k_ptr(), kv.v_ptr());
+        launch!(
+            ws,
+            &dev.k.write_kv_f16,
+            cfg,
+            &k,
+            &v,
+            &pg,
+            &sl,
+            &l,
+            &layers,
+            &kvh,
+            &pt,
+            &hd,
+            &kc,
+            &vc
+        );
+        return;
+    }
+    let tw = ws.table(Which::TwinSlot);
+    let desc = kv.desc(layer);
     let cfg = LaunchConfig {
-        grid_dim: (
-            slots.len() as u32,
-            (shape.kv_heads * shape.head_dim).div_ceil(128) as u32,
-            1,
-        ),
-        block_dim: (128, 1, 1),
+        grid_dim: (slots.len() as u32, shape.kv_heads as u32, 2),
+        block_dim: (shape.head_dim.next_multiple_of(32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     launch!(
         ws,
-        &dev.k.write_kv_f16,
+        &dev.k.write_kv_coded,
         cfg,
         &k,
         &v,
         &pg,
         &sl,
+        &tw,
         &l,
         &layers,
         &kvh,
         &pt,
         &hd,
-        &kc,
-        &vc
+        &cs,
+        &pairs,
+        &desc
     );
 }
 
@@ -1359,8 +1476,10 @@ fn write_kv(ws: &mut CudaWorkspace, layer: usize, slots: &[KvSlot], kv: &mut Cud
 fn kv_tables(ws: &mut CudaWorkspace, slots: &[KvSlot]) {
     let page: Vec<u32> = slots.iter().map(|s| s.page).collect();
     let slot: Vec<u32> = slots.iter().map(|s| s.slot as u32).collect();
+    let twin: Vec<u32> = slots.iter().map(|s| s.twin.unwrap_or(NO_TWIN)).collect();
     ws.upload(Which::Page, &page);
     ws.upload(Which::Slot, &slot);
+    ws.upload(Which::TwinSlot, &twin);
 }
 
 /// `y[r] = w * x[r]` for `rows` rows, `x` and `y` device addresses: over

@@ -1,6 +1,6 @@
 //! Where an engine's forward passes run: the CPU (the model's own
 //! backend, KV pages in host memory) or a CUDA GPU (the weights uploaded,
-//! F16 pages in device memory). The engine, sessions and the prefix
+//! pages in device memory). The engine, sessions and the prefix
 //! cache's disk tier reach the pages only through [`KvStore`], so both
 //! kinds of pages serve them alike, and a page exported from one imports
 //! into the other.
@@ -46,17 +46,18 @@ impl Scratch {
     }
 }
 
-/// Why a GPU engine could not be set up.
-pub(crate) fn gpu_kv(shape: KvShape, formats: (KvFormat, KvFormat), n_pages: usize) -> Result<CudaKv, String> {
-    if formats != (KvFormat::F16, KvFormat::F16) {
-        return Err(format!(
-            "KV format {}/{} is not supported on CUDA yet (use --kv f16)",
-            formats.0.name(),
-            formats.1.name()
-        ));
-    }
+/// KV pages on the GPU in `formats`, with `twins` twin pages (for a coded
+/// part's exact window) and TQ4 keys in `basis`; why not, where the GPU cannot hold them or does
+/// not take the formats.
+pub(crate) fn gpu_kv(
+    shape: KvShape,
+    formats: (KvFormat, KvFormat),
+    n_pages: usize,
+    twins: usize,
+    basis: Option<Arc<KeyBasis>>,
+) -> Result<CudaKv, String> {
     let dev = snug_cuda::Device::current().ok_or("no CUDA device is open")?;
-    CudaKv::new(&dev, shape, n_pages).map_err(|e| e.to_string())
+    CudaKv::with_formats(&dev, shape, formats, n_pages, twins, basis).map_err(|e| e.to_string())
 }
 
 macro_rules! each {

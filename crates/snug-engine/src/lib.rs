@@ -273,12 +273,19 @@ impl<'m> Engine<'m> {
         let formats = (options.kv_format, options.kv_format_v.unwrap_or(options.kv_format));
         let size = WorkspaceSize {
             rows: options.batch,
-            ctx: if is_lossy(&options) { 0 } else { options.ctx },
+            // Lossy pages on the CPU are read page by page; the GPU's
+            // kernels keep a row's scores for its whole context.
+            ctx: if is_lossy(&options) && options.gpu.is_none() {
+                0
+            } else {
+                options.ctx
+            },
             page_tokens: shape.page_tokens,
             threads: options.threads,
         };
         let (storage, scratch) = if options.gpu.is_some() {
-            let kv = device::gpu_kv(shape, formats, n_pages).map_err(EngineError::Device)?;
+            let kv = device::gpu_kv(shape, formats, n_pages, twins, options.key_basis.clone())
+                .map_err(EngineError::Device)?;
             let dev = snug_cuda::Device::current().ok_or(EngineError::Device("no CUDA device is open".into()))?;
             let ws = snug_cuda::CudaWorkspace::new(&dev, c, size).map_err(|e| EngineError::Device(e.to_string()))?;
             (device::Kv::Cuda(kv), device::Scratch::Cuda(ws))
