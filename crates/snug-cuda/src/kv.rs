@@ -31,12 +31,7 @@ struct Array {
 
 impl Array {
     fn new(dev: &Arc<Device>, format: KvFormat, vectors: usize, hd: usize) -> Result<Array, CudaError> {
-        let widths: &[usize] = match format {
-            KvFormat::F16 => &[2 * hd],
-            KvFormat::Q8 => &[hd, 2],
-            KvFormat::Tq4 => &[hd / 2, 2],
-            KvFormat::F32 => return Err(CudaError::KvFormat(format.name())),
-        };
+        let widths = part_widths(format, hd).ok_or(CudaError::KvFormat(format.name()))?;
         let parts = widths
             .iter()
             .map(|&width| {
@@ -51,6 +46,18 @@ impl Array {
     /// The elements' or codes' address, and the scales' (0 for F16).
     fn ptrs(&self) -> (u64, u64) {
         (self.parts[0].ptr, self.parts.get(1).map_or(0, |p| p.ptr))
+    }
+}
+
+/// Bytes per vector of each part of a format: elements or codes, then
+/// scales (as the CPU's cache keeps them); none for F32, which the device
+/// does not keep.
+fn part_widths(format: KvFormat, hd: usize) -> Option<Vec<usize>> {
+    match format {
+        KvFormat::F16 => Some(vec![2 * hd]),
+        KvFormat::Q8 => Some(vec![hd, 2]),
+        KvFormat::Tq4 => Some(vec![hd / 2, 2]),
+        KvFormat::F32 => None,
     }
 }
 
@@ -472,4 +479,54 @@ fn ranges_of(s: &KvShape, slots: usize, width: usize, half_vectors: usize) -> Ve
             at..at + slots * width
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use snug_kernels::kv::KvStorage;
+
+    /// The runs a page is exported in, on the device's terms, are the
+    /// CPU cache's runs (so pages and sessions move between the devices):
+    /// every format pair, twins or not, whole and partial pages.
+    #[test]
+    fn a_pages_runs_are_the_cpu_caches() {
+        let shape = KvShape {
+            layers: 3,
+            kv_heads: 2,
+            head_dim: 64,
+            page_tokens: 8,
+        };
+        let half = shape.page_vectors() / 2;
+        for formats in [
+            (KvFormat::F16, KvFormat::F16),
+            (KvFormat::Q8, KvFormat::Q8),
+            (KvFormat::Tq4, KvFormat::Q8),
+            (KvFormat::F16, KvFormat::Tq4),
+        ] {
+            let cpu = KvStorage::with_formats(shape, formats.0, formats.1, 3).with_twins(2);
+            for twin in [false, true] {
+                for slots in [0, 3, 8] {
+                    let mut want = Vec::new();
+                    cpu.export_page::<()>(1, slots, twin, |r| {
+                        want.push(r.len());
+                        Ok(())
+                    })
+                    .unwrap();
+                    let fs = if twin {
+                        [KvFormat::F16, KvFormat::F16]
+                    } else {
+                        [formats.0, formats.1]
+                    };
+                    let got: Vec<usize> = fs
+                        .iter()
+                        .flat_map(|&f| part_widths(f, shape.head_dim).unwrap())
+                        .flat_map(|w| ranges_of(&shape, slots, w, half))
+                        .map(|r| r.len())
+                        .collect();
+                    assert_eq!(got, want, "{formats:?} twin {twin} slots {slots}");
+                }
+            }
+        }
+    }
 }
