@@ -2071,15 +2071,6 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
 #ifndef ATT_VB
 #define ATT_VB 16
 #endif
-__device__ __forceinline__ float kv_level(int fmt, const u8* base, u64 vec, int hd, int d, const float* book) {
-    if (fmt == KV_Q8) return (float)((const signed char*)base)[vec * hd + d];
-    if (fmt == KV_TQ4) {
-        u8 b = base[vec * (hd / 2) + (d >> 1)];
-        return book[(d & 1) ? (b >> 4) : (b & 15)];
-    }
-    return h2f(((const u16*)base)[vec * hd + d]);
-}
-
 __device__ __forceinline__ float fold_lanes(const float* l) {
     float f[8];
 #pragma unroll
@@ -2093,6 +2084,57 @@ __device__ __forceinline__ float fold_lanes(const float* l) {
 __device__ __forceinline__ int tq4_lane(int e, int hd) {
     if (hd == 16) return e / 2 + 8 * (e % 2);
     return 32 * (e / 32) + 16 * (e % 2) + (e % 32) / 2;
+}
+
+// The weighted values of `n` consecutive vectors from `v0` (of format
+// KIND at `base`) added to a thread's two sums (elements e0 and e1), in
+// position order, ATT_VB positions at a time: the batch's loads are issued
+// before any is used (no branch between them), then each is converted and
+// added.
+template <int KIND>
+__device__ __forceinline__ void value_pages(const u8* base, u64 v0, int n, int hd, int e0, int e1, const float* w,
+                                            const float* lv, float* s0, float* s1) {
+    float a0 = *s0, a1 = *s1;
+    for (int p = 0; p < n; p += ATT_VB) {
+        int m = min(ATT_VB, n - p);
+        u32 r0[ATT_VB], r1[ATT_VB];
+        float wt[ATT_VB];
+#pragma unroll
+        for (int i = 0; i < ATT_VB; i++) {
+            u64 vec = v0 + p + min(i, m - 1);
+            wt[i] = w[p + min(i, m - 1)];
+            if (KIND == KV_F16) {
+                r0[i] = ((const u16*)base)[vec * hd + e0];
+                r1[i] = ((const u16*)base)[vec * hd + e1];
+            } else if (KIND == KV_Q8) {
+                r0[i] = base[vec * hd + e0];
+                r1[i] = base[vec * hd + e1];
+            } else {
+                r0[i] = base[vec * (hd / 2) + (e0 >> 1)];
+                r1[i] = base[vec * (hd / 2) + (e1 >> 1)];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_VB; i++) {
+            float x0, x1;
+            if (KIND == KV_F16) {
+                x0 = h2f((u16)r0[i]);
+                x1 = h2f((u16)r1[i]);
+            } else if (KIND == KV_Q8) {
+                x0 = (float)(signed char)r0[i];
+                x1 = (float)(signed char)r1[i];
+            } else {
+                x0 = lv[(e0 & 1) ? (r0[i] >> 4) : (r0[i] & 15)];
+                x1 = lv[(e1 & 1) ? (r1[i] >> 4) : (r1[i] & 15)];
+            }
+            if (i < m) {
+                a0 = fmaf(wt[i], x0, a0);
+                a1 = fmaf(wt[i], x1, a1);
+            }
+        }
+    }
+    *s0 = a0;
+    *s1 = a1;
 }
 
 extern "C" __global__ void attend_coded(const float* q, const u32* table, const u32* twins, const u32* row_table,
@@ -2313,10 +2355,13 @@ extern "C" __global__ void attend_coded(const float* q, const u32* table, const 
     int d1 = tid + blockDim.x;
     bool on0 = tid < hd, on1 = d1 < hd;
     float o0 = 0.0f, o1 = 0.0f, a0 = 0.0f, a1 = 0.0f;
+    // Each page's factor is loaded while the page before is worked on.
+    float f_next = run[1];
     for (int k = 0; k < np; k++) {
         int idx = p0 + k;
         int a = max(start, idx * pt), b = min(end, (idx + 1) * pt);
-        float f = run[3 * k + 1];
+        float f = f_next;
+        if (k + 1 < np) f_next = run[3 * (k + 1) + 1];
         if (f != 0.0f) {
             o0 = o0 * f;
             o1 = o1 * f;
@@ -2329,35 +2374,16 @@ extern "C" __global__ void attend_coded(const float* q, const u32* table, const 
         const u8* vbase = t != NO_TWIN ? (const u8*)kv.tv : kv.v;
         int kind = t != NO_TWIN ? KV_F16 : vf;
         u64 v0 = t != NO_TWIN ? VEC(t, a) : VEC(pages[idx], a);
-        for (int p = a; p < b; p += ATT_VB) {
-            int n = min(ATT_VB, b - p);
-            float w[ATT_VB], x0[ATT_VB], x1[ATT_VB];
-#pragma unroll
-            for (int i = 0; i < ATT_VB; i++) {
-                w[i] = x0[i] = x1[i] = 0.0f;
-                if (i < n) {
-                    u64 vec = v0 + (p - a) + i;
-                    w[i] = sc[p + i - start];
-                    if (on0) x0[i] = kv_level(kind, vbase, vec, hd, tid, lv);
-                    if (on1) x1[i] = kv_level(kind, vbase, vec, hd, d1, lv);
-                }
-            }
-            if (kind == KV_F16) {
-#pragma unroll
-                for (int i = 0; i < ATT_VB; i++)
-                    if (i < n) {
-                        o0 = fmaf(w[i], x0[i], o0);
-                        o1 = fmaf(w[i], x1[i], o1);
-                    }
-            } else {
-#pragma unroll
-                for (int i = 0; i < ATT_VB; i++)
-                    if (i < n) {
-                        a0 = fmaf(w[i], x0[i], a0);
-                        a1 = fmaf(w[i], x1[i], a1);
-                    }
-            }
-        }
+        // Each dimension's index, within the vector (loads of a thread
+        // without a dimension read its neighbour's and are not added).
+        int e0 = min(tid, hd - 1), e1 = min(d1, hd - 1);
+        const float* wp = sc + (a - start);
+        if (kind == KV_F16)
+            value_pages<KV_F16>(vbase, v0, b - a, hd, e0, e1, wp, lv, &o0, &o1);
+        else if (kind == KV_Q8)
+            value_pages<KV_Q8>(vbase, v0, b - a, hd, e0, e1, wp, lv, &a0, &a1);
+        else
+            value_pages<KV_TQ4>(vbase, v0, b - a, hd, e0, e1, wp, lv, &a0, &a1);
     }
 #undef TWIN_OF
 #undef VEC
