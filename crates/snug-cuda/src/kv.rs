@@ -339,6 +339,17 @@ fn copy_within(s: &Arc<cudarc::driver::CudaStream>, part: &mut CudaSlice<u8>, f:
     s.memcpy_dtod(&src, &mut dst).expect("device page copy");
 }
 
+/// Copies page `from` over page `to` in every part of `arrays` (`n`
+/// vectors a page).
+fn copy_pages(s: &Arc<cudarc::driver::CudaStream>, arrays: [&mut Array; 2], n: usize, from: u32, to: u32) {
+    for a in arrays {
+        for p in &mut a.parts {
+            let w = p.width;
+            copy_within(s, &mut p.buf, from as usize * n * w, to as usize * n * w, n * w);
+        }
+    }
+}
+
 impl KvStore for CudaKv {
     fn shape(&self) -> KvShape {
         self.shape
@@ -362,25 +373,13 @@ impl KvStore for CudaKv {
     }
 
     fn copy_page(&mut self, from: u32, to: u32) {
-        let n = self.half_vectors();
-        let s = self.dev.stream.clone();
-        for a in [&mut self.k, &mut self.v] {
-            for p in &mut a.parts {
-                let w = p.width;
-                copy_within(&s, &mut p.buf, from as usize * n * w, to as usize * n * w, n * w);
-            }
-        }
+        let (n, s) = (self.half_vectors(), self.dev.stream.clone());
+        copy_pages(&s, [&mut self.k, &mut self.v], n, from, to);
     }
 
     fn copy_twin(&mut self, from: u32, to: u32) {
-        let n = self.half_vectors();
-        let s = self.dev.stream.clone();
-        for a in [&mut self.twin_k, &mut self.twin_v] {
-            for p in &mut a.parts {
-                let w = p.width;
-                copy_within(&s, &mut p.buf, from as usize * n * w, to as usize * n * w, n * w);
-            }
-        }
+        let (n, s) = (self.half_vectors(), self.dev.stream.clone());
+        copy_pages(&s, [&mut self.twin_k, &mut self.twin_v], n, from, to);
     }
 
     fn stored_bytes(&self, slots: usize, twin: bool) -> usize {

@@ -47,8 +47,8 @@ impl Scratch {
 }
 
 /// KV pages on the GPU in `formats`, with `twins` twin pages (for a coded
-/// part's exact window) and TQ4 keys in `basis`; why not, where the GPU cannot hold them or does
-/// not take the formats.
+/// part's exact window) and TQ4 keys in `basis`; why not, where the GPU
+/// cannot hold them or does not take the formats.
 pub(crate) fn gpu_kv(
     shape: KvShape,
     formats: (KvFormat, KvFormat),
