@@ -2036,19 +2036,23 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
     }
 }
 
-// Attention over pages with a coded part (Q8 keys, Q8 or TQ4 values), in
-// the CPU's order for such caches (snug_kernels::kv::coded), a block of
+// Attention over pages with a coded part (keys and values in F16, Q8 or
+// TQ4, TQ4 keys against the key basis), in the CPU's order for such caches
+// (snug_kernels::kv::coded), a block of
 // ATT_THREADS per (row, query head). The CPU goes through the pages in
 // order with a running softmax; here the steps that do not depend on the
 // pages before run for every page at once, and the chains that do
 // (running maximum, running sum, the value sums) run in the CPU's order:
 //
-// - Query: where keys are coded, the query rotated as keys are (signs,
-//   Hadamard, times rs); the exact window's twins and plain keys take it
-//   as it is.
-// - Scores (thread per position): element i of q . k into lane i % 16 by
-//   fused multiply-adds in order, folded as ((l0+l8)+(l1+l9))+...; times
-//   the key's scale (coded keys), times `scale`.
+// - Query: where keys are coded, the query (divided by the basis'
+//   weights, for TQ4 keys) rotated as keys are (signs, Hadamard, times
+//   rs), in the keys' lane order; the exact window's twins and plain keys
+//   take it as it is. For TQ4 keys, the offset's terms too (per rotary
+//   pair X and Y, and C; kvbasis::Trig::prepare).
+// - Scores (thread per position): lane-order element i of q . k into
+//   lane i % 16 by fused multiply-adds in order, folded as
+//   ((l0+l8)+(l1+l9))+...; times the key's scale (coded keys), plus the
+//   key offset's part (TQ4 keys), times `scale`.
 // - Page maxima (a warp per page), then the chain through the pages (one
 //   warp, which loads 32 pages' maxima at once and takes the steps in
 //   order): the running maximum grows to the page's (`>`), and where it
@@ -2062,10 +2066,10 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
 // - Values (thread per dimension): page by page, the sums times the
 //   factor where the maximum grew, then weight times value added by fused
 //   multiply-adds in position order (ATT_VB positions' loads in flight
-//   together): twins' and plain values into the
-//   output, coded ones into a rotated-domain sum, rotated back at the end
-//   (Hadamard, times rs, signs) and added to the output; the output times
-//   the reciprocal of the sum.
+//   together): twins' and plain values into the output, coded ones into a
+//   rotated-domain sum, rotated back at the end (Hadamard, times rs,
+//   signs) and added to the output; the output times the reciprocal of the
+//   sum.
 //
 // `runs` holds three floats per (row, head, page): maximum, factor, sum.
 #ifndef ATT_VB
