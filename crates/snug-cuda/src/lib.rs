@@ -1129,10 +1129,11 @@ impl Backend for Cuda {
             let mut table = Vec::new();
             let mut twins = Vec::new();
             let mut offset = Vec::new();
+            let coded = !kv.storage.plain();
             for (s, pages) in kv.pages.iter().enumerate() {
                 offset.push(table.len() as u32);
                 table.extend_from_slice(pages);
-                if !kv.storage.plain() {
+                if coded {
                     let of = kv.twins.get(s).copied().unwrap_or(&[]);
                     twins.extend((0..pages.len()).map(|i| of.get(i).copied().unwrap_or(NO_TWIN)));
                 }
@@ -1146,7 +1147,7 @@ impl Backend for Cuda {
                 .map(|r| local_layer.map_or(0, |l| c.window_start(l, r.pos)) as u32)
                 .collect();
             ws.upload(Which::Table, &table);
-            if !kv.storage.plain() {
+            if coded {
                 ws.upload(Which::Twins, &twins);
             }
             ws.upload(Which::RowTable, &row_table);
