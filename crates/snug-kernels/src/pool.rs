@@ -50,6 +50,12 @@ pub struct ThreadPool {
 /// How long an idle worker spins before sleeping.
 const SPIN: Duration = Duration::from_millis(5);
 
+/// Checks the caller of `run` spins on its workers before it yields its
+/// core at each further check (tens of microseconds: longer than a worker
+/// running on its own core takes to finish its last task). A yield with
+/// nothing else to run returns at once, so the wait is as short.
+const YIELD_AFTER: u32 = 256;
+
 impl ThreadPool {
     /// A pool of `threads` threads in all (the caller counts as one).
     pub fn new(threads: usize) -> ThreadPool {
@@ -117,9 +123,19 @@ impl ThreadPool {
                 f(task, 0);
             }
         }
+        // Wait for every worker to finish the job. A worker may be off its
+        // core (another process took it) and hold claimed tasks, or not
+        // have seen the job yet: after a short spin, give the core away
+        // at each check, so the thread waited for can run on it.
+        let mut spins = 0u32;
         for t in 1..s.threads {
             while s.done[t].load(Ordering::Acquire) != gen {
-                std::hint::spin_loop();
+                if spins < YIELD_AFTER {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
             }
         }
     }
@@ -159,9 +175,14 @@ fn worker(s: &Shared, t: usize) {
                 return;
             }
             spins = spins.wrapping_add(1);
-            // Reading the clock is not free: look at it now and then.
-            if !spins.is_multiple_of(4096) || started.elapsed() < SPIN {
+            // Reading the clock is not free: look at it now and then, and
+            // then also let any other thread waiting for this core run.
+            if !spins.is_multiple_of(4096) {
                 std::hint::spin_loop();
+                continue;
+            }
+            if started.elapsed() < SPIN {
+                std::thread::yield_now();
                 continue;
             }
             let guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -256,6 +277,33 @@ mod tests {
             }
         }
         assert_eq!(total.load(Ordering::Relaxed), 2000 * 6);
+    }
+
+    #[test]
+    fn more_threads_than_cores_and_a_busy_thread_beside_them() {
+        // Workers that cannot all be on a core at once (and a thread
+        // spinning beside them) still run every task of every job once:
+        // the caller waits by yielding, not only by spinning.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let stop = Arc::new(AtomicBool::new(false));
+        let busy = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        let pool = ThreadPool::new(4 * cores);
+        let total = AtomicUsize::new(0);
+        for _ in 0..300 {
+            pool.run(64, &|i| {
+                total.fetch_add(i, Ordering::Relaxed);
+            });
+        }
+        stop.store(true, Ordering::Relaxed);
+        busy.join().unwrap();
+        assert_eq!(total.load(Ordering::Relaxed), 300 * (63 * 64 / 2));
     }
 }
 
