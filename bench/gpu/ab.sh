@@ -6,7 +6,8 @@
 # with gpucheck-old.gz and snug-old.gz; no llama.cpp. Run from the
 # repository root (STEPS=0 leaves out the decode steps, BENCH=0 `snug
 # bench`; MODELS, VARIANTS, DEPTHS and NSYS=1 below); a summary on
-# stdout and in $OUT/ab.txt.
+# stdout and in $OUT/ab.txt. BENCH_ARGS are added to `snug bench`
+# (e.g. "--kv q8,tq4").
 set -u
 . bench/gpu/setup.sh
 gpu_setup /tmp/ab gpucheck synth snug gpucheck-old snug-old
@@ -44,9 +45,9 @@ print('$m', {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 
   fi
   [ "${BENCH:-1}" = 0 ] || for m in $models; do
     for b in snug-old snug; do
-      ./$b bench $m.gguf -p 512 -n 128 -r 3 --device cuda -o json > bench-$b-$m.json 2> /dev/null
+      ./$b bench $m.gguf -p 512 -n 128 -r 3 --device cuda ${BENCH_ARGS:-} -o json > bench-$b-$m.json 2> /dev/null
       python3 -c "
-import json; print('$b $m', [(d['test'], round(d['tok_s_median'], 1)) for d in json.load(open('bench-$b-$m.json'))])"
+import json; print('$b $m', [(d['test'], d.get('kv'), round(d['tok_s_median'], 1)) for d in json.load(open('bench-$b-$m.json'))])"
     done
   done
 } 2>&1 | tee $OUT/ab.txt

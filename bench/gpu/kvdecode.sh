@@ -4,7 +4,8 @@
 # sliding window), then each decode step
 # timed at depths 64 and 500 on the SmolLM2 and 1.5B shapes (two rounds,
 # formats alternating), and `snug bench -p 512 -n 128 --kv f16,q8,tq4`.
-# One call, from the repository root, with .gpu/ carried (see layers.sh).
+# One call, from the repository root, with .gpu/ carried (see layers.sh);
+# STEPS=0 leaves out the decode steps, BENCH=0 `snug bench`.
 set -u
 . bench/gpu/setup.sh
 gpu_setup /tmp/kvm synth gpucheck snug
@@ -19,5 +20,5 @@ import json; d=json.load(open('c.json'))
 print('$m $kv', d['logits_bitwise_equal_to_cpu_steps'], all(v for k, v in d.items() if k.startswith(('batch','graphs_same','overlap_same'))))" || tail -3 c.log
   done
 done
-for m in smol 1.5b; do for r in 1 2; do for kv in f16 q8 tq4; do for n in 64 500; do printf "$m $kv depth$n "; ./gpucheck $m.gguf --kv $kv --prompt $n --profile-decode 40 2>&1 | tail -1; done; done; done; done
-for m in smol 1.5b; do ./snug bench $m.gguf -p 512 -n 128 -r 3 --kv f16,q8,tq4 --device cuda 2>&1 | tail -6; done
+[ "${STEPS:-1}" = 0 ] || for m in smol 1.5b; do for r in 1 2; do for kv in f16 q8 tq4; do for n in 64 500; do printf "$m $kv depth$n "; ./gpucheck $m.gguf --kv $kv --prompt $n --profile-decode 40 2>&1 | tail -1; done; done; done; done
+[ "${BENCH:-1}" = 0 ] || for m in smol 1.5b; do ./snug bench $m.gguf -p 512 -n 128 -r 3 --kv f16,q8,tq4 --device cuda 2>&1 | tail -6; done
