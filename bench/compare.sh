@@ -7,6 +7,8 @@
 # per decode step (bytes-MODEL.txt), for the roofline.
 #
 # Usage: bench/compare.sh LLAMA_BIN_DIR [OUT] [MODELS...]
+#   THREADS (2), REPS (3), LLAMA_ARGS: more llama-bench flags ("--repack 0"
+#   where its repacked AMX kernels stop on an illegal instruction).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$1
@@ -21,8 +23,8 @@ cargo build --release -p snug-kernels --example bandwidth -p snug-model --exampl
 target/release/examples/bandwidth "$threads" | tail -n 1 > "$out/bandwidth.txt"
 for m in $models; do
   path=$(target/release/snug pull "$m" | tail -n 1)
-  "$bin/llama-bench" -m "$path" -t "$threads" -p 128,512 -n 128 -fa 0,1 -r "$reps" -o md > "$out/llama-$m.md" 2>/dev/null
-  "$bin/llama-bench" -m "$path" -t "$threads" -p 0 -n 64 -d 2048 -fa 0,1 -r "$reps" -o md 2>/dev/null | grep "d2048" >> "$out/llama-$m.md"
+  "$bin/llama-bench" -m "$path" -t "$threads" -p 128,512 -n 128 -fa 0,1 -r "$reps" ${LLAMA_ARGS:-} -o md > "$out/llama-$m.md" 2>/dev/null
+  "$bin/llama-bench" -m "$path" -t "$threads" -p 0 -n 64 -d 2048 -fa 0,1 -r "$reps" ${LLAMA_ARGS:-} -o md 2>/dev/null | grep "d2048" >> "$out/llama-$m.md"
   target/release/snug bench "$path" -t "$threads" -p 128,512 -n 128 -r "$reps" > "$out/snug-$m.md"
   target/release/snug bench "$path" -t "$threads" -p "" -n 64 -d 2048 -r "$reps" | tail -n 1 >> "$out/snug-$m.md"
   target/release/examples/bytes_per_token "$path" > "$out/bytes-$m.txt"
