@@ -297,6 +297,22 @@ fn routes_answer_as_openai_does_and_match_snug_run() {
         assert!(m.contains(family), "/metrics lacks {family}");
     }
     assert!(s.metric("snug_generated_tokens_total") >= 40.0);
+    // The same numbers under vLLM's names, for routers that read those.
+    assert_eq!(
+        s.metric("vllm:generation_tokens_total{"),
+        s.metric("snug_generated_tokens_total ")
+    );
+    assert_eq!(s.metric("vllm:num_requests_waiting{"), 0.0);
+    let usage = s.metric("vllm:kv_cache_usage_perc{");
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    let m = s.get("/metrics").body;
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("vllm:cache_config_info{block_size=") && l.ends_with("} 1")),
+        "{m}"
+    );
+    assert!(m.contains("vllm:request_success_total{finished_reason=\"stop\""), "{m}");
+    assert!(m.contains("vllm:time_to_first_token_seconds_count{model_name="), "{m}");
 
     // One JSON line per finished request.
     let lines: Vec<Value> = std::fs::read_to_string(&jsonl)

@@ -47,13 +47,24 @@ impl Histogram {
     }
 
     fn write(&self, out: &mut String, name: &str, help: &str) {
+        self.write_labelled(out, name, help, "");
+    }
+
+    /// As `write`, each line also carrying `labels` (`key="value",...`;
+    /// empty for none).
+    fn write_labelled(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let (sep, set) = if labels.is_empty() {
+            (String::new(), String::new())
+        } else {
+            (format!(",{labels}"), format!("{{{labels}}}"))
+        };
         for (b, c) in self.bounds.iter().zip(&self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"{sep}}} {c}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}", self.sum);
-        let _ = writeln!(out, "{name}_count {}", self.count);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"{sep}}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum{set} {}", self.sum);
+        let _ = writeln!(out, "{name}_count{set} {}", self.count);
     }
 }
 
@@ -102,6 +113,11 @@ pub struct Metrics {
     /// Decision requests: questions answered, and time per request.
     pub decide_questions: u64,
     pub decide: Histogram,
+    /// The served model's name (the `model_name` label of the `vllm:`
+    /// families) and the KV pages' format(s) (`f16`, `q8`, `tq4`, or
+    /// `K/V` where keys and values differ).
+    pub model_name: String,
+    pub cache_dtype: String,
 }
 
 impl Metrics {
@@ -137,6 +153,8 @@ impl Metrics {
             lease_returns: 0,
             decide_questions: 0,
             decide: Histogram::new(LATENCY_BOUNDS),
+            model_name: String::new(),
+            cache_dtype: String::new(),
         }
     }
 
@@ -337,8 +355,130 @@ impl Metrics {
         }
         let _ = writeln!(o, "snug_memory_bytes{{part=\"rss\"}} {rss}");
         let _ = writeln!(o, "snug_memory_bytes{{part=\"peak_rss\"}} {peak_rss}");
+        self.render_vllm(&mut o);
         o
     }
+
+    /// The families inference routers and gateways read from a vLLM
+    /// server, under vLLM's names and meaning, from the same numbers as
+    /// snug's own (docs/SERVER.md lists the mapping). Every line carries
+    /// `model_name`, as vLLM's do.
+    fn render_vllm(&self, o: &mut String) {
+        let model = format!("model_name=\"{}\"", label_value(&self.model_name));
+        let family = |o: &mut String, name: &str, kind: &str, help: &str| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        };
+        let usage = if self.kv_pages_total == 0 {
+            0.0
+        } else {
+            self.kv_pages_used as f64 / self.kv_pages_total as f64
+        };
+        let gauges: [(&str, &str, f64); 4] = [
+            (
+                "vllm:num_requests_running",
+                "Requests admitted and running (snug_requests_running).",
+                self.running as f64,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting for admission (snug_requests_waiting).",
+                self.waiting as f64,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage, 1 meaning full: pages held by requests over all pages.",
+                usage,
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "The same as vllm:kv_cache_usage_perc, under its earlier name.",
+                usage,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            family(o, name, "gauge", help);
+            let _ = writeln!(o, "{name}{{{model}}} {v}");
+        }
+        family(
+            o,
+            "vllm:cache_config_info",
+            "gauge",
+            "The KV cache's configuration, in labels: positions per page, pages, format.",
+        );
+        let _ = writeln!(
+            o,
+            "vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"{}\",num_gpu_blocks=\"{}\",{model}}} 1",
+            self.kv_page_tokens,
+            label_value(&self.cache_dtype),
+            self.kv_pages_total
+        );
+        let counters: [(&str, &str, u64); 4] = [
+            (
+                "vllm:prompt_tokens_total",
+                "Prompt tokens of finished requests (snug_prompt_tokens_total).",
+                self.prompt_tokens,
+            ),
+            (
+                "vllm:generation_tokens_total",
+                "Tokens generated (snug_generated_tokens_total).",
+                self.generated_tokens,
+            ),
+            (
+                "vllm:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache (those of finished requests).",
+                self.prompt_tokens,
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache (snug_prompt_tokens_reused_total).",
+                self.reused_tokens,
+            ),
+        ];
+        for (name, help, v) in counters {
+            family(o, name, "counter", help);
+            let _ = writeln!(o, "{name}{{{model}}} {v}");
+        }
+        family(
+            o,
+            "vllm:request_success_total",
+            "counter",
+            "Finished requests by reason: stop, length, abort (cancelled), error.",
+        );
+        for (k, v) in &self.finished {
+            let reason = match *k {
+                "cancelled" => "abort",
+                other => other,
+            };
+            let _ = writeln!(
+                o,
+                "vllm:request_success_total{{finished_reason=\"{reason}\",{model}}} {v}"
+            );
+        }
+        self.ttft.write_labelled(
+            o,
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (snug_time_to_first_token_seconds).",
+            &model,
+        );
+        self.token_latency.write_labelled(
+            o,
+            "vllm:inter_token_latency_seconds",
+            "Time between two tokens of a request (snug_time_per_output_token_seconds).",
+            &model,
+        );
+        self.e2e.write_labelled(
+            o,
+            "vllm:e2e_request_latency_seconds",
+            "From receipt to the last token (snug_request_duration_seconds).",
+            &model,
+        );
+    }
+}
+
+/// `v` as a Prometheus label value: backslash, double quote and newline
+/// escaped.
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -371,5 +511,49 @@ mod tests {
         }
         assert!(text.contains("snug_requests_rejected_total{reason=\"queue_full\"} 1"));
         assert!(text.contains("snug_kv_pages{state=\"free\"} 0"));
+    }
+
+    #[test]
+    fn vllm_families_carry_snugs_numbers_under_vllms_names() {
+        let mut m = Metrics::new(32, 1000);
+        m.model_name = "smol \"v2\"".into();
+        m.cache_dtype = "q8/tq4".into();
+        m.running = 3;
+        m.waiting = 2;
+        m.kv_pages_total = 40;
+        m.kv_pages_used = 10;
+        m.prompt_tokens = 100;
+        m.reused_tokens = 64;
+        m.generated_tokens = 7;
+        m.finished("stop");
+        m.finished("cancelled");
+        m.ttft.observe(0.02);
+        let text = m.render(1, 2);
+        let label = "model_name=\"smol \\\"v2\\\"\"";
+        for line in [
+            format!("vllm:num_requests_running{{{label}}} 3"),
+            format!("vllm:num_requests_waiting{{{label}}} 2"),
+            format!("vllm:kv_cache_usage_perc{{{label}}} 0.25"),
+            format!("vllm:gpu_cache_usage_perc{{{label}}} 0.25"),
+            format!(
+                "vllm:cache_config_info{{block_size=\"32\",cache_dtype=\"q8/tq4\",num_gpu_blocks=\"40\",{label}}} 1"
+            ),
+            format!("vllm:prompt_tokens_total{{{label}}} 100"),
+            format!("vllm:generation_tokens_total{{{label}}} 7"),
+            format!("vllm:prefix_cache_queries_total{{{label}}} 100"),
+            format!("vllm:prefix_cache_hits_total{{{label}}} 64"),
+            format!("vllm:request_success_total{{finished_reason=\"stop\",{label}}} 1"),
+            format!("vllm:request_success_total{{finished_reason=\"abort\",{label}}} 1"),
+            format!("vllm:time_to_first_token_seconds_bucket{{le=\"0.025\",{label}}} 1"),
+            format!("vllm:time_to_first_token_seconds_count{{{label}}} 1"),
+            format!("vllm:inter_token_latency_seconds_count{{{label}}} 0"),
+            format!("vllm:e2e_request_latency_seconds_bucket{{le=\"+Inf\",{label}}} 0"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "/metrics lacks {line}:\n{text}");
+        }
+        let mut seen = std::collections::HashSet::new();
+        for line in text.lines().filter(|l| l.starts_with("# TYPE")) {
+            assert!(seen.insert(line.to_string()), "{line} twice");
+        }
     }
 }

@@ -62,6 +62,7 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
         Ok(Err(e)) => return Err(e),
         Err(_) => bail!("the engine stopped while starting"),
     };
+    locked(&metrics).model_name = model_id.clone();
     let state = Arc::new(AppState {
         jobs: Mutex::new(tx),
         tok,
@@ -325,7 +326,19 @@ pub(super) fn engine_main(
     let total = engine.kv_pages().total;
     let pt = engine.options.page_tokens;
     let metrics = Arc::new(Mutex::new(Metrics::new(pt, page)));
-    locked(&metrics).kv_pages_total = total as u64;
+    {
+        let mut m = locked(&metrics);
+        m.kv_pages_total = total as u64;
+        let (fk, fv) = (
+            engine.options.kv_format,
+            engine.options.kv_format_v.unwrap_or(engine.options.kv_format),
+        );
+        m.cache_dtype = if fk == fv {
+            fk.name().to_string()
+        } else {
+            format!("{}/{}", fk.name(), fv.name())
+        };
+    }
     let template = match crate::template_worker::for_model(file.get_str("tokenizer.chat_template")) {
         Ok(t) => t,
         Err(e) => {
