@@ -373,30 +373,58 @@ impl Metrics {
         } else {
             self.kv_pages_used as f64 / self.kv_pages_total as f64
         };
-        let gauges: [(&str, &str, f64); 4] = [
+        let plain: [(&str, &str, &str, f64); 8] = [
             (
                 "vllm:num_requests_running",
+                "gauge",
                 "Requests admitted and running (snug_requests_running).",
                 self.running as f64,
             ),
             (
                 "vllm:num_requests_waiting",
+                "gauge",
                 "Requests waiting for admission (snug_requests_waiting).",
                 self.waiting as f64,
             ),
             (
                 "vllm:kv_cache_usage_perc",
+                "gauge",
                 "KV-cache usage, 1 meaning full: pages held by requests over all pages.",
                 usage,
             ),
             (
                 "vllm:gpu_cache_usage_perc",
+                "gauge",
                 "The same as vllm:kv_cache_usage_perc, under its earlier name.",
                 usage,
             ),
+            (
+                "vllm:prompt_tokens_total",
+                "counter",
+                "Prompt tokens of finished requests (snug_prompt_tokens_total).",
+                self.prompt_tokens as f64,
+            ),
+            (
+                "vllm:generation_tokens_total",
+                "counter",
+                "Tokens generated (snug_generated_tokens_total).",
+                self.generated_tokens as f64,
+            ),
+            (
+                "vllm:prefix_cache_queries_total",
+                "counter",
+                "Prompt tokens looked up in the prefix cache (those of finished requests).",
+                self.prompt_tokens as f64,
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "counter",
+                "Prompt tokens found in the prefix cache (snug_prompt_tokens_reused_total).",
+                self.reused_tokens as f64,
+            ),
         ];
-        for (name, help, v) in gauges {
-            family(o, name, "gauge", help);
+        for (name, kind, help, v) in plain {
+            family(o, name, kind, help);
             let _ = writeln!(o, "{name}{{{model}}} {v}");
         }
         family(
@@ -412,32 +440,6 @@ impl Metrics {
             label_value(&self.cache_dtype),
             self.kv_pages_total
         );
-        let counters: [(&str, &str, u64); 4] = [
-            (
-                "vllm:prompt_tokens_total",
-                "Prompt tokens of finished requests (snug_prompt_tokens_total).",
-                self.prompt_tokens,
-            ),
-            (
-                "vllm:generation_tokens_total",
-                "Tokens generated (snug_generated_tokens_total).",
-                self.generated_tokens,
-            ),
-            (
-                "vllm:prefix_cache_queries_total",
-                "Prompt tokens looked up in the prefix cache (those of finished requests).",
-                self.prompt_tokens,
-            ),
-            (
-                "vllm:prefix_cache_hits_total",
-                "Prompt tokens found in the prefix cache (snug_prompt_tokens_reused_total).",
-                self.reused_tokens,
-            ),
-        ];
-        for (name, help, v) in counters {
-            family(o, name, "counter", help);
-            let _ = writeln!(o, "{name}{{{model}}} {v}");
-        }
         family(
             o,
             "vllm:request_success_total",
