@@ -53,7 +53,8 @@ const SPIN: Duration = Duration::from_millis(5);
 /// Checks the caller of `run` spins on its workers before it yields its
 /// core at each further check (tens of microseconds: longer than a worker
 /// running on its own core takes to finish its last task). A yield with
-/// nothing else to run returns at once, so the wait is as short.
+/// nothing else to run returns at once, so on an idle machine the wait
+/// ends as soon as spinning would end it.
 const YIELD_AFTER: u32 = 256;
 
 impl ThreadPool {
