@@ -329,15 +329,8 @@ pub(super) fn engine_main(
     {
         let mut m = locked(&metrics);
         m.kv_pages_total = total as u64;
-        let (fk, fv) = (
-            engine.options.kv_format,
-            engine.options.kv_format_v.unwrap_or(engine.options.kv_format),
-        );
-        m.cache_dtype = if fk == fv {
-            fk.name().to_string()
-        } else {
-            format!("{}/{}", fk.name(), fv.name())
-        };
+        let fk = engine.options.kv_format;
+        m.cache_dtype = crate::eval::kv_name(fk, engine.options.kv_format_v.unwrap_or(fk));
     }
     let template = match crate::template_worker::for_model(file.get_str("tokenizer.chat_template")) {
         Ok(t) => t,
