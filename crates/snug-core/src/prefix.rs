@@ -20,6 +20,12 @@
 //! seq A: [p3 k0][p7 k1][p2 k2][p5 ..]   cache: k0->p3 k1->p7 k2->p2
 //! seq B with the same first 96 tokens: table [p3][p7][p2] shared, then its own
 //! ```
+//!
+//! When asked ([`PrefixCache::record_events`]), the cache also keeps a log
+//! of what entered and left it, for a listener outside the process (a
+//! router that sends each request where its prefix is cached). The keys
+//! depend on the tokens alone, so two processes serving one model name the
+//! same prefix alike.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -75,6 +81,23 @@ pub struct PrefixStats {
     pub pages: u64,
 }
 
+/// A change to the set of cached pages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Pages of one chain entered the cache: `keys[0]` follows `parent`
+    /// (`None`: the prompt's first page), each later key the one before,
+    /// and `tokens` holds their tokens, a page's worth per key.
+    Stored {
+        parent: Option<Key>,
+        keys: Vec<Key>,
+        tokens: Vec<u32>,
+    },
+    /// Pages left the cache.
+    Removed { keys: Vec<Key> },
+    /// Every page left the cache.
+    Cleared,
+}
+
 struct Entry {
     page: PageId,
     used: u64,
@@ -88,6 +111,8 @@ pub struct PrefixCache {
     order: BTreeSet<(u64, Key)>,
     tick: u64,
     pub stats: PrefixStats,
+    /// What changed since the log was last taken, when recording.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl PrefixCache {
@@ -111,6 +136,49 @@ impl PrefixCache {
         e.used = self.tick;
         self.order.insert((e.used, *key));
         Some(e.page)
+    }
+
+    /// Starts keeping the log of [`CacheEvent`]s (empty now).
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events since the last call, oldest first (none when not
+    /// recording).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// [`PrefixCache::insert`] for a page of `tokens` whose prefix before
+    /// them is keyed `parent`, logging the page when recording. A page
+    /// following the one the last event stored joins that event.
+    pub fn insert_page(&mut self, pool: &mut PagePool, parent: &Key, key: Key, tokens: &[u32], page: PageId) -> bool {
+        if !self.insert(pool, key, page) {
+            return false;
+        }
+        if let Some(log) = &mut self.events {
+            match log.last_mut() {
+                Some(CacheEvent::Stored { keys, tokens: t, .. }) if keys.last() == Some(parent) => {
+                    keys.push(key);
+                    t.extend_from_slice(tokens);
+                }
+                _ => log.push(CacheEvent::Stored {
+                    parent: (*parent != ROOT).then_some(*parent),
+                    keys: vec![key],
+                    tokens: tokens.to_vec(),
+                }),
+            }
+        }
+        true
+    }
+
+    fn log_removed(&mut self, key: Key) {
+        if let Some(log) = &mut self.events {
+            match log.last_mut() {
+                Some(CacheEvent::Removed { keys }) => keys.push(key),
+                _ => log.push(CacheEvent::Removed { keys: vec![key] }),
+            }
+        }
     }
 
     /// Whether `key` is cached.
@@ -170,6 +238,7 @@ impl PrefixCache {
             let e = self.map.remove(&key).expect("ordered keys are mapped");
             before(&key, e.page);
             pool.release(e.page);
+            self.log_removed(key);
             evicted += 1;
         }
         self.stats.evictions += evicted as u64;
@@ -189,6 +258,10 @@ impl PrefixCache {
         }
         self.order.clear();
         self.stats.pages = 0;
+        if let Some(log) = &mut self.events {
+            log.clear();
+            log.push(CacheEvent::Cleared);
+        }
     }
 }
 
@@ -258,5 +331,61 @@ mod tests {
         assert_eq!(cache.stats.evictions, 1);
         cache.clear(&mut pool);
         assert_eq!(pool.free_pages(), 2, "two shared pages still held by the caller");
+    }
+
+    #[test]
+    fn the_log_tells_chains_stored_pages_removed_and_a_clear() {
+        let mut pool = PagePool::new(4, 4);
+        let mut cache = PrefixCache::new();
+        let tokens: Vec<u32> = (0..12).collect();
+        let k = keys(&tokens, 4, usize::MAX);
+        let mut t = PageTable::new();
+        t.append(&mut pool, 12).unwrap();
+        let pages = t.pages().to_vec();
+        // Nothing is logged before recording starts.
+        cache.insert_page(&mut pool, &ROOT, k[0], &tokens[..4], pages[0]);
+        assert!(cache.take_events().is_empty());
+        cache.record_events();
+        cache.insert_page(&mut pool, &k[0], k[1], &tokens[4..8], pages[1]);
+        cache.insert_page(&mut pool, &k[1], k[2], &tokens[8..12], pages[2]);
+        assert!(
+            !cache.insert_page(&mut pool, &k[1], k[2], &tokens[8..12], pages[2]),
+            "cached once"
+        );
+        assert_eq!(
+            cache.take_events(),
+            vec![CacheEvent::Stored {
+                parent: Some(k[0]),
+                keys: vec![k[1], k[2]],
+                tokens: tokens[4..].to_vec(),
+            }],
+            "a chain's pages are one event"
+        );
+        assert!(cache.take_events().is_empty(), "taken once");
+        // A chain from the root names no parent.
+        let other: Vec<u32> = (100..104).collect();
+        let ko = keys(&other, 4, 1)[0];
+        let po = pool.alloc().unwrap();
+        cache.insert_page(&mut pool, &ROOT, ko, &other, po);
+        pool.release(po);
+        cache.touch_chain(&k);
+        t.release(&mut pool);
+        assert_eq!(cache.evict(&mut pool, 1, |_, _| {}), 1);
+        let ev = cache.take_events();
+        assert_eq!(
+            ev[0],
+            CacheEvent::Stored {
+                parent: None,
+                keys: vec![ko],
+                tokens: other.clone()
+            }
+        );
+        assert_eq!(
+            ev[1],
+            CacheEvent::Removed { keys: vec![ko] },
+            "the least recently used goes"
+        );
+        cache.clear(&mut pool);
+        assert_eq!(cache.take_events(), vec![CacheEvent::Cleared]);
     }
 }

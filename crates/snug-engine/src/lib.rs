@@ -678,7 +678,7 @@ impl<'m> Engine<'m> {
             let parent = if i == 0 { prefix::ROOT } else { s.keys[i - 1] };
             let key = prefix::chain(&parent, &s.tokens[i * pt..(i + 1) * pt]);
             let page = s.table.pages()[i];
-            cache.insert(&mut self.pages, key, page);
+            cache.insert_page(&mut self.pages, &parent, key, &s.tokens[i * pt..(i + 1) * pt], page);
             if let Some(d) = &mut self.disk {
                 match d.write(&key, &self.storage, page) {
                     Ok(true) => cache.stats.disk_writes += 1,
@@ -736,7 +736,8 @@ impl<'m> Engine<'m> {
                         self.pages.release(p);
                         break;
                     }
-                    cache.insert(&mut self.pages, *key, p);
+                    let parent = if j == 0 { prefix::ROOT } else { keys[j - 1] };
+                    cache.insert_page(&mut self.pages, &parent, *key, &prompt[j * pt..(j + 1) * pt], p);
                     cache.stats.disk_hits += 1;
                     p
                 }
@@ -773,6 +774,19 @@ impl<'m> Engine<'m> {
             .collect();
         self.disk = Some(prefix_disk::DiskTier::open(root, &name, cap)?);
         Ok(())
+    }
+
+    /// Starts logging what enters and leaves the prefix cache (see
+    /// [`prefix::CacheEvent`]); a no-op when the cache is off.
+    pub fn record_cache_events(&mut self) {
+        if let Some(c) = &mut self.prefix {
+            c.record_events();
+        }
+    }
+
+    /// The prefix cache's events since the last call, oldest first.
+    pub fn take_cache_events(&mut self) -> Vec<prefix::CacheEvent> {
+        self.prefix.as_mut().map(PrefixCache::take_events).unwrap_or_default()
     }
 
     /// What the prefix cache did so far (`None` when it is off).

@@ -615,6 +615,78 @@ fn the_openai_python_client_drives_the_server() {
     assert!(out.contains("ok"), "{out}");
 }
 
+/// A free TCP port on this machine (for a socket the server binds itself).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `--kv-events`: a subscriber written from vLLM's documented event format
+/// (pyzmq + msgpack) decodes every batch, recomputes each block hash from
+/// its tokens, sees a shared prefix stored once and evicted pages
+/// removed, and replays the batches from the start; in both wire forms.
+#[test]
+fn a_vllm_kv_event_subscriber_follows_the_prefix_cache() {
+    let Some(model) = smollm2() else { return };
+    for format in ["map", "array"] {
+        let (publish, replay) = (free_port(), free_port());
+        let s = Server::start(
+            &model,
+            &[
+                "--memory-budget",
+                "8MiB",
+                "--guaranteed-output",
+                "16",
+                "--kv-events",
+                &format!("tcp://*:{publish}"),
+                "--kv-events-replay",
+                &format!("tcp://*:{replay}"),
+                "--kv-events-topic",
+                "kv",
+                "--kv-events-format",
+                format,
+            ],
+        );
+        let Some(out) = client_check(
+            "kv-events",
+            &[
+                format!("http://{}/v1", s.addr),
+                format!("tcp://127.0.0.1:{publish}"),
+                format!("tcp://127.0.0.1:{replay}"),
+                "kv".into(),
+            ],
+        ) else {
+            return;
+        };
+        let v: Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["ok"], true, "{format}: {v}");
+        assert!(v["removed"].as_u64().unwrap() > 0, "{format}: {v}");
+        assert_eq!(v["batches"], v["replayed"], "{format}: {v}");
+        assert_eq!(s.metric("snug_kv_events_dropped_total"), 0.0);
+    }
+}
+
+/// An event endpoint in use is a one-line error before the model loads.
+#[test]
+fn an_event_endpoint_in_use_is_a_clear_error() {
+    let Some(model) = smollm2() else { return };
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let out = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .arg("serve")
+        .arg(&model)
+        .args(["--port", "0", "--kv-events", &format!("tcp://*:{port}")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("--kv-events tcp://*:{port}")), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// The web chat page in a real headless browser: an answer streams in,
 /// a long one is stopped part way and kept, and after a reload both
 /// conversations are listed and open again (saved by the server).

@@ -100,6 +100,22 @@ pub struct ServeArgs {
     pub(super) prefix_cache_dir: Option<PathBuf>,
     #[arg(long, value_name = "SIZE", default_value = "2GiB")]
     pub(super) prefix_cache_size: String,
+    /// Publish the prefix cache's changes for routers, in vLLM's KV-event
+    /// format, on this ZeroMQ endpoint (e.g. tcp://*:5557; a wildcard
+    /// host binds, a named one connects).
+    #[arg(long, value_name = "ENDPOINT", conflicts_with = "no_prefix_cache")]
+    pub(super) kv_events: Option<String>,
+    /// Answer replay requests for missed event batches here (e.g.
+    /// tcp://*:5558).
+    #[arg(long, value_name = "ENDPOINT", requires = "kv_events")]
+    pub(super) kv_events_replay: Option<String>,
+    /// The topic frame of every event message.
+    #[arg(long, value_name = "TOPIC", default_value = "", requires = "kv_events")]
+    pub(super) kv_events_topic: String,
+    /// Each event as a `map` with named fields (vLLM's current form) or
+    /// a positional `array` (its older form).
+    #[arg(long, value_name = "FORMAT", default_value = "map", value_parser = ["map", "array"], requires = "kv_events")]
+    pub(super) kv_events_format: String,
     /// Do not share cached KV pages between requests.
     #[arg(long, conflicts_with = "prefix_cache_dir")]
     pub(super) no_prefix_cache: bool,

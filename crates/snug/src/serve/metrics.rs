@@ -118,6 +118,9 @@ pub struct Metrics {
     /// `K/V` where keys and values differ).
     pub model_name: String,
     pub cache_dtype: String,
+    /// KV-event batches dropped because the publisher fell behind (`None`
+    /// without `--kv-events`).
+    pub kv_events_dropped: Option<u64>,
 }
 
 impl Metrics {
@@ -155,6 +158,7 @@ impl Metrics {
             decide: Histogram::new(LATENCY_BOUNDS),
             model_name: String::new(),
             cache_dtype: String::new(),
+            kv_events_dropped: None,
         }
     }
 
@@ -273,6 +277,15 @@ impl Metrics {
         );
         for (k, v) in prefix {
             let _ = writeln!(o, "snug_prefix_cache_total{{event=\"{k}\"}} {v}");
+        }
+        if let Some(v) = self.kv_events_dropped {
+            family(
+                &mut o,
+                "snug_kv_events_dropped_total",
+                "counter",
+                "KV-event batches dropped because the publisher fell behind.",
+            );
+            let _ = writeln!(o, "snug_kv_events_dropped_total {v}");
         }
         self.ttft.write(
             &mut o,

@@ -17,6 +17,7 @@ mod conn;
 mod decisions;
 mod embeddings;
 pub mod encoder;
+pub mod kv_events;
 pub mod metrics;
 mod ollama;
 mod ollama_wire;

@@ -41,6 +41,25 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
         return encoder::serve(&a, &dir, std_listener, max_body);
     };
 
+    let kv_events = match &a.kv_events {
+        Some(endpoint) => {
+            let format = kv_events::WireFormat::parse(&a.kv_events_format).context("--kv-events-format")?;
+            let cfg = kv_events::EventsConfig {
+                endpoint: endpoint.clone(),
+                replay: a.kv_events_replay.clone(),
+                topic: a.kv_events_topic.clone(),
+                format,
+                medium: if a.cache.device.as_deref().is_some_and(|d| d != "cpu") {
+                    "GPU"
+                } else {
+                    "CPU"
+                },
+            };
+            Some(kv_events::start(cfg).map_err(anyhow::Error::msg)?)
+        }
+        None => None,
+    };
+
     let tok = Tokenizer::from_gguf(&file)?;
     let facts = ollama::Facts::of(&file, &path);
     let template = crate::template_worker::for_model(file.get_str("tokenizer.chat_template"))?;
@@ -51,7 +70,8 @@ pub fn cmd_serve(mut a: ServeArgs) -> Result<()> {
     let (tx, rx) = mpsc::channel::<Msg>();
     let (ready_tx, ready_rx) = mpsc::channel::<Result<(usize, usize, Arc<Mutex<Metrics>>)>>();
     let engine_thread = {
-        let a = EngineArgs::from(&a);
+        let mut a = EngineArgs::from(&a);
+        a.kv_events = kv_events;
         let path = path.clone();
         std::thread::Builder::new()
             .name("snug-engine".into())
@@ -205,6 +225,7 @@ pub(super) struct EngineArgs {
     pub(super) metrics_file: Option<PathBuf>,
     pub(super) model: String,
     pub(super) lease_head: bool,
+    pub(super) kv_events: Option<kv_events::Sender>,
 }
 
 impl From<&ServeArgs> for EngineArgs {
@@ -246,6 +267,7 @@ impl From<&ServeArgs> for EngineArgs {
             metrics_file: a.metrics_file.clone(),
             model: a.model.clone(),
             lease_head: a.lease_head,
+            kv_events: None,
         }
     }
 }
@@ -320,6 +342,9 @@ pub(super) fn engine_main(
             return;
         }
     }
+    if a.kv_events.is_some() {
+        engine.record_cache_events();
+    }
     let speculate = crate::run::speculation_for(speculate, engine.model);
     let mut calibration = (speculate == snug_core::speculate::Mode::Auto)
         .then(|| crate::calibration::load(&path, engine.options.threads, &mut engine));
@@ -367,6 +392,7 @@ pub(super) fn engine_main(
         metrics_file: a.metrics_file.clone(),
         framing,
         temperatures,
+        kv_events: a.kv_events.clone(),
     };
     let _ = ready.send(Ok((ctx, model.config.vocab, metrics.clone())));
     let head = model.head_bytes();

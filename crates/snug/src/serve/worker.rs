@@ -105,6 +105,8 @@ pub struct LoopConfig {
     /// temperatures.
     pub framing: Framing,
     pub temperatures: Temperatures,
+    /// Where the prefix cache's changes go for routers, if anywhere.
+    pub kv_events: Option<super::kv_events::Sender>,
 }
 
 /// A job the scheduler knows about.
@@ -157,6 +159,7 @@ pub fn run(
             if draining {
                 return;
             }
+            l.emit_events(engine);
             l.publish(engine, &ledger, true);
             match rx.recv() {
                 Ok(Msg::Job(job)) => l.submit(engine, job),
@@ -187,6 +190,7 @@ pub fn run(
         }
         l.drop_gone(engine);
         l.step(engine, tok);
+        l.emit_events(engine);
         l.publish(engine, &ledger, false);
     }
 }
@@ -541,6 +545,17 @@ impl Loop<'_> {
         }));
     }
 
+    /// Hands the prefix cache's changes since the last turn to the KV-event
+    /// publisher, if there is one.
+    fn emit_events(&mut self, engine: &mut Engine) {
+        if let Some(tx) = &self.cfg.kv_events {
+            tx.send(super::kv_events::Batch {
+                block_size: engine.options.page_tokens,
+                events: engine.take_cache_events(),
+            });
+        }
+    }
+
     /// Copies the gauges (pages, queue, ledger) into the metrics.
     /// The ledger reads the weights' resident size from /proc, which costs
     /// milliseconds: it is refreshed when the loop goes idle and at most
@@ -565,6 +580,7 @@ impl Loop<'_> {
         if let Some(p) = engine.prefix_stats() {
             m.prefix = p;
         }
+        m.kv_events_dropped = self.cfg.kv_events.as_ref().map(super::kv_events::Sender::dropped);
     }
 }
 
