@@ -8,10 +8,13 @@
 //! a part; a write that fails removes its temporary file and leaves the old
 //! file as it was.
 //!
-//! Temporary names are `.{name}.{pid}.{n}.tmp`: the process id lets a
-//! later process remove what a killed one left ([`remove_stale_temps`]),
-//! and `n` (a counter of this process) keeps two threads writing one name
-//! apart.
+//! Temporary names are `.{name}.{pid}.{n}.{host}.tmp`: the process id
+//! lets a later process remove what a killed one left
+//! ([`remove_stale_temps`]), `n` (a counter of this process) keeps two
+//! threads writing one name apart, and the host name keeps processes of
+//! two machines apart where they share a folder (a network file system
+//! under several replicas, whose process ids may well be equal): a
+//! process only ever removes temporaries of its own host.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -25,6 +28,27 @@ fn dir_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
+/// This machine's name as it goes into a temporary name: letters, digits
+/// and `-` (anything else becomes `-`), at most 63 characters; `host` when
+/// the name cannot be read.
+fn host_tag() -> &'static str {
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TAG.get_or_init(|| {
+        let raw = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let tag: String = raw
+            .trim()
+            .chars()
+            .take(63)
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+            .collect();
+        if tag.is_empty() {
+            "host".into()
+        } else {
+            tag
+        }
+    })
+}
+
 /// A fresh temporary name beside `path`.
 pub fn temp_path(path: &Path) -> PathBuf {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -33,7 +57,7 @@ pub fn temp_path(path: &Path) -> PathBuf {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    dir_of(path).join(format!(".{name}.{}.{n}.tmp", std::process::id()))
+    dir_of(path).join(format!(".{name}.{}.{n}.{}.tmp", std::process::id(), host_tag()))
 }
 
 /// Syncs the directory `path` is in, so that a rename into it is on disk.
@@ -76,9 +100,11 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
     write_with(path, |f| f.write_all(bytes))
 }
 
-/// Removes the temporary files that writes of `path` by processes no
-/// longer running left behind (a write killed midway). Whether a process
-/// runs is read from `/proc`; without it nothing is removed.
+/// Removes the temporary files that writes of `path` by processes of this
+/// host no longer running left behind (a write killed midway). Whether a
+/// process runs is read from `/proc`; without it nothing is removed.
+/// Another host's temporaries are left alone: their process may be
+/// running there.
 pub fn remove_stale_temps(path: &Path) {
     let Some(name) = path.file_name() else {
         return;
@@ -95,10 +121,14 @@ pub fn remove_stale_temps(path: &Path) {
         let Some(rest) = f.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".tmp")) else {
             continue;
         };
-        let pid = rest.split('.').next().unwrap_or(rest);
-        let Ok(pid) = pid.parse::<u32>() else {
+        let mut parts = rest.split('.');
+        let Some(Ok(pid)) = parts.next().map(str::parse::<u32>) else {
             continue;
         };
+        // `pid`, `pid.n` (older forms) or `pid.n.host`.
+        if parts.nth(1).is_some_and(|host| host != host_tag()) {
+            continue;
+        }
         if !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_file(e.path());
         }
@@ -167,13 +197,16 @@ mod tests {
         let dead = d.join(".s.snug.4294967.0.tmp");
         let dead_old_form = d.join(".s.snug.4294966.tmp");
         let live = temp_path(&p);
+        let dead_here = d.join(format!(".s.snug.4294967.3.{}.tmp", host_tag()));
+        let elsewhere = d.join(".s.snug.4294967.3.another-host.tmp");
         let other = d.join(".t.snug.4294967.0.tmp");
-        for f in [&dead, &dead_old_form, &live, &other] {
+        for f in [&dead, &dead_old_form, &dead_here, &elsewhere, &live, &other] {
             std::fs::write(f, b"x").unwrap();
         }
         remove_stale_temps(&p);
-        assert!(!dead.exists() && !dead_old_form.exists());
+        assert!(!dead.exists() && !dead_old_form.exists() && !dead_here.exists());
         assert!(live.exists() && other.exists());
+        assert!(elsewhere.exists(), "another host's process may be running");
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -687,6 +687,71 @@ fn an_event_endpoint_in_use_is_a_clear_error() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// Replicas sharing one `--prefix-cache-dir` (a network file system in a
+/// real deployment): a conversation's second turn, sent to another replica
+/// than its first, prefills only what is new (the earlier turn's pages are
+/// read from the folder) and is answered exactly as a replica that never
+/// saw the conversation answers it. Two replicas writing the same pages at
+/// once leave files a third reads whole.
+#[test]
+fn a_conversation_moves_between_replicas_through_a_shared_cache_folder() {
+    let Some(model) = smollm2() else { return };
+    let dir = std::env::temp_dir().join(format!("snug-shared-prefix-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let shared = ["--prefix-cache-dir", dir.to_str().unwrap()];
+    let (a, b) = (Server::start(&model, &shared), Server::start(&model, &shared));
+    let system = "You are a careful assistant. Answer in one short sentence, and never use lists. \
+                  Keep to the facts you are given and say so when you are unsure.";
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "Name a planet with rings."}),
+    ];
+    let ask = |s: &Server, messages: &[Value]| {
+        let r = s.post(
+            "/v1/chat/completions",
+            &json!({"messages": messages, "max_tokens": 24, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let first = ask(&a, &messages);
+    messages.push(json!({"role": "assistant", "content": first}));
+    messages.push(json!({"role": "user", "content": "And one without rings?"}));
+    let second = ask(&b, &messages);
+    assert!(b.metric("snug_prefix_cache_total{event=\"disk_reads\"}") > 0.0);
+    assert!(b.metric("snug_prefix_cache_total{event=\"reused_tokens\"}") >= 64.0);
+    let alone = Server::start(&model, &["--no-prefix-cache"]);
+    assert_eq!(
+        second,
+        ask(&alone, &messages),
+        "the moved turn's answer is the one computed from scratch"
+    );
+
+    // Both replicas write one new prompt's pages at the same time.
+    let prompt =
+        json!({"prompt": "Lorem ipsum dolor sit amet, consectetur adipiscing elit. ".repeat(12), "max_tokens": 2});
+    std::thread::scope(|t| {
+        for addr in [a.addr.clone(), b.addr.clone()] {
+            let body = prompt.to_string();
+            t.spawn(move || assert_eq!(http(&addr, "POST", "/v1/completions", &[], body.as_bytes()).status, 200));
+        }
+    });
+    let c = Server::start(&model, &shared);
+    assert_eq!(c.post("/v1/completions", &prompt).status, 200);
+    let read = c.metric("snug_prefix_cache_total{event=\"disk_reads\"}");
+    assert!(read >= 3.0, "the third replica read the pages the two wrote: {read}");
+    let temps = std::fs::read_dir(&dir)
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp"))
+        .count();
+    assert_eq!(temps, 0, "no temporary file is left");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The web chat page in a real headless browser: an answer streams in,
 /// a long one is stopped part way and kept, and after a reload both
 /// conversations are listed and open again (saved by the server).
