@@ -113,6 +113,14 @@ fn asks_nothing(name: &str, v: &Value) -> bool {
         "tool_choice" | "function_call" => v.is_null() || v == "none",
         "parallel_tool_calls" => v.is_null() || v.is_boolean(),
         "top_logprobs" => v.is_null() || v == 0,
+        // Extensions of vLLM and SGLang that routers built for them (the
+        // sglang and vllm routers) send on every request at their
+        // defaults: accepted where they ask for what snug does anyway.
+        "no_stop_trim" | "continue_final_message" | "return_hidden_states" => v.is_null() || v == false,
+        "skip_special_tokens" => v.is_null() || v == true,
+        // How a reasoning model's thinking is split out; nothing is split
+        // from a model's text here, whatever they say.
+        "separate_reasoning" | "stream_reasoning" | "include_reasoning" => v.is_null() || v.is_boolean(),
         _ => false,
     }
 }

@@ -24,11 +24,52 @@ pub(super) async fn chat_completions(
     }
 }
 
+/// A chat request read and checked, its prompt rendered and tokenized.
+struct ChatPlan {
+    id: u64,
+    prompt: Vec<u32>,
+    settings: api::Settings,
+    tools: Option<tools::Tools>,
+}
+
 pub(super) async fn chat_inner(
     s: &Arc<AppState>,
     conn: Conn,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let c = plan_chat(s, body).await?;
+    let mut p = s.prepare(c.prompt, c.settings, None).map_err(|e| s.bad(e))?;
+    p.tools = c.tools;
+    respond(s, conn, c.id, Kind::Chat, p).await
+}
+
+/// `POST /v1/chat/completions/render` (vLLM's): the prompt token ids a
+/// chat request would run on, without running it: `{"token_ids": [...]}`.
+/// A router reads them to find which replica holds the prompt's prefix.
+pub(super) async fn chat_render(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    locked(&s.metrics).request("render");
+    match plan_chat(&s, body).await {
+        Ok(c) => Json(json!({"token_ids": c.prompt, "model": s.model_id})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/completions/render` (vLLM's): a completion request's prompt
+/// token ids, `{"token_ids": [...]}`.
+pub(super) async fn completion_render(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    locked(&s.metrics).request("render");
+    let r = body_bytes(body, &s).and_then(|body| {
+        let req: CompletionRequest = api::parse(&body).map_err(|e| s.bad(e))?;
+        req.common.settings(0).map_err(|e| s.bad(e))?;
+        completion_prompt(&s, req.prompt)
+    });
+    match r {
+        Ok(ids) => Json(json!({"token_ids": ids, "model": s.model_id})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn plan_chat(s: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<ChatPlan, ApiError> {
     let body = body_bytes(body, s)?;
     let req: ChatRequest = api::parse(&body).map_err(|e| s.bad(e))?;
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
@@ -68,9 +109,12 @@ pub(super) async fn chat_inner(
         messages.push(v);
     }
     let prompt = tool_chat_prompt(s, messages, tools.as_ref(), &mut settings).await?;
-    let mut p = s.prepare(prompt, settings, None).map_err(|e| s.bad(e))?;
-    p.tools = tools;
-    respond(s, conn, id, Kind::Chat, p).await
+    Ok(ChatPlan {
+        id,
+        prompt,
+        settings,
+        tools,
+    })
 }
 
 pub(super) async fn completions(
@@ -94,7 +138,15 @@ pub(super) async fn completion_inner(
     let req: CompletionRequest = api::parse(&body).map_err(|e| s.bad(e))?;
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let settings = req.common.settings(s.seed(id)).map_err(|e| s.bad(e))?;
-    let prompt = match req.prompt {
+    let prompt = completion_prompt(s, req.prompt)?;
+    // OpenAI's default for completions.
+    let p = s.prepare(prompt, settings, Some(16)).map_err(|e| s.bad(e))?;
+    respond(s, conn, id, Kind::Completion, p).await
+}
+
+/// A completion request's prompt as token ids.
+fn completion_prompt(s: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+    Ok(match prompt {
         Prompt::Text(t) => s.tok.encode(&t, EncodeOptions::default()),
         Prompt::Texts(v) if v.len() == 1 => s.tok.encode(&v[0], EncodeOptions::default()),
         Prompt::Texts(_) => {
@@ -113,10 +165,7 @@ pub(super) async fn completion_inner(
             }
             out
         }
-    };
-    // OpenAI's default for completions.
-    let p = s.prepare(prompt, settings, Some(16)).map_err(|e| s.bad(e))?;
-    respond(s, conn, id, Kind::Completion, p).await
+    })
 }
 
 /// A conversation with tools (or none) as prompt tokens: a template that

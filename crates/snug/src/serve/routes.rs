@@ -8,6 +8,8 @@ pub(super) fn router(state: Arc<AppState>, max_body: usize, log: AccessLog) -> R
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions/render", post(super::completions::chat_render))
+        .route("/v1/completions/render", post(super::completions::completion_render))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_one))
         .route("/tokenize", post(tokenize))
