@@ -669,6 +669,75 @@ fn a_vllm_kv_event_subscriber_follows_the_prefix_cache() {
     }
 }
 
+/// Three replicas behind vllm-router (from PyPI) with its kv_aware policy,
+/// which reads their KV events and their render route: the openai client,
+/// pointed at the router, is answered by every replica, each request by
+/// the one holding its prefix, with the answers a replica gives directly.
+#[test]
+fn replicas_behind_vllm_router_follow_their_kv_events() {
+    let Some(model) = smollm2() else { return };
+    let Some(python) = std::env::var_os("SNUG_OPENAI_PYTHON") else {
+        assert!(
+            std::env::var_os("SNUG_REQUIRE_MODELS").is_none(),
+            "SNUG_OPENAI_PYTHON must name the python whose folder holds vllm-router (scripts/test installs it)"
+        );
+        eprintln!("skipping: SNUG_OPENAI_PYTHON is not set");
+        return;
+    };
+    let router_bin = Path::new(&python).with_file_name("vllm-router");
+    assert!(
+        router_bin.exists(),
+        "{} is missing (scripts/test installs it)",
+        router_bin.display()
+    );
+    let mut replicas = Vec::new();
+    let mut sources = Vec::new();
+    for _ in 0..3 {
+        let events = free_port();
+        let s = Server::start(
+            &model,
+            &["--kv-page", "16", "--kv-events", &format!("tcp://*:{events}")],
+        );
+        sources.push(format!("http://{}=tcp://127.0.0.1:{events}", s.addr));
+        replicas.push(s);
+    }
+    let port = free_port();
+    let mut cmd = Command::new(&router_bin);
+    cmd.args([
+        "--port",
+        &port.to_string(),
+        "--prometheus-port",
+        &free_port().to_string(),
+    ])
+    .args([
+        "--policy",
+        "kv_aware",
+        "--kv-event-block-size",
+        "16",
+        "--kv-event-model",
+        "snug",
+    ])
+    .arg("--worker-urls")
+    .args(replicas.iter().map(|s| format!("http://{}", s.addr)));
+    for src in &sources {
+        cmd.args(["--kv-event-source", src]);
+    }
+    let mut router = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let up = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(up.elapsed() < Duration::from_secs(60), "the router did not start");
+        assert!(router.try_wait().unwrap().is_none(), "the router exited");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut args = vec![format!("http://127.0.0.1:{port}/v1")];
+    args.extend(replicas.iter().map(|s| format!("http://{}", s.addr)));
+    let out = client_check("router", &args);
+    let _ = router.kill();
+    let _ = router.wait();
+    let v: Value = serde_json::from_str(out.unwrap().trim()).unwrap();
+    assert_eq!(v["routed_to"], json!([0, 1, 2]), "{v}");
+}
+
 /// An event endpoint in use is a one-line error before the model loads.
 #[test]
 fn an_event_endpoint_in_use_is_a_clear_error() {
