@@ -10,6 +10,9 @@ bench/kv-depth.sh, and ab-*.json from bench/ab.sh. For each it draws:
                                   and test (median of the rounds)
   docs/img/ab-MACHINE-NAME.svg    B/A speed per model and test from
                                   bench/ab.sh's folder NAME
+  docs/img/threads-MACHINE.svg    snug over llama.cpp per model, thread
+                                  count and test, from the lines of
+                                  threads.txt (bench/gpu/threads.sh)
 
 Usage: python3 bench/charts.py   (no third-party packages)
 """
@@ -148,9 +151,54 @@ def ab(machine, name, folder):
     return f"ab-{machine}-{name}.svg"
 
 
+def threads(machine, files):
+    """snug / llama.cpp from `snug MODEL tT pp512 X tg128 Y` and
+    `llama.cpp MODEL tT ...` lines (lines without a model name are
+    SmolLM2's)."""
+    speed = {}
+    for f in files:
+        for line in f.read_text().splitlines():
+            w = line.split()
+            # A line may follow the CPU's flags on the same line.
+            at = next((i for i, x in enumerate(w) if x in ("snug", "llama", "llama.cpp")), None)
+            if at is None or len(w) - at < 6:
+                continue
+            w = w[at:]
+            if w[1].startswith("t") and w[1][1:].isdigit():
+                w.insert(1, "smol")
+            prog = "snug" if w[0] == "snug" else "llama"
+            for k in range(3, len(w) - 1, 2):
+                speed[(w[1], int(w[2][1:]), w[k], prog)] = float(w[k + 1])
+    names = {"smol": "SmolLM2", "g3": "Gemma3 270M", "0.5b": "Qwen 0.5B", "1.5b": "Qwen 1.5B"}
+    models = [m for m in names if any(k[0] == m for k in speed)]
+    counts = sorted({k[1] for k in speed})
+    groups, values = [], {}
+    for m in models:
+        for t in counts:
+            g = f"{names[m]}\n{t}t"
+            groups.append(g)
+            for test in ("pp512", "tg128"):
+                a, b = speed.get((m, t, test, "snug")), speed.get((m, t, test, "llama"))
+                if a and b:
+                    values[(g, test)] = a / b
+    svg = bar_chart(
+        f"snug over llama.cpp by thread count ({machine})",
+        groups,
+        ["pp512", "tg128"],
+        values,
+        3.5,
+        "snug bench -p 512 -n 128 -r 2 -t T against llama-bench (best of -fa 0,1), GGML_NATIVE (bench/gpu/threads.sh)",
+    )
+    (IMG / f"threads-{machine}.svg").write_text(svg)
+    return f"threads-{machine}.svg"
+
+
 def main():
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
+    host = sorted(RESULTS.glob("h200-*/threads.txt"))
+    if host:
+        made.append(threads("h200-host-16c", host))
     for machine in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
         kv = sorted(machine.glob("kvdepth-*.json"))
         if kv:

@@ -3,8 +3,10 @@
 # GPU used. Builds llama.cpp's CPU programs there (GGML_NATIVE, from
 # .gpu*/llama-src.tgz, as bench/gpu/llama.sh), then for SmolLM2 (the real
 # file, joined from .gpu*/smol.part* where present, else its synthesized
-# shape) and the synthesized Qwen2.5 0.5B shape (`qwen2`, Q4_K, Q6_K
-# head): `snug bench -p 512 -n 128 -r 2 -t T` and `llama-bench -p 512
+# shape) and the synthesized Qwen2.5 0.5B shape (`qwen2`, Q5_0, Q8_0
+# head; with MODELS naming them, `g3`, Gemma 3 270M's shape in Q5_0 with
+# a Q8_0 head, and `1.5b`, Qwen2.5 1.5B's in Q4_K; all with the --like
+# file's vocabulary): `snug bench -p 512 -n 128 -r 2 -t T` and `llama-bench -p 512
 # -n 128 -fa 0,1 -r 2 -t T` for T in THREADS (default 1 2 4 8 16), the
 # two programs alternating per thread count. The CPU's description first.
 # Run from the repository root with .gpu/ carried (snug.gz, synth.gz,
@@ -33,7 +35,15 @@ if ls "$root"/.gpu*/smol.part* > /dev/null 2>&1; then
 else
   ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> /dev/null
 fi
-./synth --like tok.gguf --arch qwen2 --shape "0.5b=896,24,14,2,4864,64" --out 0.5b.gguf 2> /dev/null
+./synth --like tok.gguf --arch qwen2 --shape "0.5b=896,24,14,2,4864,64" --type q5_0 --head-type q8_0 \
+  --out 0.5b.gguf 2> /dev/null
+case " ${MODELS:-} " in
+  *" g3 "*) ./synth --like tok.gguf --arch gemma3 --shape "g3=640,18,4,1,2048,256" --window 512 \
+    --type q5_0 --head-type q8_0 --out g3.gguf 2> /dev/null ;;
+esac
+case " ${MODELS:-} " in
+  *" 1.5b "*) ./synth --like tok.gguf --arch qwen2 --shape 1.5b --out 1.5b.gguf 2> /dev/null ;;
+esac
 sha256sum smol.gguf >> "$OUT/threads.txt"
 for m in ${MODELS:-smol 0.5b}; do
   for t in ${THREADS:-1 2 4 8 16}; do
