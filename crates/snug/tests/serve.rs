@@ -738,6 +738,30 @@ fn replicas_behind_vllm_router_follow_their_kv_events() {
     assert_eq!(v["routed_to"], json!([0, 1, 2]), "{v}");
 }
 
+/// vLLM's render routes give the prompt a request runs on: the chat
+/// route's ids are as many as the request's `prompt_tokens`, the
+/// completion route's are `/tokenize`'s, and a bad request is refused
+/// as the request itself would be.
+#[test]
+fn render_routes_give_the_prompt_tokens() {
+    let Some(model) = smollm2() else { return };
+    let s = Server::start(&model, &[]);
+    let chat = json!({"messages": [{"role": "user", "content": "Name a river."}], "max_tokens": 2});
+    let r = s.post("/v1/chat/completions/render", &chat);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ids = r.json()["token_ids"].as_array().unwrap().len();
+    let ran = s.post("/v1/chat/completions", &chat).json();
+    assert_eq!(ran["usage"]["prompt_tokens"], ids);
+    let r = s.post("/v1/completions/render", &json!({"prompt": "Hello world", "max_tokens": 2}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let tokenized = s.post("/tokenize", &json!({"content": "Hello world"})).json();
+    assert_eq!(r.json()["token_ids"], tokenized["tokens"]);
+    let bad = s.post("/v1/chat/completions/render", &json!({"messages": [], "max_tokens": 2}));
+    assert_eq!(bad.status, 400);
+    let bad = s.post("/v1/completions/render", &json!({"prompt": "x", "best_fit": true}));
+    assert_eq!(bad.status, 400);
+}
+
 /// An event endpoint in use is a one-line error before the model loads.
 #[test]
 fn an_event_endpoint_in_use_is_a_clear_error() {
