@@ -752,7 +752,10 @@ fn render_routes_give_the_prompt_tokens() {
     let ids = r.json()["token_ids"].as_array().unwrap().len();
     let ran = s.post("/v1/chat/completions", &chat).json();
     assert_eq!(ran["usage"]["prompt_tokens"], ids);
-    let r = s.post("/v1/completions/render", &json!({"prompt": "Hello world", "max_tokens": 2}));
+    let r = s.post(
+        "/v1/completions/render",
+        &json!({"prompt": "Hello world", "max_tokens": 2}),
+    );
     assert_eq!(r.status, 200, "{}", r.body);
     let tokenized = s.post("/tokenize", &json!({"content": "Hello world"})).json();
     assert_eq!(r.json()["token_ids"], tokenized["tokens"]);
