@@ -49,6 +49,27 @@ pub const SUPER_BLOCK_BYTES: usize = 8192;
 thread_local! {
     /// Whether this thread has loaded the tile configuration.
     static CONFIGURED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Each thread's accumulators and class sums for [`ROWS`] rows (32
+    /// KiB), kept between calls: a call writes every row it reads (a
+    /// class's accumulators are set before its blocks, and the tree's
+    /// sums in class order before they are read), so nothing needs
+    /// clearing, where a call building them afresh spent as long zeroing
+    /// them as a small matrix's panel takes to multiply.
+    static SUMS: std::cell::UnsafeCell<Box<Sums>> = std::cell::UnsafeCell::new(new_sums());
+}
+
+struct Sums {
+    acc: [__m512; ROWS],
+    tree: Tree<ROWS>,
+}
+
+/// Zero sums for every row.
+// SAFETY: all-zero bits are valid floats.
+const ZEROS: [__m512; ROWS] = unsafe { std::mem::zeroed() };
+
+fn new_sums() -> Box<Sums> {
+    // SAFETY: all-zero bits are a valid `Sums` (floats).
+    unsafe { Box::<Sums>::new_zeroed().assume_init() }
 }
 
 /// The one tile shape used: all eight tiles 16 rows of 64 bytes (tmm0-1:
@@ -217,11 +238,17 @@ pub unsafe fn dot<const KIND: u8>(
     let cp = c.as_mut_ptr() as *mut i32;
     // Units are stored class by class (super-blocks c, c + 8, ... for
     // accumulator class c; `super::unit_slot`), and read in that order.
-    let mut tree = Tree::<ROWS>::new();
-    let mut acc = [_mm512_setzero_ps(); ROWS];
+    // SAFETY: this thread's own buffer, used by this call alone (a call
+    // does not re-enter `dot`).
+    let sums: *mut Sums = SUMS.with(|s| unsafe { &mut **s.get() as *mut Sums });
+    let Sums { acc, tree } = unsafe { &mut *sums };
     let mut slot = 0;
     for class in 0..8 {
-        acc[..rows].fill(_mm512_setzero_ps());
+        if class >= n_sb {
+            // No super-block in this class: its sums are zero.
+            tree.push_rows(class, &ZEROS, rows);
+            continue;
+        }
         let mut sb = class;
         while sb < n_sb {
             let q = p.add(slot * ub);
@@ -282,7 +309,10 @@ pub unsafe fn dot<const KIND: u8>(
                             msum[0] = _mm512_dpwssd_epi32(msum[0], m, _mm512_set1_epi32(*x.get_unchecked(sb * 4 + k)));
                         }
                     }
-                    let mut one = [acc[r]];
+                    // A class's accumulators start at zero with its
+                    // first super-block (set here, not cleared ahead:
+                    // clearing 8 KiB per class showed in profiles).
+                    let mut one = [if sb == class { _mm512_setzero_ps() } else { acc[r] }];
                     super_block_step::<1>(
                         &mut one,
                         std::slice::from_ref(acts.get_unchecked(r)),
@@ -297,7 +327,7 @@ pub unsafe fn dot<const KIND: u8>(
             slot += 1;
             sb += 8;
         }
-        tree.push(class, &acc);
+        tree.push_rows(class, acc, rows);
     }
     tree.store_rows(out, rows);
 }

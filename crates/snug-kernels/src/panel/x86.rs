@@ -161,6 +161,24 @@ impl<const R: usize> Tree<R> {
         }
     }
 
+    /// As [`Tree::push`] for the first `rows` rows only (the others are
+    /// neither read nor written).
+    #[inline(always)]
+    pub(super) unsafe fn push_rows(&mut self, c: usize, acc: &[__m512; R], rows: usize) {
+        for r in 0..rows.min(R) {
+            match c {
+                0 | 2 | 4 | 6 => self.pending[r] = acc[r],
+                1 => self.low[r] = _mm512_add_ps(self.pending[r], acc[r]),
+                3 => self.low[r] = _mm512_add_ps(self.low[r], _mm512_add_ps(self.pending[r], acc[r])),
+                5 => self.high[r] = _mm512_add_ps(self.pending[r], acc[r]),
+                _ => {
+                    let h = _mm512_add_ps(self.high[r], _mm512_add_ps(self.pending[r], acc[r]));
+                    self.low[r] = _mm512_add_ps(self.low[r], h);
+                }
+            }
+        }
+    }
+
     /// Stores the sums (after class 7): row r's first lanes at
     /// `out.ptr + r * out.stride`.
     #[inline(always)]
