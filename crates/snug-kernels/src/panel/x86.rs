@@ -147,18 +147,7 @@ impl<const R: usize> Tree<R> {
     /// Takes class `c`'s accumulators (classes in order 0..8).
     #[inline(always)]
     pub(super) unsafe fn push(&mut self, c: usize, acc: &[__m512; R]) {
-        for r in 0..R {
-            match c {
-                0 | 2 | 4 | 6 => self.pending[r] = acc[r],
-                1 => self.low[r] = _mm512_add_ps(self.pending[r], acc[r]),
-                3 => self.low[r] = _mm512_add_ps(self.low[r], _mm512_add_ps(self.pending[r], acc[r])),
-                5 => self.high[r] = _mm512_add_ps(self.pending[r], acc[r]),
-                _ => {
-                    let h = _mm512_add_ps(self.high[r], _mm512_add_ps(self.pending[r], acc[r]));
-                    self.low[r] = _mm512_add_ps(self.low[r], h);
-                }
-            }
-        }
+        self.push_rows(c, acc, R);
     }
 
     /// As [`Tree::push`] for the first `rows` rows only (the others are
