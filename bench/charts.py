@@ -13,11 +13,15 @@ bench/kv-depth.sh, and ab-*.json from bench/ab.sh. For each it draws:
   docs/img/threads-MACHINE.svg    snug over llama.cpp per model, thread
                                   count and test, from the lines of
                                   threads.txt (bench/gpu/threads.sh)
+  docs/img/compare-MACHINE.svg    snug over llama.cpp per model and test
+                                  from bench/compare.sh's output folder
+                                  bench/results/MACHINE/compare/
 
 Usage: python3 bench/charts.py   (no third-party packages)
 """
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -193,6 +197,36 @@ def threads(machine, files):
     return f"threads-{machine}.svg"
 
 
+def compare(machine, folder):
+    """snug / llama.cpp (its better of -fa 0 and 1) per model and test, as
+    bench/summarize.py reads bench/compare.sh's folder."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import summarize
+
+    tests = ["pp128", "pp512", "tg128", "tg64 @ d2048"]
+    groups, values = [], {}
+    for m in summarize.MODELS:
+        lp, sp = folder / f"llama-{m}.md", folder / f"snug-{m}.md"
+        if not (lp.exists() and sp.exists()):
+            continue
+        ll, ss = summarize.parse(lp, True), summarize.parse(sp, False)
+        groups.append(m)
+        for test in tests:
+            if test in ss and test in ll:
+                values[(m, test)] = ss[test][0] / max(v[0] for v in ll[test].values())
+    top = max(values.values(), default=1.0)
+    svg = bar_chart(
+        f"snug over llama.cpp ({machine})",
+        groups,
+        tests,
+        values,
+        max(2.5, float(int(top * 2 + 1)) / 2),
+        "snug bench against llama-bench (best of -fa 0,1), same files and threads (bench/compare.sh)",
+    )
+    (IMG / f"compare-{machine}.svg").write_text(svg)
+    return f"compare-{machine}.svg"
+
+
 def main():
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
@@ -203,6 +237,8 @@ def main():
         kv = sorted(machine.glob("kvdepth-*.json"))
         if kv:
             made.append(kv_depth(machine.name, kv))
+        if (machine / "compare").is_dir():
+            made.append(compare(machine.name, machine / "compare"))
         for sub in sorted(p for p in machine.iterdir() if p.is_dir() and any(p.glob("ab-*.json"))):
             made.append(ab(machine.name, sub.name, sub))
     for m in made:

@@ -4,7 +4,10 @@
 # Writes one markdown file per program and model into OUT (default
 # bench/out, not committed) and prints them; also the machine's read
 # bandwidth before and after (bandwidth.txt) and each model's bytes read
-# per decode step (bytes-MODEL.txt), for the roofline.
+# per decode step (bytes-MODEL.txt), for the roofline. Ends with the
+# side-by-side table and roofline shares (bench/summarize.py, also kept
+# as summary.md); where OUT is bench/results/MACHINE/compare, also the
+# chart docs/img/compare-MACHINE.svg (bench/charts.py).
 #
 # Usage: bench/compare.sh LLAMA_BIN_DIR [OUT] [MODELS...]
 #   THREADS (2), REPS (3), LLAMA_ARGS: more llama-bench flags ("--repack 0"
@@ -31,4 +34,7 @@ for m in $models; do
   cat "$out/llama-$m.md" "$out/snug-$m.md"
 done
 target/release/examples/bandwidth "$threads" | tail -n 1 >> "$out/bandwidth.txt"
-cat "$out/bandwidth.txt"
+python3 bench/summarize.py "$out" | tee "$out/summary.md"
+case "$(cd "$out" && pwd)" in
+  "$(pwd)"/bench/results/*/compare) python3 bench/charts.py ;;
+esac

@@ -232,21 +232,14 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
             let o0 = t * FEATURES_PER_TASK;
             let lanes = (n - o0).min(FEATURES_PER_TASK);
             let panel = PanelRef::of_matrix(ty, k, pk, t);
-            let acts: [&[BlockQ8]; panel::AMX_ROWS] = std::array::from_fn(|i| {
-                let r = r0 + i.min(m - 1);
-                &q8[r * nb..(r + 1) * nb]
-            });
-            let auxs: [&[i32]; panel::AMX_ROWS] = std::array::from_fn(|i| {
-                let r = r0 + i.min(m - 1);
-                &aux[r * al..(r + 1) * al]
-            });
             // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`;
             // each (r, o) is written by exactly one task.
             unsafe {
                 panel.amx_dot_into(
                     &bytes[r0 * k..],
-                    &acts[..m],
-                    &auxs[..m],
+                    &q8[r0 * nb..(r0 + m) * nb],
+                    &aux[r0 * al..(r0 + m) * al],
+                    m,
                     lanes,
                     op.0.add(r0 * n + o0),
                     n,

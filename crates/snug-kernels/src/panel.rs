@@ -594,9 +594,11 @@ pub unsafe fn amx_place_row_raw(blocks: &[BlockQ8], r: usize, bytes: *mut i8, le
 
 impl PanelRef<'_> {
     /// As [`PanelRef::dot_into`] for up to [`AMX_ROWS`] activation rows, on
-    /// AMX tiles (same bits). `bytes`: the rows' activation bytes as
+    /// AMX tiles (same bits). `acts` and `aux`: the rows' blocks and aux
+    /// values, row after row (`rows` of each; no slice per row to build
+    /// for every task). `bytes`: the rows' activation bytes as
     /// [`amx_place_row`] lays them out, rows up to the next multiple of
-    /// 32 (those past `acts.len()` are read and ignored).
+    /// 32 (those past `rows` are read and ignored).
     ///
     /// # Safety
     ///
@@ -605,20 +607,33 @@ impl PanelRef<'_> {
     pub unsafe fn amx_dot_into(
         &self,
         bytes: &[i8],
-        acts: &[&[BlockQ8]],
-        aux: &[&[i32]],
+        acts: &[BlockQ8],
+        aux: &[i32],
+        rows: usize,
         lanes: usize,
         out: *mut f32,
         out_stride: usize,
     ) {
         let ty = self.ty;
         assert!(amx_available(ty), "panels: no AMX for {ty}");
-        assert!((1..=AMX_ROWS).contains(&acts.len()), "panel: 1 to {AMX_ROWS} rows");
+        assert!((1..=AMX_ROWS).contains(&rows), "panel: 1 to {AMX_ROWS} rows");
         assert!(
-            bytes.len() >= acts.len().next_multiple_of(32) * self.n_blocks * 32,
+            bytes.len() >= rows.next_multiple_of(32) * self.n_blocks * 32,
             "panel: activation bytes"
         );
-        let mask = self.check(acts, aux, lanes);
+        assert_eq!(acts.len(), rows * self.n_blocks, "panel: activation length");
+        assert_eq!(aux.len(), rows * aux_len(ty, self.n_blocks), "panel: aux length");
+        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
+        assert_eq!(
+            self.data.len(),
+            panel_bytes(self.ty, self.n_blocks * 32),
+            "panel: length"
+        );
+        let mask = if lanes == PANEL_ROWS {
+            u16::MAX
+        } else {
+            (1u16 << lanes) - 1
+        };
         #[cfg(target_arch = "x86_64")]
         {
             let o = x86::Out {
@@ -630,14 +645,14 @@ impl PanelRef<'_> {
             // SAFETY: checked above; the caller vouches for the output.
             let (p, nb, a) = (self.data.as_ptr(), self.n_blocks, bytes.as_ptr());
             match ty {
-                GgmlType::Q4K => amx::dot::<{ amx::Q4K }>(p, nb, a, acts, aux, o),
-                GgmlType::Q5K => amx::dot::<{ amx::Q5K }>(p, nb, a, acts, aux, o),
-                GgmlType::Q6K => amx::dot::<{ amx::Q6K }>(p, nb, a, acts, aux, o),
-                _ => amx::dot::<{ amx::Q3K }>(p, nb, a, acts, aux, o),
+                GgmlType::Q4K => amx::dot::<{ amx::Q4K }>(p, nb, a, acts, aux, rows, o),
+                GgmlType::Q5K => amx::dot::<{ amx::Q5K }>(p, nb, a, acts, aux, rows, o),
+                GgmlType::Q6K => amx::dot::<{ amx::Q6K }>(p, nb, a, acts, aux, rows, o),
+                _ => amx::dot::<{ amx::Q3K }>(p, nb, a, acts, aux, rows, o),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (bytes, mask, out, out_stride);
+        let _ = (bytes, acts, aux, mask, out, out_stride);
     }
 }
 

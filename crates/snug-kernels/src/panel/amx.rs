@@ -191,9 +191,10 @@ unsafe fn expand<const KIND: u8>(q: *const u8, lv: *mut u8) {
     }
 }
 
-/// Up to [`ROWS`] activation rows (`acts.len()`) against the panel of
-/// type `KIND` at `p`. `a`: the rows' bytes as [`place_row`] lays them out, up to the
-/// next multiple of 32 rows.
+/// Up to [`ROWS`] activation rows against the panel of type `KIND` at
+/// `p`: `acts` and `aux`, the `rows` rows' blocks and aux values row after
+/// row; `a`, their bytes as [`place_row`] lays them out, up to the next
+/// multiple of 32 rows.
 ///
 /// # Safety
 ///
@@ -204,8 +205,9 @@ pub unsafe fn dot<const KIND: u8>(
     p: *const u8,
     n_blocks: usize,
     a: *const i8,
-    acts: &[&[BlockQ8]],
-    aux: &[&[i32]],
+    acts: &[BlockQ8],
+    aux: &[i32],
+    rows: usize,
     out: Out,
 ) {
     if !CONFIGURED.get() {
@@ -213,7 +215,7 @@ pub unsafe fn dot<const KIND: u8>(
         asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
         CONFIGURED.set(true);
     }
-    let rows = acts.len();
+    let al = aux.len() / rows;
     let ty = match KIND {
         Q4K => GgmlType::Q4K,
         Q5K => GgmlType::Q5K,
@@ -304,23 +306,17 @@ pub unsafe fn dot<const KIND: u8>(
                     let isum = [_mm512_add_epi32(_mm512_slli_epi32::<8>(high), low)];
                     let mut msum = [zero];
                     if mins {
-                        let x = aux.get_unchecked(r);
+                        let x = aux.as_ptr().add(r * al + sb * 4);
                         for (k, &m) in mv.iter().enumerate() {
-                            msum[0] = _mm512_dpwssd_epi32(msum[0], m, _mm512_set1_epi32(*x.get_unchecked(sb * 4 + k)));
+                            msum[0] = _mm512_dpwssd_epi32(msum[0], m, _mm512_set1_epi32(*x.add(k)));
                         }
                     }
                     // A class's accumulators start at zero with its
                     // first super-block (set here, not cleared ahead:
                     // clearing 8 KiB per class showed in profiles).
                     let mut one = [if sb == class { _mm512_setzero_ps() } else { acc[r] }];
-                    super_block_step::<1>(
-                        &mut one,
-                        std::slice::from_ref(acts.get_unchecked(r)),
-                        sb,
-                        d,
-                        &isum,
-                        mins.then_some((dmin, &msum)),
-                    );
+                    let row = acts.get_unchecked(r * n_blocks..(r + 1) * n_blocks);
+                    super_block_step::<1>(&mut one, &[row], sb, d, &isum, mins.then_some((dmin, &msum)));
                     acc[r] = one[0];
                 }
             }

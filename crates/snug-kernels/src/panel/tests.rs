@@ -231,7 +231,8 @@ fn amx_panels_equal_the_scalar_reference_bitwise() {
                 let n_r = AMX_ROWS;
                 let (acts, aux) = activations(ty, n, n_r, &mut rng);
                 let arefs: Vec<&[BlockQ8]> = acts.iter().map(|v| v.as_slice()).collect();
-                let xrefs: Vec<&[i32]> = aux.iter().map(|v| v.as_slice()).collect();
+                let (flat_acts, flat_aux) = (acts.concat(), aux.concat());
+                let al = aux[0].len();
                 let mut bytes = vec![0i8; n_r * n];
                 for (r, a) in acts.iter().enumerate() {
                     amx_place_row(a, r, &mut bytes);
@@ -242,8 +243,9 @@ fn amx_panels_equal_the_scalar_reference_bitwise() {
                     unsafe {
                         panel.amx_dot_into(
                             &bytes,
-                            &arefs[..rows],
-                            &xrefs[..rows],
+                            &flat_acts[..rows * (n / 32)],
+                            &flat_aux[..rows * al],
+                            rows,
                             n_w,
                             got.as_mut_ptr(),
                             PANEL_ROWS,
