@@ -121,35 +121,86 @@ fn plan<'f>(file: &'f GgufFile, names: &[&str]) -> Plan<'f> {
     Plan { tensors, total, key }
 }
 
-/// Packs every planned tensor into `out` (the whole file image), the
-/// panels of each tensor split over the machine's threads.
-fn fill(file: &GgufFile, plan: &Plan, out: &mut [u8]) {
-    out[..HEADER].fill(0);
-    out[..8].copy_from_slice(MAGIC);
-    out[8..16].copy_from_slice(&plan.key.to_le_bytes());
-    out[16..24].copy_from_slice(&(plan.total as u64).to_le_bytes());
+/// The file's first [`HEADER`] bytes: magic, the plan's key and length.
+fn header(plan: &Plan) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..16].copy_from_slice(&plan.key.to_le_bytes());
+    h[16..24].copy_from_slice(&(plan.total as u64).to_le_bytes());
+    h
+}
+
+/// Packs rows `r0..r1` of tensor `t` (`cols` wide) into `dst`, their
+/// panels split over the machine's threads.
+fn pack_rows(file: &GgufFile, t: &TensorInfo, cols: usize, rows: usize, r0: usize, r1: usize, dst: &mut [u8]) {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let data = file.tensor_data(t);
+    let pb = panel::panel_bytes(t.ty, cols);
+    let rb = data.len() / rows;
+    let groups = (r1 - r0).div_ceil(panel::PANEL_ROWS);
+    let per = groups.div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (i, chunk) in dst.chunks_mut(per * pb).enumerate() {
+            let a = r0 + i * per * panel::PANEL_ROWS;
+            let b = (a + per * panel::PANEL_ROWS).min(r1);
+            let src = &data[a * rb..b * rb];
+            s.spawn(move || pack_matrix(t.ty, src, b - a, cols, chunk));
+        }
+    });
+}
+
+/// Packs every planned tensor into `out` (the whole file image).
+fn fill(file: &GgufFile, plan: &Plan, out: &mut [u8]) {
+    out[..HEADER].copy_from_slice(&header(plan));
     for &(t, at, cols, rows) in &plan.tensors {
         let len = packed_matrix_bytes(t.ty, rows, cols);
-        let dst = &mut out[at..at + len];
-        let data = file.tensor_data(t);
-        let pb = panel::panel_bytes(t.ty, cols);
-        let rb = data.len() / rows;
-        let groups = rows.div_ceil(panel::PANEL_ROWS);
-        let per = groups.div_ceil(threads).max(1);
-        std::thread::scope(|s| {
-            for (i, chunk) in dst.chunks_mut(per * pb).enumerate() {
-                let r0 = i * per * panel::PANEL_ROWS;
-                let r1 = (r0 + per * panel::PANEL_ROWS).min(rows);
-                let src = &data[r0 * rb..r1 * rb];
-                s.spawn(move || pack_matrix(t.ty, src, r1 - r0, cols, chunk));
-            }
-        });
+        pack_rows(file, t, cols, rows, 0, rows, &mut out[at..at + len]);
         // The products read the panels from now on: the rows just read
         // need not stay resident (they are read again from the file if
         // anything asks), so packing a model never holds it twice.
-        file.release(data);
+        file.release(file.tensor_data(t));
     }
+}
+
+/// Bytes of panels packed at a time when writing a cache file.
+const WRITE_PIECE: usize = 32 << 20;
+
+/// Writes the file image [`fill`] makes to `f` (sized to the plan, zero
+/// where nothing is written), packing up to [`WRITE_PIECE`] bytes at a
+/// time into one buffer and writing each piece with plain writes. The
+/// page cache then holds the file as the kernel lays out written data,
+/// in large pieces of memory where it can; a file whose pages were first
+/// touched through a writable map was, on one machine, read about 1.3x
+/// more slowly by the products for as long as those pages stayed cached
+/// (docs/BENCHMARKS.md).
+fn write_file(file: &GgufFile, plan: &Plan, f: &mut std::fs::File) -> std::io::Result<()> {
+    write_pieces(file, plan, f, WRITE_PIECE)
+}
+
+fn write_pieces(file: &GgufFile, plan: &Plan, f: &mut std::fs::File, piece: usize) -> std::io::Result<()> {
+    use std::io::{Seek, SeekFrom, Write};
+    f.set_len(plan.total as u64)?;
+    f.write_all(&header(plan))?;
+    let mut buf: Vec<u8> = Vec::new();
+    for &(t, at, cols, rows) in &plan.tensors {
+        let pb = panel::panel_bytes(t.ty, cols);
+        let groups = rows.div_ceil(panel::PANEL_ROWS);
+        let per_piece = (piece / pb.max(1)).max(1);
+        let mut g = 0;
+        while g < groups {
+            let g1 = (g + per_piece).min(groups);
+            let (r0, r1) = (g * panel::PANEL_ROWS, (g1 * panel::PANEL_ROWS).min(rows));
+            let len = (g1 - g) * pb;
+            buf.clear();
+            buf.resize(len, 0);
+            pack_rows(file, t, cols, rows, r0, r1, &mut buf);
+            f.seek(SeekFrom::Start((at + g * pb) as u64))?;
+            f.write_all(&buf)?;
+            g = g1;
+        }
+        file.release(file.tensor_data(t));
+    }
+    Ok(())
 }
 
 /// What went wrong building or opening a cache file.
@@ -219,15 +270,7 @@ impl PackedWeights {
             });
         }
         std::fs::create_dir_all(dir).map_err(io)?;
-        snug_core::durable::write_with(&path, |f| {
-            f.set_len(plan.total as u64)?;
-            // SAFETY: the file was just created under a name private to
-            // this call; nothing else maps or writes it.
-            let mut map = unsafe { MmapMut::map_mut(&*f)? };
-            fill(file, plan, &mut map);
-            map.flush()
-        })
-        .map_err(io)?;
+        snug_core::durable::write_with(&path, |f| write_file(file, plan, f)).map_err(io)?;
         // Older files of the same model (a changed file or layout) are
         // stale: remove them.
         if let Ok(entries) = std::fs::read_dir(dir) {
@@ -330,4 +373,40 @@ fn open_valid(path: &Path, plan: &Plan) -> Option<Mmap> {
     let ok =
         &map[..8] == MAGIC && map[8..16] == plan.key.to_le_bytes() && map[16..24] == (plan.total as u64).to_le_bytes();
     ok.then_some(map)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failure may panic
+    use super::*;
+
+    /// The cache file written piece by piece, pieces of a few panels (the
+    /// last of each tensor short), is byte for byte the image packed in
+    /// memory.
+    #[test]
+    fn file_written_in_pieces_equals_the_image_in_memory() {
+        let Some(path) = crate::testing::model_path("smollm2-135m") else {
+            return;
+        };
+        let file = GgufFile::open(&path).unwrap();
+        let names = ["blk.0.attn_q.weight", "blk.1.ffn_down.weight", "token_embd.weight"];
+        let plan = plan(&file, &names);
+        if plan.tensors.is_empty() {
+            eprintln!("no panels on this CPU: nothing is packed");
+            return;
+        }
+        let mut want = vec![0u8; plan.total];
+        fill(&file, &plan, &mut want);
+        let dir = std::env::temp_dir().join(format!("snug-pieces-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let at = dir.join("pieces.snugpack");
+        let mut f = std::fs::File::create(&at).unwrap();
+        let pb = panel::panel_bytes(plan.tensors[0].0.ty, plan.tensors[0].2);
+        write_pieces(&file, &plan, &mut f, 3 * pb).unwrap();
+        drop(f);
+        let got = std::fs::read(&at).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(got.len(), want.len());
+        assert!(got == want, "the file differs from the image");
+    }
 }
