@@ -5,7 +5,7 @@
 # three ways: as is, pinned to the first cores (`taskset`), and with the
 # kernels capped below AMX (`SNUG_SIMD=avx512`), pinned one thread per
 # physical core (`spread`, from lscpu); each cell twice. The CPU topology
-# is printed first. Run from
+# is printed first. MODELS, THREADS and ROUNDS narrow the run. Run from
 # the repository root with .gpu/ carried (snug.gz, synth.gz, tok.gguf);
 # results in $OUT/scaling.txt.
 set -u
@@ -29,10 +29,10 @@ pp() {
   "$@" -p 512 -n 0 -r 3 -o json 2> /dev/null |
     python3 -c "import json,sys; print(' '.join(f\"{d['tok_s_median']:.1f}\" for d in json.load(sys.stdin)))"
 }
-for m in smol 0.5b; do
-  for t in 1 2 3 4; do
+for m in ${MODELS:-smol 0.5b}; do
+  for t in ${THREADS:-1 2 3 4}; do
     cores=$(seq -s, 0 $((t - 1)))
-    for rep in 1 2; do
+    for rep in $(seq "${ROUNDS:-2}"); do
       echo "$m t$t rep$rep plain $(pp ./snug bench $m.gguf -t $t)" \
         "pinned $(pp taskset -c "$cores" ./snug bench $m.gguf -t $t)" \
         "avx512 $(pp env SNUG_SIMD=avx512 ./snug bench $m.gguf -t $t)" \
