@@ -28,8 +28,11 @@ use snug_kernels::panel::{self, pack_matrix, packed_matrix_bytes};
 
 use crate::gguf::{GgufFile, TensorInfo};
 
-/// Version of the panel layout; part of every cache file's key.
-const LAYOUT_VERSION: u64 = 3;
+/// Version of the panel layout; part of every cache file's key. 4: the
+/// same layout as 3, bumped so that files written through a writable map
+/// (slow to read while their pages stay cached; see [`write_file`]) are
+/// written once more.
+const LAYOUT_VERSION: u64 = 4;
 const MAGIC: &[u8; 8] = b"SNUGPAK1";
 const HEADER: usize = 64;
 const ALIGN: usize = 64;
