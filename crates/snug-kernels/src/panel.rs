@@ -485,18 +485,24 @@ impl<'a> PanelRef<'a> {
     /// Checks the shapes a kernel call relies on; the mask of `lanes`.
     fn check(&self, acts: &[&[BlockQ8]], aux: &[&[i32]], lanes: usize) -> u16 {
         assert_eq!(acts.len(), aux.len(), "panel: one aux per activation row");
-        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
-        assert_eq!(
-            self.data.len(),
-            panel_bytes(self.ty, self.n_blocks * 32),
-            "panel: length"
-        );
         assert!(
             acts.iter().all(|a| a.len() == self.n_blocks),
             "panel: activation length"
         );
         let al = aux_len(self.ty, self.n_blocks);
         assert!(aux.iter().all(|a| a.len() == al), "panel: aux length");
+        self.lane_mask(lanes)
+    }
+
+    /// Checks the panel's length and `lanes` (1 to 16), and gives the mask
+    /// of the lanes to store.
+    fn lane_mask(&self, lanes: usize) -> u16 {
+        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
+        assert_eq!(
+            self.data.len(),
+            panel_bytes(self.ty, self.n_blocks * 32),
+            "panel: length"
+        );
         if lanes == PANEL_ROWS {
             u16::MAX
         } else {
@@ -623,17 +629,7 @@ impl PanelRef<'_> {
         );
         assert_eq!(acts.len(), rows * self.n_blocks, "panel: activation length");
         assert_eq!(aux.len(), rows * aux_len(ty, self.n_blocks), "panel: aux length");
-        assert!((1..=PANEL_ROWS).contains(&lanes), "panel: 1 to 16 lanes");
-        assert_eq!(
-            self.data.len(),
-            panel_bytes(self.ty, self.n_blocks * 32),
-            "panel: length"
-        );
-        let mask = if lanes == PANEL_ROWS {
-            u16::MAX
-        } else {
-            (1u16 << lanes) - 1
-        };
+        let mask = self.lane_mask(lanes);
         #[cfg(target_arch = "x86_64")]
         {
             let o = x86::Out {
