@@ -4,10 +4,14 @@
 # back to back (a call may run 600 s; the machine keeps /tmp while warm):
 #
 #   sh bench/gpu/compare.sh build    # llama.cpp's build in the background;
-#                                    # meanwhile the bitwise checks and
-#                                    # Nsight Compute's decode profile
+#                                    # meanwhile steps.sh: the bitwise
+#                                    # checks, decode-step variants and
+#                                    # where a step's time goes
 #   sh bench/gpu/compare.sh bench    # the timed benches (nothing else
 #                                    # running), then run, sessions, server
+#   sh bench/gpu/compare.sh all      # one call: the build beside steps.sh,
+#                                    # then the benches (no run, session or
+#                                    # server checks)
 #
 # .gpu/ (carried by the first call) holds: gpucheck.gz (`cargo build
 # --release -p snug-cuda --example gpucheck`, stripped), snug.gz (the release
@@ -36,23 +40,10 @@ build)
   ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> $R/synth.err
   ./synth --like tok.gguf --shape 1.5b --out 1.5b.gguf 2>> $R/synth.err
   ./synth --like tok.gguf --shape 7b --out 7b.gguf 2>> $R/synth.err
-  ./gpucheck smol.gguf --out $R/check-smol.json > /dev/null 2> $R/check-smol.err
-  ./gpucheck 7b.gguf --prompt 32 --gen 8 --out $R/check-7b.json > /dev/null 2> $R/check-7b.err
-  ./gpucheck 1.5b.gguf --prompt 32 --gen 8 --out $R/check-1.5b.json > /dev/null 2> $R/check-1.5b.err
-  echo "checks $(el)"
-  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  "$ncu" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv ./gpucheck 7b.gguf \
-    --prompt 64 --profile-decode 3 --no-graphs > $R/ncu-7b.csv 2> $R/ncu-7b.err
-  python3 $ROOT/bench/gpu/ncusum.py $R/ncu-7b.csv > $R/ncu-7b.txt; rm -f $R/ncu-7b.csv
-  for n in 64 512; do
-    for b in gpucheck-old gpucheck; do
-      [ -x $b ] || continue
-      for m in smol 1.5b 7b; do echo "$b $m depth $n: $(./$b $m.gguf --prompt $n --profile-decode 20 2>/dev/null | tail -1)"; done
-    done
-  done | tee $R/decode-steps.txt
-  echo "ncu $(el)"
-  for f in $R/check-*.json; do python3 -c "
-import json; d=json.load(open('$f')); print('$f'.split('/')[-1], {k: v for k, v in d.items() if k.startswith(('batch', 'logits_bit', 'graphs_same', 'greedy', 'tiles_same'))})"; done
+  # Bits, decode-step variants and where a step's time goes (steps.sh;
+  # VARIANTS as there, SKIP_MODELS for the breakdown).
+  (cd $ROOT && OUT=$R MODEL_DIR=$K LIMIT=${LIMIT:-420} sh bench/gpu/steps.sh > /dev/null 2>&1)
+  cat $R/steps.txt
   while [ ! -f $K/llbuilt ] && [ $(el) -lt 560 ]; do sleep 2; done
   echo "llama.cpp built? $(el)"; tail -3 $R/llbuild.out
   ;;
@@ -89,5 +80,48 @@ bench)
   sh $ROOT/bench/gpu/summary.sh $R
   tar czf $OUT/res.tgz -C $K r
   ;;
-*) echo "usage: sh bench/gpu/compare.sh build|bench"; exit 2 ;;
+all)
+  # Everything that fits one call: llama.cpp's build in the background
+  # while steps.sh runs (STEPS_LIMIT seconds), snug's benches, then
+  # llama.cpp's once built (if by BUILD_WAIT seconds), and the batched
+  # pair if time is left; no run, session or server checks.
+  # Results straight into $OUT/r, so that a call cut short keeps them.
+  R=$OUT/r
+  mkdir -p $K $R; cp -r .gpu/. $K/; cd $K
+  for f in gpucheck synth snug gpucheck-old snug-old; do
+    [ -f $f.gz ] && { gunzip -c $f.gz > $f; chmod +x $f; }
+  done
+  snug_benches() {
+    for m in smol 1.5b 7b; do
+      ./snug bench $K/$m.gguf -p 512 -n 128 -r 3 --device cuda -o json > $R/bench-$m.json 2> $R/bench-$m.err
+      python3 -c "import json; print('$m', [(d['test'], round(d['tok_s_median'], 1)) for d in json.load(open('$R/bench-$m.json'))])"
+    done
+    echo "snug benches $(el)"
+  }
+  # (LLAMA=0: no llama.cpp in this call, and snug's benches first.)
+  [ "${LLAMA:-1}" = 0 ] ||
+    setsid sh -c "sh $ROOT/bench/gpu/llama.sh build $K/llama-src.tgz $K/ll > $R/llbuild.out 2>&1; echo done > $K/llbuilt" &
+  ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> $R/synth.err
+  ./synth --like tok.gguf --shape 1.5b --out 1.5b.gguf 2>> $R/synth.err
+  ./synth --like tok.gguf --shape 7b --out 7b.gguf 2>> $R/synth.err
+  [ "${LLAMA:-1}" = 0 ] && snug_benches
+  (cd $ROOT && OUT=$R MODEL_DIR=$K LIMIT=${STEPS_LIMIT:-300} sh bench/gpu/steps.sh > /dev/null 2>&1)
+  cat $R/steps.txt
+  echo "steps $(el)"
+  [ "${LLAMA:-1}" = 0 ] || snug_benches
+  [ "${LLAMA:-1}" = 0 ] || while [ ! -f $K/llbuilt ] && [ $(el) -lt ${BUILD_WAIT:-470} ]; do sleep 2; done
+  [ "${LLAMA:-1}" = 0 ] || { echo "llama.cpp built? $(el)"; tail -2 $R/llbuild.out; }
+  if [ -f $K/llbuilt ]; then
+    for m in smol 1.5b 7b; do sh $ROOT/bench/gpu/llama.sh bench $K/ll $R $K/$m.gguf; done
+    echo "llama.cpp benches $(el)"
+  fi
+  if [ $(el) -lt 500 ]; then
+    ./snug bench $K/smol.gguf -p 128 -n 128 --parallel 1,64 -r 2 --device cuda -o json > $R/batched-smol.json 2> $R/batched-smol.err
+    [ -f $K/llbuilt ] && timeout 60 $K/ll/build/bin/llama-batched-bench -m $K/smol.gguf -c 20000 -b 2048 -ub 512 -ngl 99 -fa on \
+      -npp 128 -ntg 128 -npl 1,64 > $R/llama-batched-smol.txt 2>&1
+  fi
+  echo "end $(el)"
+  sh $ROOT/bench/gpu/summary.sh $R
+  ;;
+*) echo "usage: sh bench/gpu/compare.sh build|bench|all"; exit 2 ;;
 esac

@@ -9,8 +9,11 @@ print("kernels profiled:", n)
 prefill = sys.argv[2:] == ["prefill"]
 steps = 1 if prefill else 3
 cut = 0 if prefill or not n else ids[n // 4]
-by = collections.defaultdict(float); cnt = collections.Counter()
+by = collections.defaultdict(float); cnt = collections.Counter(); dram = collections.defaultdict(float)
+scale = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 for r in rows:
+    if int(r["ID"]) >= cut and r["Metric Name"] == "dram__bytes_read.sum":
+        dram[r["Kernel Name"].split("(")[0]] += float(r["Metric Value"].replace(",", "")) * scale.get(r.get("Metric Unit", "byte"), 1.0) / steps
     if int(r["ID"]) >= cut and r["Metric Name"] == "gpu__time_duration.sum":
         v = float(r["Metric Value"].replace(",", ""))
         unit = r.get("Metric Unit", "nsecond")
@@ -19,5 +22,7 @@ for r in rows:
         by[name] += v / steps; cnt[name] += 1
 print(f"GPU microseconds per {'prefill' if prefill else 'decode step'}, by kernel (launches):")
 for k, v in sorted(by.items(), key=lambda x: -x[1]):
-    print(f"  {k:24s} {v:9.1f}  ({cnt[k] // steps})")
+    # Where DRAM bytes were measured: megabytes read and their rate.
+    extra = f"  {dram[k] / 1e6:8.1f} MB  {dram[k] / v / 1e3:7.0f} GB/s" if dram.get(k) and v else ""
+    print(f"  {k:24s} {v:9.1f}  ({cnt[k] // steps}){extra}")
 print(f"  total                    {sum(by.values()):9.1f}")

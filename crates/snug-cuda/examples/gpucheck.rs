@@ -6,7 +6,7 @@
 //!
 //!     gpucheck MODEL.gguf [--prompt N] [--gen N] [--pp N] [--tg N] [--out FILE] [--define NAME=VALUE]...
 //!         [--profile-decode N | --profile-prefill N [--tiles warp|staged]] [--no-graphs] [--no-overlap]
-//!         [--kv FORMAT[/FORMAT]]
+//!         [--kv FORMAT[/FORMAT]] [--source KERNELS.cu]
 //!
 //! `--kv q8` (or `f16/q8`, `tq4/q8`: keys/values) runs every check over
 //! pages in those formats, each page with an F16 twin (the exact window),
@@ -226,7 +226,15 @@ fn main() {
         .filter(|(_, a)| *a == "--define")
         .filter_map(|(i, _)| args.get(i + 1).cloned())
         .collect();
-    let dev = match Device::open_with(0, &defines) {
+    // `--source FILE`: a variant of kernels.cu instead of the built-in one.
+    let source = match args.iter().position(|a| a == "--source").and_then(|i| args.get(i + 1)) {
+        Some(f) => std::fs::read_to_string(f).unwrap_or_else(|e| {
+            eprintln!("gpucheck: {f}: {e}");
+            std::process::exit(1)
+        }),
+        None => snug_cuda::SOURCE.to_string(),
+    };
+    let dev = match Device::open_source(0, &source, &defines) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("gpucheck: {e}");

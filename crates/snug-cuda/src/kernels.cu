@@ -23,6 +23,17 @@ __device__ __forceinline__ void after_previous() {
 #endif
 }
 
+// A measuring knob (set with -D, never in use): kernels of the kinds in
+// mask SKIP return at once, so that a decode step timed without them
+// shows what they cost inside it: 1 norms, 2 one-row products, 4
+// attention, 8 rotation and KV writes, 16 quantization and the gated
+// activation. The outputs are then wrong.
+#ifndef SKIP
+#define SKIP 0
+#endif
+#define SKIPS(bit) \
+    if (SKIP & (bit)) return
+
 // ggml's type ids.
 #define T_F32 0
 #define T_F16 1
@@ -346,6 +357,7 @@ __device__ __forceinline__ void q8_block(float v, int q81, Q8* out) {
 // q8_0 (q81 = 0) and q8_1 (q81 = 1): a warp per block of 32, `blocks` in all.
 extern "C" __global__ void quantize_q8(const float* x, u64 blocks, int q81, Q8* out) {
     after_previous();
+    SKIPS(16);
     u64 blk = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= blocks) return;
     q8_block(x[blk * 32 + (threadIdx.x & 31)], q81, out + blk);
@@ -447,6 +459,7 @@ __device__ __forceinline__ void q8k_warp(const float* x, Q8* out) {
 // q8_K: a block of 256 threads per 256 elements.
 extern "C" __global__ void quantize_q8k(const float* x, Q8* out) {
     after_previous();
+    SKIPS(16);
     u64 sb = blockIdx.x;
     q8k_super(x + sb * 256, out + sb * 8);
 }
@@ -590,6 +603,18 @@ struct WShare {
 #ifndef MV_BLOCKS
 #define MV_BLOCKS 1
 #endif
+
+// Bytes [p, p + n) into L2, as far as they lie on 16-byte boundaries.
+__device__ __forceinline__ void prefetch_l2(const u8* p, u64 n) {
+#if __CUDA_ARCH__ >= 900
+    u64 a = ((u64)p + 15) & ~15ull, e = ((u64)p + n) & ~15ull;
+    while (e > a) {
+        u32 len = (u32)min(e - a, (u64)(1u << 16));
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(len) : "memory");
+        a += len;
+    }
+#endif
+}
 
 // Loads lane `lane`'s share of block `b` (32-element types: lane t = lane
 // & 3 of block b; K-quants: lane l = lane & 7 of super-block b).
@@ -893,6 +918,10 @@ __device__ __forceinline__ void matvec_body(const u8* w, u64 row_bytes, int nblk
         NAME(const u8* w0, const u8* w1, const u8* w2, u64 row_bytes, int nblk,                           \
                                     int outs0, int outs1, int outs2, const Q8* a, int nab, int n,         \
                                     float* y0, float* y1, float* y2) {                                    \
+        if (SKIP & 2) {                                                                                   \
+            after_previous();                                                                             \
+            return;                                                                                       \
+        }                                                                                                 \
         int o = blockIdx.x * MM_WARPS + (threadIdx.x >> 5);                                              \
         const u8* w = w0;                                                                                 \
         float* y = y0;                                                                                    \
@@ -1506,14 +1535,58 @@ ROWS(rows_mxfp4, T_MXFP4)
 // (fused), the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)), then
 // `x * scale * w` into `out` (which may be `x`). Where `add` is given, each
 // row of `x` first becomes `x + add` (the residual sum, written back). A
-// block of 256 per row: the row is staged in shared memory by every thread
-// (the loads in flight at once), then eight threads run the eight sums.
+// block of 256 per row (512 for wide rows with NORM_EARLY; lib.rs,
+// norm_threads): the row is staged in shared memory by every thread (the
+// loads in flight at once), then eight threads run the eight sums.
+// NORM_EARLY 1 (a variant not yet timed on a GPU; lib.rs reads it too):
+// a norm's weights are loaded before the kernel ahead has finished, into
+// registers where the row is at most NORM_W elements a thread, else asked
+// into L2, and rows wider than 2,048 take blocks of 512 threads. With 0,
+// each weight is loaded where it is used, after the wait.
+#ifndef NORM_EARLY
+#define NORM_EARLY 0
+#endif
+#ifndef NORM_W
+#define NORM_W 16
+#endif
 __device__ __forceinline__ void rms_norm_body(float* x, const float* add, float* out, const float* w, int dim,
                                               float eps, int fmt, Q8* q8) {
     extern __shared__ float xs[];
     __shared__ float scale_s;
+    // NORM_EARLY: the weights, which nothing writes, loaded before the
+    // kernel ahead has finished.
+    const int bd = blockDim.x;
+    float wr[NORM_W];
+    bool held = NORM_EARLY && dim <= NORM_W * bd;
+    if (held) {
+#pragma unroll
+        for (int j = 0; j < NORM_W; j++) wr[j] = (int)threadIdx.x + j * bd < dim ? w[threadIdx.x + j * bd] : 0.0f;
+    } else if (NORM_EARLY && threadIdx.x == 0) {
+        prefetch_l2((const u8*)w, (u64)dim * 4);
+    }
+    after_previous();
+    SKIPS(1);
     u64 off = (u64)blockIdx.x * dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    // Eight elements a thread in flight before any is stored (a store to
+    // `x` could otherwise alias the next loads, one round trip each).
+    int i = threadIdx.x;
+    for (; i + 7 * bd < dim; i += 8 * bd) {
+        float v[8], a[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = x[off + i + j * bd];
+        if (add) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) a[j] = add[off + i + j * bd];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                v[j] = v[j] + a[j];
+                x[off + i + j * bd] = v[j];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) xs[i + j * bd] = v[j];
+    }
+    for (; i < dim; i += bd) {
         float v = x[off + i];
         if (add) {
             v = v + add[off + i];
@@ -1545,10 +1618,42 @@ __device__ __forceinline__ void rms_norm_body(float* x, const float* add, float*
     }
     __syncthreads();
     float scale = scale_s;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = xs[i] * scale * w[i];
-        out[off + i] = v;
-        if (q8) xs[i] = v;
+    if (held) {
+#pragma unroll
+        for (int j = 0; j < NORM_W; j++) {
+            int k = threadIdx.x + j * bd;
+            if (k < dim) {
+                float v = xs[k] * scale * wr[j];
+                out[off + k] = v;
+                if (q8) xs[k] = v;
+            }
+        }
+    } else if (NORM_EARLY) {
+        // Eight weights in flight at a time (a store to `out` could alias
+        // them).
+        int k = threadIdx.x;
+        for (; k + 7 * bd < dim; k += 8 * bd) {
+            float wv[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) wv[j] = w[k + j * bd];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float v = xs[k + j * bd] * scale * wv[j];
+                out[off + k + j * bd] = v;
+                if (q8) xs[k + j * bd] = v;
+            }
+        }
+        for (; k < dim; k += bd) {
+            float v = xs[k] * scale * w[k];
+            out[off + k] = v;
+            if (q8) xs[k] = v;
+        }
+    } else {
+        for (int k = threadIdx.x; k < dim; k += bd) {
+            float v = xs[k] * scale * w[k];
+            out[off + k] = v;
+            if (q8) xs[k] = v;
+        }
     }
     if (!q8) return;
     // The normalized row quantized for the product that reads it, as
@@ -1565,15 +1670,13 @@ __device__ __forceinline__ void rms_norm_body(float* x, const float* add, float*
 }
 
 extern "C" __global__ void rms_norm(float* x, const float* add, float* out, const float* w, int dim, float eps) {
-    after_previous();
     rms_norm_body(x, add, out, w, dim, eps, 0, nullptr);
 }
 
 // rms_norm, then the row quantized in format `fmt` into `q8` (a block of
-// 256 threads per row, as rms_norm).
+// 256 or 512 threads per row, as rms_norm).
 extern "C" __global__ void norm_q8(float* x, const float* add, float* out, const float* w, int dim, float eps,
                                    int fmt, Q8* q8) {
-    after_previous();
     rms_norm_body(x, add, out, w, dim, eps, fmt, q8);
 }
 
@@ -1609,6 +1712,7 @@ extern "C" __global__ void rope_write_kv(float* q, float* k, const float* v, con
                                          const int* rotated, const u32* page, const u32* slot, int layer,
                                          int layers, int pt, u16* kc, u16* vc) {
     after_previous();
+    SKIPS(8);
     int r = blockIdx.x;
     int nq = heads * pairs, nk = kv_heads * pairs, kvd = kv_heads * hd;
     int total = nq + nk + kvd;
@@ -1645,6 +1749,7 @@ extern "C" __global__ void write_kv_f16(const float* k, const float* v, const u3
                                         int layer, int layers, int kv_heads, int pt, int hd, u16* kc,
                                         u16* vc) {
     after_previous();
+    SKIPS(8);
     int r = blockIdx.x;
     int kvd = kv_heads * hd;
     for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < kvd; t += gridDim.y * blockDim.x) {
@@ -1729,6 +1834,7 @@ extern "C" __global__ void write_kv_coded(const float* k, const float* v, const 
                                           const u32* twin, int layer, int layers, int kv_heads, int pt, int hd,
                                           const float* cs, int pairs, KvDesc kv) {
     after_previous();
+    SKIPS(8);
     __shared__ float x[256];
     __shared__ int code[256];
     __shared__ float red[8];
@@ -1858,6 +1964,9 @@ __device__ __forceinline__ void att_wait() {
 #ifndef ATT_ROWS
 #define ATT_ROWS 4
 #endif
+#ifndef ATT_VU
+#define ATT_VU 0
+#endif
 
 template <int NR>
 __device__ __forceinline__ void attend_set(const float* q, const u32* table, const u32* row_table,
@@ -1896,14 +2005,25 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
             #pragma unroll
             for (int e = 0; e < 16; e++) l16[i][e] = 0.0f;
         const uint4* k4 = (const uint4*)(kc + base);
-        for (int d0 = 0; d0 < hd; d0 += 16) {
-            uint4 a = k4[d0 / 8], b = k4[d0 / 8 + 1];
-            u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-            #pragma unroll
-            for (int e = 0; e < 16; e++) {
-                float kv = h2f((u16)(w[e >> 1] >> (16 * (e & 1))));
-                #pragma unroll
-                for (int i = 0; i < NR; i++) l16[i][e] = fmaf(qs[i * hd + d0 + e], kv, l16[i][e]);
+        // The key's loads, KU pieces of 8 dimensions at a time, are in
+        // flight together before any is used: a lone row (decode) has the
+        // registers for a head of 128 dimensions at once.
+        constexpr int KU = NR == 1 ? 16 : 2;
+        for (int d0 = 0; d0 < hd; d0 += 8 * KU) {
+            uint4 kk[KU];
+#pragma unroll
+            for (int j = 0; j < KU; j++) kk[j] = d0 + 8 * j < hd ? k4[d0 / 8 + j] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int j = 0; j < KU; j += 2) {
+                if (d0 + 8 * j >= hd) break;
+                u32 w[8] = {kk[j].x, kk[j].y, kk[j].z, kk[j].w, kk[j + 1].x, kk[j + 1].y, kk[j + 1].z, kk[j + 1].w};
+                int b0 = d0 + 8 * j;
+#pragma unroll
+                for (int e = 0; e < 16; e++) {
+                    float kv = h2f((u16)(w[e >> 1] >> (16 * (e & 1))));
+#pragma unroll
+                    for (int i = 0; i < NR; i++) l16[i][e] = fmaf(qs[i * hd + b0 + e], kv, l16[i][e]);
+                }
             }
         }
         #pragma unroll
@@ -1977,6 +2097,12 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
             for (int i = 0; i < NR; i++) {
                 // Row i's positions before its end, in order.
                 int ni = i < per ? min(np, end[i] - p0) : 0;
+                // ATT_VU > 1 (a variant not yet timed on a GPU): unrolled,
+                // so that the shared loads of the next positions are
+                // issued ahead; the additions stay in position order.
+#if ATT_VU > 1
+#pragma unroll ATT_VU
+#endif
                 for (int j = 0; j < ni; j++) {
                     u32 two = v2[j * (hd / 2)];
                     float wgt = wt[i * tile + j];
@@ -2005,6 +2131,7 @@ extern "C" __global__ void attend_f16(const float* q, const u32* table, const u3
                                       int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
                                       float scale, float* scores, int ctx, float* out, int n_rows) {
     after_previous();
+    SKIPS(4);
     extern __shared__ float smem[];
     if ((int)blockIdx.x < n_rows)
         attend_set<1>(q, table, row_table, row_start, row_end, heads, kv_heads, hd, layer, layers, pt, kc, vc, scale,
@@ -2019,6 +2146,7 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
                                            int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
                                            float scale, float* scores, int ctx, float* out, int n_rows) {
     after_previous();
+    SKIPS(4);
     extern __shared__ float smem[];
     int r0 = blockIdx.x * ATT_ROWS;
     int nr = min(ATT_ROWS, n_rows - r0);
@@ -2146,6 +2274,7 @@ extern "C" __global__ void attend_coded(const float* q, const u32* table, const 
                                         int layer, int layers, int pt, KvDesc kv, float scale, float* scores,
                                         float* runs, int ctx, int max_pages, float* out, int n_rows) {
     after_previous();
+    SKIPS(4);
     __shared__ float qs[256], qr[256], rot[256], lv[16], xy[256], inv_s, c0;
     int r = blockIdx.x;
     if (r >= n_rows) return;
@@ -2414,6 +2543,7 @@ __device__ __forceinline__ float gelu1(float x) {
 
 extern "C" __global__ void gated(float* gate, const float* up, u64 len, int gelu) {
     after_previous();
+    SKIPS(16);
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) gate[i] = (gelu ? gelu1(gate[i]) : silu1(gate[i])) * up[i];
 }
@@ -2423,6 +2553,7 @@ extern "C" __global__ void gated(float* gate, const float* up, u64 len, int gelu
 // block of 256 threads per 256 values.
 extern "C" __global__ void gated_q8(float* gate, const float* up, u64 blocks, int gelu, int fmt, Q8* q8) {
     after_previous();
+    SKIPS(16);
     if (fmt == FMT_Q8_K) {
         __shared__ float v[256];
         u64 i = (u64)blockIdx.x * 256 + threadIdx.x;

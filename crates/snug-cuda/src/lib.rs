@@ -62,7 +62,8 @@ pub enum CudaError {
     KvFormat(&'static str),
 }
 
-const SOURCE: &str = include_str!("kernels.cu");
+/// The kernels' source (kernels.cu), compiled when a device is opened.
+pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The weight types the kernels read.
 pub const TYPES: [GgmlType; 16] = [
@@ -129,6 +130,12 @@ pub fn compile(arch: &str) -> Result<String, CudaError> {
 /// [`compile`] with macros of kernels.cu set (`NAME=VALUE`): the tuning
 /// knobs it declares with `#ifndef`, for measuring variants.
 pub fn compile_with(arch: &str, defines: &[String]) -> Result<String, CudaError> {
+    compile_source(arch, SOURCE, defines)
+}
+
+/// [`compile_with`] of another kernel source than the one built in: a
+/// variant of kernels.cu being measured (it must declare the same kernels).
+pub fn compile_source(arch: &str, source: &str, defines: &[String]) -> Result<String, CudaError> {
     // SAFETY: only probes whether the library can be loaded.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NoNvrtc);
@@ -145,7 +152,7 @@ pub fn compile_with(arch: &str, defines: &[String]) -> Result<String, CudaError>
             .collect(),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile(format!("{e:?}")))?;
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| CudaError::Compile(format!("{e:?}")))?;
     Ok(ptx.to_src())
 }
 
@@ -199,6 +206,8 @@ pub struct Device {
     pub overlap: bool,
     /// Rows per block of `attend_f16_rows` (kernels.cu's ATT_ROWS).
     att_rows: usize,
+    /// kernels.cu's NORM_EARLY (see `norm_threads`).
+    norm_early: bool,
     /// The staged tiles' shape (kernels.cu's MMT_R, MMT_S, MMT_WR,
     /// MMT_WO): row tiles and output tiles per warp, warps along rows
     /// and along outputs.
@@ -217,6 +226,12 @@ impl Device {
     /// [`Device::open`] with the kernels compiled with `defines` (see
     /// [`compile_with`]); only the first opening of the process compiles.
     pub fn open_with(ordinal: usize, defines: &[String]) -> Result<Arc<Device>, CudaError> {
+        Device::open_source(ordinal, SOURCE, defines)
+    }
+
+    /// [`Device::open_with`] with the kernels of `source` (see
+    /// [`compile_source`]).
+    pub fn open_source(ordinal: usize, source: &str, defines: &[String]) -> Result<Arc<Device>, CudaError> {
         if let Some(d) = DEVICE.get() {
             return Ok(d.clone());
         }
@@ -239,7 +254,7 @@ impl Device {
         let stream = ctx.new_stream()?;
         let capability = ctx.compute_capability()?;
         let name = ctx.name()?;
-        let ptx = compile_with(&format!("sm_{}{}", capability.0, capability.1), defines)?;
+        let ptx = compile_source(&format!("sm_{}{}", capability.0, capability.1), source, defines)?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
         let f = |n: &str| module.load_function(n);
         let mut matmul = Vec::new();
@@ -324,6 +339,7 @@ impl Device {
             name,
             capability,
             att_rows: define(defines, "ATT_ROWS", 4) as usize,
+            norm_early: define(defines, "NORM_EARLY", 0) != 0,
             mmt_tile: (
                 define(defines, "MMT_R", 2),
                 define(defines, "MMT_S", 1),
@@ -1372,10 +1388,22 @@ fn norm_into(ws: &mut CudaWorkspace, x: u64, add: u64, out: u64, rows: usize, w:
     // The row in shared memory: up to 48 KiB (a width of 12,288).
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (norm_threads(&dev, w.len), 1, 1),
         shared_mem_bytes: (w.len * 4) as u32,
     };
     launch!(ws, &dev.k.rms_norm, cfg, &x, &add, &out, &wp, &dim, &eps);
+}
+
+/// Threads of a norm's block for rows of `dim`: with kernels.cu's
+/// NORM_EARLY, 512 for wide rows, so that each warp quantizes one q8_K
+/// super-block of a 4,096-wide row and each thread holds at most 16 of its
+/// weights (`rms_norm_body`; the bits do not depend on it); else 256.
+fn norm_threads(dev: &Device, dim: usize) -> u32 {
+    if dev.norm_early && dim > 2048 {
+        512
+    } else {
+        256
+    }
 }
 
 /// Each row's cosines and sines for the global and local rotations, as
@@ -1600,7 +1628,7 @@ fn product(ws: &mut CudaWorkspace, w: &CudaMatrix, x: u64, y: u64, rows: usize, 
             let (wp, dim) = (nw.ptr, nw.len as i32);
             let cfg = LaunchConfig {
                 grid_dim: (rows as u32, 1, 1),
-                block_dim: (256, 1, 1),
+                block_dim: (norm_threads(&dev, nw.len), 1, 1),
                 shared_mem_bytes: (nw.len * 4) as u32,
             };
             launch!(ws, &dev.k.norm_q8, cfg, &nx, &add, &out, &wp, &dim, &eps, &fmt, &q8);
