@@ -338,13 +338,13 @@ impl Device {
             overlap,
             name,
             capability,
-            att_rows: define(defines, "ATT_ROWS", 4) as usize,
-            norm_early: define(defines, "NORM_EARLY", 0) != 0,
+            att_rows: define(source, defines, "ATT_ROWS") as usize,
+            norm_early: define(source, defines, "NORM_EARLY") != 0,
             mmt_tile: (
-                define(defines, "MMT_R", 2),
-                define(defines, "MMT_S", 1),
-                define(defines, "MMT_WR", 2),
-                define(defines, "MMT_WO", 4),
+                define(source, defines, "MMT_R"),
+                define(source, defines, "MMT_S"),
+                define(source, defines, "MMT_WR"),
+                define(source, defines, "MMT_WO"),
             ),
         });
         // The staged tiles' two stages are more shared memory than a
@@ -460,14 +460,23 @@ pub enum Tiles {
     Staged,
 }
 
-/// The value of macro `name` among `defines` (`NAME=VALUE`), or `default`.
-fn define(defines: &[String], name: &str, default: u32) -> u32 {
+/// The value of kernels.cu's macro `name`: as `defines` set it
+/// (`NAME=VALUE`), else its default in `source` (the first `#define NAME
+/// VALUE`, under its `#ifndef`), else 0. The host reads the knobs that
+/// shape its launches this way, so that it always agrees with the kernels.
+fn define(source: &str, defines: &[String], name: &str) -> u32 {
     defines
         .iter()
         .filter_map(|d| d.split_once('='))
         .find(|(n, _)| *n == name)
         .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(default)
+        .or_else(|| {
+            source.lines().find_map(|l| {
+                let rest = l.trim().strip_prefix("#define ")?.strip_prefix(name)?;
+                rest.strip_prefix(' ')?.trim().parse().ok()
+            })
+        })
+        .unwrap_or(0)
 }
 
 /// The kernel of type `ty` in `list` (every type uploaded has one).
@@ -1849,6 +1858,26 @@ mod tests {
             Err(CudaError::NoNvrtc) => eprintln!("skipping: no NVRTC library on this machine"),
             Err(e) => panic!("{e}"),
         }
+    }
+
+    /// The knobs the host reads to shape its launches have their defaults
+    /// from kernels.cu, and `NAME=VALUE` overrides them.
+    #[test]
+    fn the_hosts_knobs_are_the_kernels_defaults() {
+        for (name, want) in [
+            ("ATT_ROWS", 4),
+            ("NORM_EARLY", 0),
+            ("MMT_R", 2),
+            ("MMT_S", 1),
+            ("MMT_WR", 2),
+            ("MMT_WO", 4),
+        ] {
+            assert_eq!(define(SOURCE, &[], name), want, "{name}");
+        }
+        assert_eq!(define(SOURCE, &["NORM_EARLY=1".into()], "NORM_EARLY"), 1);
+        // A name that only starts another macro's is not that macro.
+        assert_eq!(define("#define MMT_RB 16\n#define MMT_R 3\n", &[], "MMT_R"), 3);
+        assert_eq!(define("", &[], "MMT_R"), 0);
     }
 
     /// The level tables kernels.cu holds as words of four bytes are the
