@@ -12,6 +12,7 @@
 //! | `HF_TOKEN` | a token sent as `Authorization: Bearer` to that hub only (`HUGGING_FACE_HUB_TOKEN`, its older name, if unset) |
 //! | `HTTPS_PROXY`, `ALL_PROXY`, `HTTP_PROXY` (or lowercase), `NO_PROXY` | a proxy for pulls, and the hosts that bypass it |
 //! | `SNUG_TRACE`, `SNUG_TRACE_ALL`, `SNUG_DUMP` | the forward pass' intermediate values, for comparing with other runtimes |
+//! | `SNUG_CUDA_DEFINES` | `NAME=VALUE` macros (space-separated) the CUDA kernels are compiled with: their measuring knobs (docs/CUDA.md) |
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -28,6 +29,8 @@ pub struct Env {
     pub pack: PackMode,
     pub pip: Pip,
     pub hub: HubOptions,
+    /// Macros for the CUDA kernels' compilation (`NAME=VALUE`).
+    pub cuda_defines: Vec<String>,
 }
 
 /// The settings the environment gives, read on the first call (which
@@ -83,5 +86,8 @@ fn read() -> Env {
             ..HubOptions::default()
         },
         cache,
+        cuda_defines: text("SNUG_CUDA_DEFINES")
+            .map(|v| v.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default(),
     }
 }

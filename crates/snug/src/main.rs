@@ -197,7 +197,8 @@ fn gpu_for(cache: &KvArgs, model: &Model) -> Result<Option<snug_engine::device::
             if model.numerics != snug_kernels::ggml::Numerics::Native {
                 bail!("--numerics llama.cpp runs on the CPU only; leave it out with --device cuda");
             }
-            let dev = snug_cuda::Device::open(0).map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
+            let dev = snug_cuda::Device::open_with(0, &env::get().cuda_defines)
+                .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
             let w = snug_cuda::CudaWeights::upload(&dev, model.weights())
                 .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
             Ok(Some(snug_engine::device::Gpu(std::sync::Arc::new(w))))
