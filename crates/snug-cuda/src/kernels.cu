@@ -23,7 +23,7 @@ __device__ __forceinline__ void after_previous() {
 #endif
 }
 
-// A measuring knob (set with -D, never in use): kernels of the kinds in
+// A measuring knob (set with -D when timing only): kernels of the kinds in
 // mask SKIP return at once, so that a decode step timed without them
 // shows what they cost inside it: 1 norms, 2 one-row products, 4
 // attention, 8 rotation and KV writes, 16 quantization and the gated
