@@ -60,6 +60,37 @@ pub enum CudaError {
     Width(usize),
     #[error("KV format {0} is not supported on CUDA (f16, q8 and tq4 are, for head sizes up to 256)")]
     KvFormat(&'static str),
+    #[error("kernel macro {0:?} is not one a run may set (NAME=N, N a whole number, NAME one of {1})")]
+    Knob(String, String),
+}
+
+/// The kernels' knobs that change how fast they run, never what they
+/// compute, with the least value each takes: the ones a run of the engine
+/// may set (measuring knobs such as SKIP, which make outputs wrong, and
+/// shapes the host divides by are left to the `gpucheck` example).
+pub const RUN_KNOBS: [(&str, u32); 5] = [
+    ("NORM_EARLY", 0),
+    ("ATT_VU", 0),
+    ("ATT_EARLY", 0),
+    ("MV_U", 1),
+    ("MV_BLOCKS", 1),
+];
+
+/// Checks macros given for a run (`NAME=VALUE`): each names one of
+/// [`RUN_KNOBS`] with a whole number at least its least value.
+pub fn check_run_knobs(defines: &[String]) -> Result<(), CudaError> {
+    for d in defines {
+        let ok = d.split_once('=').is_some_and(|(name, value)| {
+            RUN_KNOBS
+                .iter()
+                .any(|&(k, least)| k == name && value.parse::<u32>().is_ok_and(|v| v >= least && v <= 64))
+        });
+        if !ok {
+            let names: Vec<&str> = RUN_KNOBS.iter().map(|(k, _)| *k).collect();
+            return Err(CudaError::Knob(d.clone(), names.join(", ")));
+        }
+    }
+    Ok(())
 }
 
 /// The kernels' source (kernels.cu), compiled when a device is opened.
@@ -1857,6 +1888,31 @@ mod tests {
             }
             Err(CudaError::NoNvrtc) => eprintln!("skipping: no NVRTC library on this machine"),
             Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// A run may set only the knobs that keep its outputs, to sane values.
+    #[test]
+    fn a_run_sets_only_knobs_that_keep_the_outputs() {
+        let ok = |d: &[&str]| check_run_knobs(&d.iter().map(|s| s.to_string()).collect::<Vec<_>>()).is_ok();
+        assert!(ok(&[]));
+        assert!(ok(&["NORM_EARLY=1", "ATT_VU=8", "ATT_EARLY=1", "MV_U=2"]));
+        for bad in [
+            "SKIP=31",
+            "ATT_ROWS=0",
+            "MV_U=0",
+            "MV_U=x",
+            "NORM_EARLY",
+            "=1",
+            "NORM_EARLY=-1",
+            "MV_U=1000",
+        ] {
+            let e = check_run_knobs(&[bad.to_string()]).expect_err(bad);
+            assert!(e.to_string().contains("NORM_EARLY, ATT_VU"), "{e}");
+        }
+        // Every knob a run may set is declared by kernels.cu.
+        for (k, _) in RUN_KNOBS {
+            assert!(SOURCE.contains(&format!("#ifndef {k}\n")), "{k}");
         }
     }
 

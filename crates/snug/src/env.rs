@@ -12,7 +12,7 @@
 //! | `HF_TOKEN` | a token sent as `Authorization: Bearer` to that hub only (`HUGGING_FACE_HUB_TOKEN`, its older name, if unset) |
 //! | `HTTPS_PROXY`, `ALL_PROXY`, `HTTP_PROXY` (or lowercase), `NO_PROXY` | a proxy for pulls, and the hosts that bypass it |
 //! | `SNUG_TRACE`, `SNUG_TRACE_ALL`, `SNUG_DUMP` | the forward pass' intermediate values, for comparing with other runtimes |
-//! | `SNUG_CUDA_DEFINES` | `NAME=VALUE` macros (space-separated) the CUDA kernels are compiled with: their measuring knobs (docs/CUDA.md) |
+//! | `SNUG_CUDA_DEFINES` | `NAME=VALUE` macros (space-separated) the CUDA kernels are compiled with: the speed knobs that keep outputs the same (`snug_cuda::RUN_KNOBS`; docs/CUDA.md) |
 
 use std::path::PathBuf;
 use std::sync::OnceLock;

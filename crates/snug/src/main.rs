@@ -197,8 +197,9 @@ fn gpu_for(cache: &KvArgs, model: &Model) -> Result<Option<snug_engine::device::
             if model.numerics != snug_kernels::ggml::Numerics::Native {
                 bail!("--numerics llama.cpp runs on the CPU only; leave it out with --device cuda");
             }
-            let dev = snug_cuda::Device::open_with(0, &env::get().cuda_defines)
-                .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
+            let defines = &env::get().cuda_defines;
+            snug_cuda::check_run_knobs(defines).map_err(|e| anyhow::anyhow!("SNUG_CUDA_DEFINES: {e}"))?;
+            let dev = snug_cuda::Device::open_with(0, defines).map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
             let w = snug_cuda::CudaWeights::upload(&dev, model.weights())
                 .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
             Ok(Some(snug_engine::device::Gpu(std::sync::Arc::new(w))))

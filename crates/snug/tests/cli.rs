@@ -168,6 +168,18 @@ fn device_cuda_without_a_gpu_is_a_one_line_error() {
         .output()
         .unwrap();
     assert_clean_error(&out, "unknown --device");
+    // A kernel macro that would change the outputs (or a malformed one) is
+    // refused before any device is opened.
+    for bad in ["SKIP=31", "MV_U=0", "NORM_EARLY"] {
+        let out = snug()
+            .env("SNUG_CUDA_DEFINES", bad)
+            .arg("run")
+            .arg(&p)
+            .args(["-p", "Hello", "-n", "4", "--device", "cuda"])
+            .output()
+            .unwrap();
+        assert_clean_error(&out, "SNUG_CUDA_DEFINES: ");
+    }
 }
 
 #[test]
