@@ -13,12 +13,7 @@ set -u
 gpu_setup /tmp/ab gpucheck synth snug gpucheck-old snug-old
 export SNUG_HOME=/tmp/snug-home
 models=${MODELS:-smol 1.5b 7b}
-for m in $models; do
-  case $m in
-    smol) ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> /dev/null ;;
-    *) ./synth --like tok.gguf --shape $m --out $m.gguf 2> /dev/null ;;
-  esac
-done
+gpu_synth $models 2> /dev/null
 {
   for m in $models; do
     ./gpucheck $m.gguf --prompt 32 --gen 8 --pp 64 --tg 8 --out check-$m.json > /dev/null 2>&1

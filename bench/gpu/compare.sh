@@ -25,6 +25,7 @@ T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 K=/tmp/keep
 ROOT=$PWD
+. bench/gpu/setup.sh
 nvrtc=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -1)
 export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SNUG_HOME=/tmp/snug-home
@@ -37,9 +38,7 @@ build)
   done
   # In a session of its own, so that it goes on after this call if it must.
   setsid sh -c "sh $ROOT/bench/gpu/llama.sh build $K/llama-src.tgz $K/ll > $R/llbuild.out 2>&1; echo done > $K/llbuilt" &
-  ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> $R/synth.err
-  ./synth --like tok.gguf --shape 1.5b --out 1.5b.gguf 2>> $R/synth.err
-  ./synth --like tok.gguf --shape 7b --out 7b.gguf 2>> $R/synth.err
+  gpu_synth smol 1.5b 7b 2> $R/synth.err
   # Bits, decode-step variants and where a step's time goes (steps.sh;
   # VARIANTS as there, SKIP_MODELS for the breakdown).
   (cd $ROOT && OUT=$R MODEL_DIR=$K LIMIT=${LIMIT:-420} sh bench/gpu/steps.sh > /dev/null 2>&1)
@@ -101,9 +100,7 @@ all)
   # (LLAMA=0: no llama.cpp in this call, and snug's benches first.)
   [ "${LLAMA:-1}" = 0 ] ||
     setsid sh -c "sh $ROOT/bench/gpu/llama.sh build $K/llama-src.tgz $K/ll > $R/llbuild.out 2>&1; echo done > $K/llbuilt" &
-  ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> $R/synth.err
-  ./synth --like tok.gguf --shape 1.5b --out 1.5b.gguf 2>> $R/synth.err
-  ./synth --like tok.gguf --shape 7b --out 7b.gguf 2>> $R/synth.err
+  gpu_synth smol 1.5b 7b 2> $R/synth.err
   [ "${LLAMA:-1}" = 0 ] && snug_benches
   (cd $ROOT && OUT=$R MODEL_DIR=$K LIMIT=${STEPS_LIMIT:-300} sh bench/gpu/steps.sh > /dev/null 2>&1)
   cat $R/steps.txt

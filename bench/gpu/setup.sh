@@ -17,3 +17,17 @@ gpu_setup() {
   nvrtc=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -1)
   export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
+
+# `gpu_synth MODEL...` synthesizes MODEL.gguf in the current folder (with
+# ./synth and tok.gguf there) for each name not already there: `smol` the
+# SmolLM2 shape (Q4_1, a Q8_0 head), any other name a shape synth_gguf
+# knows (`1.5b`, `7b`: Q4_K, a Q6_K head). Errors go to stderr.
+gpu_synth() {
+  for m in "$@"; do
+    [ -f "$m.gguf" ] && continue
+    case $m in
+      smol) ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf ;;
+      *) ./synth --like tok.gguf --shape "$m" --out "$m.gguf" ;;
+    esac
+  done
+}

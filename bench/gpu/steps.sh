@@ -30,12 +30,8 @@ models=${MODELS:-smol 1.5b 7b}
 for m in $models; do
   # Files already synthesized (compare.sh's) are used as they are.
   [ -f "${MODEL_DIR:-/nonexistent}/$m.gguf" ] && ln -sf "$MODEL_DIR/$m.gguf" $m.gguf
-  [ -f $m.gguf ] && continue
-  case $m in
-    smol) ./synth --like tok.gguf --shape "smol=576,30,9,3,1536" --type q4_1 --head-type q8_0 --out smol.gguf 2> /dev/null ;;
-    *) ./synth --like tok.gguf --shape $m --out $m.gguf 2> /dev/null ;;
-  esac
 done
+gpu_synth $models 2> /dev/null
 step() { ./gpucheck "$@" 2> /dev/null < /dev/null | tail -1; }
 d=${DEPTH:-64}
 {
