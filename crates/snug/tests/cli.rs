@@ -149,36 +149,31 @@ fn rm_removes_a_pulled_model_and_names_a_typo() {
 #[test]
 fn device_cuda_without_a_gpu_is_a_one_line_error() {
     let Some(p) = model_path("smollm2-135m") else { return };
-    let out = snug()
-        .arg("run")
-        .arg(&p)
-        .args(["-p", "Hello", "-n", "4", "--temperature", "0", "--device", "cuda"])
-        .output()
-        .unwrap();
+    // `snug run` of four greedy tokens on `device`, with SNUG_CUDA_DEFINES
+    // set to `defines` where given.
+    let run = |device: &str, defines: Option<&str>| {
+        let mut cmd = snug();
+        if let Some(d) = defines {
+            cmd.env("SNUG_CUDA_DEFINES", d);
+        }
+        cmd.arg("run")
+            .arg(&p)
+            .args(["-p", "Hello", "-n", "4", "--temperature", "0", "--device", device])
+            .output()
+            .unwrap()
+    };
+    let out = run("cuda", None);
     if out.status.success() {
         // A machine with a GPU: it generated there.
         assert!(!text(&out.stdout).is_empty());
     } else {
         assert_clean_error(&out, "--device cuda: ");
     }
-    let out = snug()
-        .arg("run")
-        .arg(&p)
-        .args(["-p", "Hello", "-n", "4", "--device", "tpu"])
-        .output()
-        .unwrap();
-    assert_clean_error(&out, "unknown --device");
+    assert_clean_error(&run("tpu", None), "unknown --device");
     // A kernel macro that would change the outputs (or a malformed one) is
     // refused before any device is opened.
     for bad in ["SKIP=31", "MV_U=0", "NORM_EARLY"] {
-        let out = snug()
-            .env("SNUG_CUDA_DEFINES", bad)
-            .arg("run")
-            .arg(&p)
-            .args(["-p", "Hello", "-n", "4", "--device", "cuda"])
-            .output()
-            .unwrap();
-        assert_clean_error(&out, "SNUG_CUDA_DEFINES: ");
+        assert_clean_error(&run("cuda", Some(bad)), "SNUG_CUDA_DEFINES: ");
     }
 }
 
