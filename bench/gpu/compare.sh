@@ -8,7 +8,9 @@
 #                                    # checks, decode-step variants and
 #                                    # where a step's time goes
 #   sh bench/gpu/compare.sh bench    # the timed benches (nothing else
-#                                    # running), then run, sessions, server
+#                                    # running), then run, sessions, server;
+#                                    # with SNUG_CUDA_DEFINES set, the
+#                                    # built-in kernels' benches beside
 #   sh bench/gpu/compare.sh all      # one call: the build beside steps.sh,
 #                                    # then the benches (no run, session or
 #                                    # server checks)
@@ -52,6 +54,9 @@ bench)
   for m in smol 1.5b 7b; do
     ./snug bench $K/$m.gguf -p 512 -n 128 -r 3 --device cuda -o json > $R/bench-$m.json 2> $R/bench-$m.err
     [ -x snug-old ] && ./snug-old bench $K/$m.gguf -p 512 -n 128 -r 3 --device cuda -o json > $R/bench-old-$m.json 2> $R/bench-old-$m.err
+    # A variant set by SNUG_CUDA_DEFINES is timed beside the built-in kernels.
+    [ -n "${SNUG_CUDA_DEFINES:-}" ] && env -u SNUG_CUDA_DEFINES ./snug bench $K/$m.gguf -p 512 -n 128 -r 3 --device cuda -o json \
+      > $R/bench-builtin-$m.json 2> $R/bench-builtin-$m.err
   done
   while [ ! -f $K/llbuilt ] && [ $(el) -lt 300 ]; do sleep 2; done
   for m in smol 1.5b 7b; do sh $ROOT/bench/gpu/llama.sh bench $K/ll $R $K/$m.gguf; done
