@@ -10,11 +10,12 @@
 # -n 128 -fa 0,1 -r 2 -t T` for T in THREADS (default 1 2 4 8 16), the
 # two programs alternating per thread count. The CPU's description first.
 # Run from the repository root with .gpu/ carried (snug.gz, synth.gz,
-# tok.gguf); results in $OUT/threads.txt and $OUT/*.json*.
+# tok.gguf; snug-b.gz, another build of snug, is timed beside snug where
+# present); results in $OUT/threads.txt and $OUT/*.json*.
 set -u
 root=$(pwd)
 . bench/gpu/setup.sh
-gpu_setup /tmp/thr synth snug
+gpu_setup /tmp/thr synth snug snug-b
 export SNUG_HOME=/tmp/snug-home
 {
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|L3"
@@ -51,6 +52,12 @@ for m in ${MODELS:-smol 0.5b}; do
     python3 -c "
 import json
 print('snug $m t$t', ' '.join(f\"{d['test']} {d['tok_s_median']:.1f}\" for d in json.load(open('snug-$m-$t.json'))))"
+    if [ -x snug-b ]; then
+      ./snug-b bench $m.gguf -p 512 -n 128 -r 2 -t "$t" -o json 2> /dev/null > "snug-b-$m-$t.json"
+      python3 -c "
+import json
+print('snug-b $m t$t', ' '.join(f\"{d['test']} {d['tok_s_median']:.1f}\" for d in json.load(open('snug-b-$m-$t.json'))))"
+    fi
     "$bench" -m $m.gguf -p 512 -n 128 -fa 0,1 -r 2 -t "$t" -o jsonl 2> /dev/null > "llama-$m-$t.jsonl"
     python3 -c "
 import json

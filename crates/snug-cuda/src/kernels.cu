@@ -1538,13 +1538,14 @@ ROWS(rows_mxfp4, T_MXFP4)
 // block of 256 per row (512 for wide rows with NORM_EARLY; lib.rs,
 // norm_threads): the row is staged in shared memory by every thread (the
 // loads in flight at once), then eight threads run the eight sums.
-// NORM_EARLY 1 (a variant not yet timed on a GPU; lib.rs reads it too):
-// a norm's weights are loaded before the kernel ahead has finished, into
-// registers where the row is at most NORM_W elements a thread, else asked
-// into L2, and rows wider than 2,048 take blocks of 512 threads. With 0,
-// each weight is loaded where it is used, after the wait.
+// NORM_EARLY 1 (the default; lib.rs reads it too): a norm's weights are
+// loaded before the kernel ahead has finished, into registers where the
+// row is at most NORM_W elements a thread, else asked into L2, and rows
+// wider than 2,048 take blocks of 512 threads. With 0, each weight is
+// loaded where it is used, after the wait, one memory round trip per turn
+// of the loop (a 7B shape's decode step 15% slower on an H100; CUDA.md).
 #ifndef NORM_EARLY
-#define NORM_EARLY 0
+#define NORM_EARLY 1
 #endif
 #ifndef NORM_W
 #define NORM_W 16

@@ -1922,7 +1922,7 @@ mod tests {
     fn the_hosts_knobs_are_the_kernels_defaults() {
         for (name, want) in [
             ("ATT_ROWS", 4),
-            ("NORM_EARLY", 0),
+            ("NORM_EARLY", 1),
             ("MMT_R", 2),
             ("MMT_S", 1),
             ("MMT_WR", 2),
@@ -1930,7 +1930,7 @@ mod tests {
         ] {
             assert_eq!(define(SOURCE, &[], name), want, "{name}");
         }
-        assert_eq!(define(SOURCE, &["NORM_EARLY=1".into()], "NORM_EARLY"), 1);
+        assert_eq!(define(SOURCE, &["NORM_EARLY=0".into()], "NORM_EARLY"), 0);
         // A name that only starts another macro's is not that macro.
         assert_eq!(define("#define MMT_RB 16\n#define MMT_R 3\n", &[], "MMT_R"), 3);
         assert_eq!(define("", &[], "MMT_R"), 0);
