@@ -1279,7 +1279,8 @@ impl Backend for Cuda {
         // The queries, a tile of values and their weights (kernels.cu): in
         // a prefill, groups of rows share their keys' and values' loads.
         let tile = ATT_TILE_BYTES / (ws.head_dim * 2);
-        let (f, group) = if rows.len() >= ATT_GROUP_MIN {
+        let start = |r: &BatchRow| c.window_start(layer, r.pos);
+        let (f, group) = if groups_share(rows, dev.att_rows, start) {
             (&dev.k.attend_f16_rows, dev.att_rows)
         } else {
             (&dev.k.attend_f16, 1)
@@ -1836,6 +1837,25 @@ const MMT_WS_Q5K: u32 = 192;
 /// The batch from which `attend_f16_rows` is used.
 const ATT_GROUP_MIN: usize = 8;
 
+/// Whether a batch's attention runs `attend_f16_rows` (a block per group
+/// of `group` rows): only where at least half of its groups are rows of
+/// one sequence from one first position (`start`: the row's window
+/// start), which share their keys' and values' loads, as a prefill's
+/// rows do. The kernel runs a group that does not share a row at a time,
+/// so rows of different sequences (many sequences decoding together)
+/// would get a block per `group` rows instead of one each. Both kernels
+/// give a row the same bits.
+fn groups_share(rows: &[BatchRow], group: usize, start: impl Fn(&BatchRow) -> usize) -> bool {
+    if rows.len() < ATT_GROUP_MIN || group < 2 {
+        return false;
+    }
+    let shared = rows
+        .chunks(group)
+        .filter(|g| g.len() > 1 && g.iter().all(|r| r.seq == g[0].seq && start(r) == start(&g[0])))
+        .count();
+    2 * shared >= rows.len().div_ceil(group)
+}
+
 /// Rows from which a quantized product runs on tensor cores.
 const MMA_ROWS: usize = 16;
 
@@ -1914,6 +1934,31 @@ mod tests {
         for (k, _) in RUN_KNOBS {
             assert!(SOURCE.contains(&format!("#ifndef {k}\n")), "{k}");
         }
+    }
+
+    /// A prefill's rows share their attention loads in groups; rows of
+    /// many sequences decoding together do not, and run a block each.
+    #[test]
+    fn attention_groups_rows_only_where_they_share() {
+        let row = |seq, pos| BatchRow {
+            seq,
+            pos,
+            token: 0,
+            logits: false,
+        };
+        let none = |_: &BatchRow| 0;
+        let prompt: Vec<BatchRow> = (0..64).map(|p| row(0, p)).collect();
+        assert!(groups_share(&prompt, 4, none));
+        let decoding: Vec<BatchRow> = (0..64).map(|s| row(s, 100)).collect();
+        assert!(!groups_share(&decoding, 4, none));
+        // Too few rows, or groups of one.
+        assert!(!groups_share(&prompt[..7], 4, none));
+        assert!(!groups_share(&prompt, 1, none));
+        // A window that starts each row apart shares nothing.
+        assert!(!groups_share(&prompt, 4, |r: &BatchRow| r.pos));
+        // A prompt of 32 rows beside 32 sequences decoding: half the groups.
+        let mixed: Vec<BatchRow> = (0..32).map(|p| row(0, p)).chain((1..33).map(|s| row(s, 50))).collect();
+        assert!(groups_share(&mixed, 4, none));
     }
 
     /// The knobs the host reads to shape its launches have their defaults
