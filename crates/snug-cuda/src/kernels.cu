@@ -1965,15 +1965,6 @@ __device__ __forceinline__ void att_wait() {
 #ifndef ATT_ROWS
 #define ATT_ROWS 4
 #endif
-#ifndef ATT_VU
-#define ATT_VU 0
-#endif
-#ifndef ATT_EARLY
-#define ATT_EARLY 0
-#endif
-
-// The 128-byte line holding `p` into L2 (a hint; nothing waits for it).
-__device__ __forceinline__ void prefetch_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 template <int NR>
 __device__ __forceinline__ void attend_set(const float* q, const u32* table, const u32* row_table,
@@ -2104,12 +2095,6 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
             for (int i = 0; i < NR; i++) {
                 // Row i's positions before its end, in order.
                 int ni = i < per ? min(np, end[i] - p0) : 0;
-                // ATT_VU > 1 (a variant not yet timed on a GPU): unrolled,
-                // so that the shared loads of the next positions are
-                // issued ahead; the additions stay in position order.
-#if ATT_VU > 1
-#pragma unroll ATT_VU
-#endif
                 for (int j = 0; j < ni; j++) {
                     u32 two = v2[j * (hd / 2)];
                     float wgt = wt[i * tile + j];
@@ -2137,22 +2122,6 @@ extern "C" __global__ void attend_f16(const float* q, const u32* table, const u3
                                       const u32* row_start, const u32* row_end, int heads, int kv_heads,
                                       int hd, int layer, int layers, int pt, const u16* kc, const u16* vc,
                                       float scale, float* scores, int ctx, float* out, int n_rows) {
-    // ATT_EARLY (a variant not yet timed on a GPU): before the wait, the
-    // row's tables are read (copies wrote them before the kernel ahead
-    // ran) and its positions' keys and values asked into L2. Only a hint:
-    // every value the kernel uses is loaded after the wait.
-    if (ATT_EARLY && (int)blockIdx.x < n_rows) {
-        const u32* pages = table + row_table[blockIdx.x];
-        int start = row_start[blockIdx.x], end = row_end[blockIdx.x];
-        int g = blockIdx.y / (heads / kv_heads);
-        for (int p = start + threadIdx.x; p < end; p += ATT_THREADS) {
-            u64 base = ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * hd;
-            for (int b = 0; b < hd; b += 64) {
-                prefetch_line(kc + base + b);
-                prefetch_line(vc + base + b);
-            }
-        }
-    }
     after_previous();
     SKIPS(4);
     extern __shared__ float smem[];
