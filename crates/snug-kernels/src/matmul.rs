@@ -90,6 +90,160 @@ impl MatmulScratch {
 
 use crate::pool::SendPtr;
 
+/// Task `t` of a product with panels packed at load (`pk`: `n` outputs of
+/// `k` inputs): its 16 outputs for every activation row, the rows handed
+/// to the kernel in tiles (`panel::tiles`).
+///
+/// # Safety
+///
+/// `out` holds `n_rows * n` floats; no other task writes outputs
+/// `16 t..16 (t + 1)` of any row while this one runs.
+#[allow(clippy::too_many_arguments)]
+unsafe fn packed_task(
+    ty: GgmlType,
+    k: usize,
+    n: usize,
+    pk: &[u8],
+    t: usize,
+    n_rows: usize,
+    q8: &[BlockQ8],
+    aux: &[i32],
+    out: *mut f32,
+) {
+    let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
+    let o0 = t * FEATURES_PER_TASK;
+    let lanes = (n - o0).min(FEATURES_PER_TASK);
+    let panel = PanelRef::of_matrix(ty, k, pk, t);
+    for (r0, m) in panel::tiles(n_rows) {
+        let acts: [&[BlockQ8]; panel::TILE_ROWS] = std::array::from_fn(|i| {
+            let r = r0 + i.min(m - 1);
+            &q8[r * nb..(r + 1) * nb]
+        });
+        let auxs: [&[i32]; panel::TILE_ROWS] = std::array::from_fn(|i| {
+            let r = r0 + i.min(m - 1);
+            &aux[r * al..(r + 1) * al]
+        });
+        // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`, which
+        // the caller gives this task alone.
+        unsafe { panel.dot_into(&acts[..m], &auxs[..m], lanes, out.add(r0 * n + o0), n, r0 == 0) };
+    }
+}
+
+/// Several products of one input, `outs[i]` (`n_rows x ws[i].rows`) = `x`
+/// times `ws[i]` transposed, each with the bits `matmul` gives it: a
+/// layer's query, key and value projections, or its gate and up. Where
+/// the weights share one type and width and are packed at load (and the
+/// rows do not take the AMX tiles), the input is quantized once and all
+/// the products' tasks go to the pool in one hand-off, where one call each
+/// would quantize it three times and wait for the pool three times;
+/// otherwise one `matmul` each.
+pub fn matmul_many(
+    pool: &ThreadPool,
+    ws: &[&Weight],
+    x: &[f32],
+    n_rows: usize,
+    outs: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+) {
+    assert_eq!(ws.len(), outs.len(), "matmul_many: one output per weight");
+    let Some(first) = ws.first() else { return };
+    let (ty, k) = (first.ty, first.cols);
+    let fused = ws.len() > 1
+        && !is_float(ty)
+        && supports(ty)
+        && panel::available(ty)
+        && !(n_rows >= AMX_MIN_ROWS && panel::amx_available(ty))
+        && ws.iter().all(|w| w.ty == ty && w.cols == k && w.packed.is_some());
+    if !fused {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul(pool, w, x, n_rows, out, scratch);
+        }
+        return;
+    }
+    assert_eq!(x.len(), n_rows * k, "matmul: input shape");
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(out.len(), n_rows * w.rows, "matmul: output shape");
+    }
+    let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
+    if scratch.q8.len() < n_rows * nb {
+        scratch.q8.resize(n_rows * nb, BlockQ8::default());
+    }
+    if scratch.aux.len() < n_rows * al {
+        scratch.aux.resize(n_rows * al, 0);
+    }
+    quantize_acts(pool, ty, x, n_rows, k, scratch, true, false);
+    let (q8, aux) = (&scratch.q8[..n_rows * nb], &scratch.aux[..n_rows * al]);
+    // Each product's first task, and where its outputs go.
+    let mut first_task = Vec::with_capacity(ws.len() + 1);
+    let mut total = 0;
+    for w in ws {
+        first_task.push(total);
+        total += w.rows.div_ceil(FEATURES_PER_TASK);
+    }
+    first_task.push(total);
+    let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    pool.run(total, &|task| {
+        let i = first_task.partition_point(|&f| f <= task) - 1;
+        let w = ws[i];
+        let pk = w.packed.unwrap_or_default();
+        // SAFETY: task `task` is task `task - first_task[i]` of product i
+        // alone, whose output holds n_rows x w.rows floats.
+        unsafe { packed_task(ty, k, w.rows, pk, task - first_task[i], n_rows, q8, aux, ptrs[i].0) }
+    });
+}
+
+/// Quantizes the `n_rows` activation rows of `x` (`k` wide) for weights of
+/// type `ty` into `scratch` (sized by the caller): their blocks, with
+/// `use_panel` the aux values panels read, with `amx` their bytes where
+/// the tiles read them.
+#[allow(clippy::too_many_arguments)]
+fn quantize_acts(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    x: &[f32],
+    n_rows: usize,
+    k: usize,
+    scratch: &mut MatmulScratch,
+    use_panel: bool,
+    amx: bool,
+) {
+    let nb = k / QK8;
+    let al = if use_panel { aux_len(ty, nb) } else { 0 };
+    let format = act_format(ty);
+    if n_rows <= SERIAL_QUANTIZE_ROWS {
+        // A few rows quantize faster than a hand-off to the pool.
+        for (r, xr) in x.chunks_exact(k).enumerate() {
+            let qr = &mut scratch.q8[r * nb..(r + 1) * nb];
+            quantize_row(format, xr, qr);
+            if use_panel {
+                activation_aux(ty, qr, &mut scratch.aux[r * al..(r + 1) * al]);
+            }
+        }
+    } else {
+        let bytes_len = scratch.bytes.len();
+        let q8_ptr = SendBlocks(
+            scratch.q8.as_mut_ptr(),
+            scratch.aux.as_mut_ptr(),
+            scratch.bytes.as_mut_ptr(),
+        );
+        pool.run(n_rows, &|r| {
+            let qp = &q8_ptr;
+            // SAFETY: each row's blocks and aux values are written by
+            // exactly one task.
+            let blocks = unsafe { std::slice::from_raw_parts_mut(qp.0.add(r * nb), nb) };
+            quantize_row(format, &x[r * k..(r + 1) * k], blocks);
+            if use_panel {
+                let aux = unsafe { std::slice::from_raw_parts_mut(qp.1.add(r * al), al) };
+                activation_aux(ty, blocks, aux);
+            }
+            if amx {
+                // SAFETY: each row's bytes are written by exactly one task.
+                unsafe { panel::amx_place_row_raw(blocks, r, qp.2, bytes_len) };
+            }
+        });
+    }
+}
+
 struct SendBlocks(*mut BlockQ8, *mut i32, *mut i8);
 // SAFETY: tasks write disjoint blocks (see where the tasks are made).
 unsafe impl Sync for SendBlocks {}
@@ -178,44 +332,12 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     if scratch.aux.len() < n_rows * al {
         scratch.aux.resize(n_rows * al, 0);
     }
-    let format = act_format(w.ty);
     let ty = w.ty;
     let amx = packed.is_some() && n_rows >= AMX_MIN_ROWS && panel::amx_available(ty);
     if amx && scratch.bytes.len() < n_rows.next_multiple_of(32) * k {
         scratch.bytes.resize(n_rows.next_multiple_of(32) * k, 0);
     }
-    if n_rows <= SERIAL_QUANTIZE_ROWS {
-        // A few rows quantize faster than a hand-off to the pool.
-        for (r, xr) in x.chunks_exact(k).enumerate() {
-            let qr = &mut scratch.q8[r * nb..(r + 1) * nb];
-            quantize_row(format, xr, qr);
-            if use_panel {
-                activation_aux(ty, qr, &mut scratch.aux[r * al..(r + 1) * al]);
-            }
-        }
-    } else {
-        let bytes_len = scratch.bytes.len();
-        let q8_ptr = SendBlocks(
-            scratch.q8.as_mut_ptr(),
-            scratch.aux.as_mut_ptr(),
-            scratch.bytes.as_mut_ptr(),
-        );
-        pool.run(n_rows, &|r| {
-            let qp = &q8_ptr;
-            // SAFETY: each row's blocks and aux values are written by
-            // exactly one task.
-            let blocks = unsafe { std::slice::from_raw_parts_mut(qp.0.add(r * nb), nb) };
-            quantize_row(format, &x[r * k..(r + 1) * k], blocks);
-            if use_panel {
-                let aux = unsafe { std::slice::from_raw_parts_mut(qp.1.add(r * al), al) };
-                activation_aux(ty, blocks, aux);
-            }
-            if amx {
-                // SAFETY: each row's bytes are written by exactly one task.
-                unsafe { panel::amx_place_row_raw(blocks, r, qp.2, bytes_len) };
-            }
-        });
-    }
+    quantize_acts(pool, ty, x, n_rows, k, scratch, use_panel, amx);
     let q8 = &scratch.q8[..n_rows * nb];
     let aux = &scratch.aux[..n_rows * al];
     if let (true, Some(pk)) = (amx, packed) {
@@ -253,22 +375,8 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
         // place, the activation rows handed over in tiles (`panel::tiles`).
         pool.run(tasks, &|t| {
             let op = &out_ptr;
-            let o0 = t * FEATURES_PER_TASK;
-            let lanes = (n - o0).min(FEATURES_PER_TASK);
-            let panel = PanelRef::of_matrix(ty, k, pk, t);
-            for (r0, m) in panel::tiles(n_rows) {
-                let acts: [&[BlockQ8]; panel::TILE_ROWS] = std::array::from_fn(|i| {
-                    let r = r0 + i.min(m - 1);
-                    &q8[r * nb..(r + 1) * nb]
-                });
-                let auxs: [&[i32]; panel::TILE_ROWS] = std::array::from_fn(|i| {
-                    let r = r0 + i.min(m - 1);
-                    &aux[r * al..(r + 1) * al]
-                });
-                // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`;
-                // each (r, o) is written by exactly one task.
-                unsafe { panel.dot_into(&acts[..m], &auxs[..m], lanes, op.0.add(r0 * n + o0), n, r0 == 0) };
-            }
+            // SAFETY: each task writes its own outputs of `out`.
+            unsafe { packed_task(ty, k, n, pk, t, n_rows, q8, aux, op.0) }
         });
         return;
     }
@@ -487,6 +595,39 @@ mod tests {
             let wp = Weight { packed: Some(&pk), ..w };
             let mut all_packed = vec![0f32; rows * n];
             matmul(&p2, &wp, &x, rows, &mut all_packed, &mut MatmulScratch::default());
+            // The same products three at a time (one input, as a layer's
+            // query, key and value): the same bits, on one row and many.
+            // (The middle one with the first 21 rows only.)
+            let n2 = 21;
+            let rb = ty.bytes_for(k as u64).unwrap() as usize;
+            let mut pk2 = vec![0u8; panel::packed_matrix_bytes(ty, n2, k)];
+            panel::pack_matrix(ty, &data[..n2 * rb], n2, k, &mut pk2);
+            let w2 = Weight {
+                rows: n2,
+                data: &data[..n2 * rb],
+                packed: Some(&pk2),
+                ..wp
+            };
+            for m in [1, rows] {
+                let mut outs = [vec![0f32; m * n], vec![0f32; m * n2], vec![0f32; m * n]];
+                let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                matmul_many(
+                    &p2,
+                    &[&wp, &w2, &wp],
+                    &x[..m * k],
+                    m,
+                    &mut refs,
+                    &mut MatmulScratch::default(),
+                );
+                for (o, w) in outs.iter().zip([&wp, &w2, &wp]) {
+                    let mut want = vec![0f32; m * w.rows];
+                    matmul(&p2, w, &x[..m * k], m, &mut want, &mut MatmulScratch::default());
+                    assert!(
+                        o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty} three at once, {m} rows"
+                    );
+                }
+            }
             for r in 0..rows {
                 let mut one = vec![0f32; n];
                 matmul(

@@ -175,9 +175,13 @@ pub fn forward<'w, B: Backend>(
         // Attention block.
         B::add_norm(ws, Buf::X, pending.take(), Buf::H, n * dim, &layer.attn_norm, c.rms_eps);
         trace(ws, "attn_norm", l, Buf::H, n * dim);
-        B::matmul(ws, &layer.wq, Buf::H, Buf::Q, n);
-        B::matmul(ws, &layer.wk, Buf::H, Buf::K, n);
-        B::matmul(ws, &layer.wv, Buf::H, Buf::V, n);
+        B::matmul_many(
+            ws,
+            &[&layer.wq, &layer.wk, &layer.wv],
+            Buf::H,
+            &[Buf::Q, Buf::K, Buf::V],
+            n,
+        );
         trace(ws, "Qcur_mm", l, Buf::Q, n * qd);
         trace(ws, "Kcur_mm", l, Buf::K, n * kvd);
         trace(ws, "Vcur", l, Buf::V, n * kvd);
@@ -231,8 +235,7 @@ pub fn forward<'w, B: Backend>(
         trace(ws, "ffn_norm", l, Buf::H, n * dim);
         match &layer.ffn {
             Ffn::Dense { gate, up, down } => {
-                B::matmul(ws, gate, Buf::H, Buf::Gate, n);
-                B::matmul(ws, up, Buf::H, Buf::Up, n);
+                B::matmul_many(ws, &[gate, up], Buf::H, &[Buf::Gate, Buf::Up], n);
                 trace(ws, "ffn_gate", l, Buf::Gate, n * c.ff);
                 trace(ws, "ffn_up", l, Buf::Up, n * c.ff);
                 B::gated(ws, c.arch.activation, n, c.ff);

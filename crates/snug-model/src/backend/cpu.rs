@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use snug_kernels::ggml;
 use snug_kernels::kv::{attend_group_ggml, attend_rows, AttnQuery, AttnRow, AttnScratch, KvSlot, KvStorage};
 use snug_kernels::kvbasis::KeyStats;
-use snug_kernels::matmul::{matmul, matmul_ggml, MatmulScratch, Weight};
+use snug_kernels::matmul::{matmul, matmul_ggml, matmul_many, MatmulScratch, Weight};
 use snug_kernels::ops::{self, Rope};
 use snug_kernels::pool::{SendPtr, ThreadPool};
 use snug_kernels::vec::committed;
@@ -168,6 +168,19 @@ pub trait CpuArithmetic: Sync + Send + 'static {
     fn rms_norm(x: &mut [f32], w: &[f32], eps: f32);
     /// `out[r] = w * x[r]` for `n` rows.
     fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n: usize, out: &mut [f32], s: &mut MatmulScratch);
+    /// [`CpuArithmetic::matmul`] for several weights of one input.
+    fn matmul_many(
+        pool: &ThreadPool,
+        ws: &[&Weight],
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+        s: &mut MatmulScratch,
+    ) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            Self::matmul(pool, w, x, n, out, s);
+        }
+    }
     /// Rotates one head to `pos`.
     fn rope(rope: &Rope, head: &mut [f32], pos: usize);
     /// Attention of a block of consecutive rows of one sequence, for the
@@ -201,6 +214,25 @@ impl CpuArithmetic for Native {
 
     fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n: usize, out: &mut [f32], s: &mut MatmulScratch) {
         matmul(pool, w, &x[..n * w.cols], n, &mut out[..n * w.rows], s)
+    }
+
+    fn matmul_many(
+        pool: &ThreadPool,
+        ws: &[&Weight],
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+        s: &mut MatmulScratch,
+    ) {
+        let k = ws.first().map_or(0, |w| w.cols);
+        if ws.iter().any(|w| w.cols != k) {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                Self::matmul(pool, w, x, n, out, s);
+            }
+            return;
+        }
+        let mut outs: Vec<&mut [f32]> = outs.iter_mut().zip(ws).map(|(o, w)| &mut o[..n * w.rows]).collect();
+        matmul_many(pool, ws, &x[..n * k], n, &mut outs, s)
     }
 
     fn rope(rope: &Rope, head: &mut [f32], pos: usize) {
@@ -308,6 +340,27 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         assert_ne!(i, j, "a buffer read and written at once");
         let (x, out) = split2(&mut ws.bufs, i, j);
         A::matmul(&ws.pool, w, x, rows, out, &mut ws.mm)
+    }
+
+    fn matmul_many(ws: &mut CpuWorkspace, mats: &[&Weight], from: Buf, to: &[Buf], rows: usize) {
+        let i = from as usize;
+        assert!(
+            to.iter()
+                .enumerate()
+                .all(|(a, &t)| t as usize != i && !to[..a].contains(&t)),
+            "buffers read and written at once"
+        );
+        let (x_ptr, x_len) = (ws.bufs[i].as_ptr(), ws.bufs[i].len());
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(to.len());
+        let base = ws.bufs.as_mut_ptr();
+        for &t in to {
+            // SAFETY: the buffers in `to` are distinct and not `from`
+            // (checked above), so these borrows do not overlap.
+            outs.push(unsafe { (*base.add(t as usize)).as_mut_slice() });
+        }
+        // SAFETY: `from` is none of the buffers written.
+        let x = unsafe { std::slice::from_raw_parts(x_ptr, x_len) };
+        A::matmul_many(&ws.pool, mats, x, rows, &mut outs, &mut ws.mm)
     }
 
     fn add_bias(ws: &mut CpuWorkspace, buf: Buf, rows: usize, bias: &&[f32]) {

@@ -179,6 +179,16 @@ pub trait Backend: Sync {
     /// `to[r] = w * from[r]` for the first `rows` rows.
     fn matmul(ws: &mut Self::Workspace, w: &Self::Matrix<'_>, from: Buf, to: Buf, rows: usize);
 
+    /// `to[i][r] = ws[i] * from[r]` for each product i: products of one
+    /// input (a layer's query, key and value; its gate and up), which a
+    /// backend may run together; each output's bits are
+    /// [`Backend::matmul`]'s.
+    fn matmul_many(ws: &mut Self::Workspace, mats: &[&Self::Matrix<'_>], from: Buf, to: &[Buf], rows: usize) {
+        for (w, &t) in mats.iter().zip(to) {
+            Self::matmul(ws, w, from, t, rows);
+        }
+    }
+
     /// Adds `bias` to each of the first `rows` rows of `buf`.
     fn add_bias(ws: &mut Self::Workspace, buf: Buf, rows: usize, bias: &Self::Vector<'_>);
 
