@@ -224,13 +224,8 @@ impl CpuArithmetic for Native {
         outs: &mut [&mut [f32]],
         s: &mut MatmulScratch,
     ) {
+        // Products of one input: one width.
         let k = ws.first().map_or(0, |w| w.cols);
-        if ws.iter().any(|w| w.cols != k) {
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                Self::matmul(pool, w, x, n, out, s);
-            }
-            return;
-        }
         let mut outs: Vec<&mut [f32]> = outs.iter_mut().zip(ws).map(|(o, w)| &mut o[..n * w.rows]).collect();
         matmul_many(pool, ws, &x[..n * k], n, &mut outs, s)
     }
