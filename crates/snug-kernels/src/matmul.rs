@@ -129,6 +129,10 @@ unsafe fn packed_task(
     }
 }
 
+/// The most products [`matmul_many`] runs as one job (more run one at a
+/// time).
+const MANY_MAX: usize = 4;
+
 /// Several products of one input, `outs[i]` (`n_rows x ws[i].rows`) = `x`
 /// times `ws[i]` transposed, each with the bits `matmul` gives it: a
 /// layer's query, key and value projections, or its gate and up. Where
@@ -148,7 +152,7 @@ pub fn matmul_many(
     assert_eq!(ws.len(), outs.len(), "matmul_many: one output per weight");
     let Some(first) = ws.first() else { return };
     let (ty, k) = (first.ty, first.cols);
-    let fused = ws.len() > 1
+    let fused = (2..=MANY_MAX).contains(&ws.len())
         && !is_float(ty)
         && supports(ty)
         && panel::available(ty)
@@ -174,14 +178,17 @@ pub fn matmul_many(
     quantize_acts(pool, ty, x, n_rows, k, scratch, true, false);
     let (q8, aux) = (&scratch.q8[..n_rows * nb], &scratch.aux[..n_rows * al]);
     // Each product's first task, and where its outputs go.
-    let mut first_task = Vec::with_capacity(ws.len() + 1);
+    // (Fixed arrays: this runs for every layer of every pass.)
+    let mut first_task = [usize::MAX; MANY_MAX + 1];
+    let mut ptrs: [SendPtr<f32>; MANY_MAX] = std::array::from_fn(|_| SendPtr(std::ptr::null_mut()));
     let mut total = 0;
-    for w in ws {
-        first_task.push(total);
+    for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        first_task[i] = total;
+        ptrs[i] = SendPtr(o.as_mut_ptr());
         total += w.rows.div_ceil(FEATURES_PER_TASK);
     }
-    first_task.push(total);
-    let ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    first_task[ws.len()] = total;
+    let first_task = &first_task[..=ws.len()];
     pool.run(total, &|task| {
         let i = first_task.partition_point(|&f| f <= task) - 1;
         let w = ws[i];

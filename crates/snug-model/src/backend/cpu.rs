@@ -226,8 +226,10 @@ impl CpuArithmetic for Native {
     ) {
         // Products of one input: one width.
         let k = ws.first().map_or(0, |w| w.cols);
-        let mut outs: Vec<&mut [f32]> = outs.iter_mut().zip(ws).map(|(o, w)| &mut o[..n * w.rows]).collect();
-        matmul_many(pool, ws, &x[..n * k], n, &mut outs, s)
+        for (o, w) in outs.iter_mut().zip(ws) {
+            *o = &mut std::mem::take(o)[..n * w.rows];
+        }
+        matmul_many(pool, ws, &x[..n * k], n, outs, s)
     }
 
     fn rope(rope: &Rope, head: &mut [f32], pos: usize) {
@@ -346,16 +348,18 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
             "buffers read and written at once"
         );
         let (x_ptr, x_len) = (ws.bufs[i].as_ptr(), ws.bufs[i].len());
-        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(to.len());
+        // At most one output per buffer (distinct, checked above); no
+        // allocation, as this runs for every layer of every pass.
+        let mut outs: [&mut [f32]; 10] = Default::default();
         let base = ws.bufs.as_mut_ptr();
-        for &t in to {
+        for (o, &t) in outs.iter_mut().zip(to) {
             // SAFETY: the buffers in `to` are distinct and not `from`
             // (checked above), so these borrows do not overlap.
-            outs.push(unsafe { (*base.add(t as usize)).as_mut_slice() });
+            *o = unsafe { (*base.add(t as usize)).as_mut_slice() };
         }
         // SAFETY: `from` is none of the buffers written.
         let x = unsafe { std::slice::from_raw_parts(x_ptr, x_len) };
-        A::matmul_many(&ws.pool, mats, x, rows, &mut outs, &mut ws.mm)
+        A::matmul_many(&ws.pool, mats, x, rows, &mut outs[..to.len()], &mut ws.mm)
     }
 
     fn add_bias(ws: &mut CpuWorkspace, buf: Buf, rows: usize, bias: &&[f32]) {
