@@ -1,32 +1,57 @@
 //! A persistent thread pool for data-parallel kernels.
 //!
-//! `run(n_tasks, f)` calls `f(task)` for every task in `0..n_tasks`. Threads
-//! claim contiguous runs of tasks from a shared counter, large runs first
-//! and smaller ones as the job drains (guided self-scheduling), so a thread
-//! that starts late or runs slower does not hold the others up. Which
-//! thread runs a task never changes a result: tasks write disjoint outputs
-//! and each output's arithmetic is fixed by the kernel. Workers spin
-//! briefly between jobs, since a forward pass issues hundreds of short jobs
-//! a token, then sleep on a condition variable.
+//! `run(n_tasks, f)` calls `f(task)` for every task in `0..n_tasks`. Each
+//! thread owns an even, contiguous share of a job's tasks and takes them
+//! one by one from a slot on a cache line of its own; a thread whose share
+//! is done steals the back half of what is left of another's, so a thread
+//! that starts late or runs slower (or is off its core) does not hold the
+//! others up. Which thread runs a task never changes a result: tasks write
+//! disjoint outputs and each output's arithmetic is fixed by the kernel.
+//! Workers spin briefly between jobs, since a forward pass issues hundreds
+//! of short jobs a token, then sleep on a condition variable.
+//!
+//! Why not one shared counter: with 16 threads a job of a few hundred
+//! short tasks turned into as many compare-and-swaps on one cache line,
+//! which every core then fetches in turn; a decode step of a small model
+//! issues about 150 such jobs. Slots of their own keep a thread's claims on
+//! its own line, and lines are crossed only to steal.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 type Job = *const (dyn Fn(usize, usize) + Sync);
 
-struct Shared {
-    /// Bumped once per job, after `job` and `n_tasks` are written.
-    generation: AtomicUsize,
+/// A value on cache lines of its own (two: the adjacent-line prefetcher
+/// fetches pairs).
+#[repr(align(128))]
+struct Line<T>(T);
+
+impl<T> std::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// What the caller of `run` publishes before bumping the generation.
+struct Posted {
     job: UnsafeCell<Option<Job>>,
     n_tasks: AtomicUsize,
-    /// The next unclaimed task of the current job.
-    next: AtomicUsize,
+}
+
+struct Shared {
+    /// Bumped once per job, after `posted` is written.
+    generation: Line<AtomicUsize>,
+    posted: Line<Posted>,
+    /// Each thread's share of the current job: [`slot`] packs the job's
+    /// tag, the next task and the end.
+    slots: Vec<Line<AtomicU64>>,
     /// The last generation each worker finished.
-    done: Vec<AtomicUsize>,
-    sleepers: AtomicUsize,
+    done: Vec<Line<AtomicUsize>>,
+    sleepers: Line<AtomicUsize>,
     lock: Mutex<()>,
     wake: Condvar,
     stop: AtomicBool,
@@ -38,6 +63,24 @@ struct Shared {
 // generation; `run` does not return until every worker has finished it.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
+
+/// A slot: the generation's low 16 bits, then the next task and the end of
+/// the share (24 bits each). Jobs of more tasks than 24 bits hold are run
+/// in runs of tasks (see [`ThreadPool::run_with_thread`]).
+const TASK_BITS: u32 = 24;
+const TASK_MASK: u64 = (1 << TASK_BITS) - 1;
+
+fn slot(tag: usize, next: usize, end: usize) -> u64 {
+    ((tag as u64 & 0xFFFF) << (2 * TASK_BITS)) | ((next as u64) << TASK_BITS) | end as u64
+}
+
+fn unslot(v: u64) -> (usize, usize, usize) {
+    (
+        (v >> (2 * TASK_BITS)) as usize,
+        ((v >> TASK_BITS) & TASK_MASK) as usize,
+        (v & TASK_MASK) as usize,
+    )
+}
 
 /// A fixed set of worker threads.
 pub struct ThreadPool {
@@ -62,12 +105,14 @@ impl ThreadPool {
     pub fn new(threads: usize) -> ThreadPool {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
-            generation: AtomicUsize::new(0),
-            job: UnsafeCell::new(None),
-            n_tasks: AtomicUsize::new(0),
-            next: AtomicUsize::new(0),
-            done: (0..threads).map(|_| AtomicUsize::new(0)).collect(),
-            sleepers: AtomicUsize::new(0),
+            generation: Line(AtomicUsize::new(0)),
+            posted: Line(Posted {
+                job: UnsafeCell::new(None),
+                n_tasks: AtomicUsize::new(0),
+            }),
+            slots: (0..threads).map(|_| Line(AtomicU64::new(slot(0, 0, 0)))).collect(),
+            done: (0..threads).map(|_| Line(AtomicUsize::new(0))).collect(),
+            sleepers: Line(AtomicUsize::new(0)),
             lock: Mutex::new(()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -107,23 +152,26 @@ impl ThreadPool {
             (0..n_tasks).for_each(|t| f(t, 0));
             return;
         }
+        if n_tasks > TASK_MASK as usize {
+            // More tasks than a slot counts: runs of consecutive tasks.
+            let per = n_tasks.div_ceil(TASK_MASK as usize);
+            let runs = n_tasks.div_ceil(per);
+            return self.run_with_thread(runs, &|r, t| {
+                (r * per..((r + 1) * per).min(n_tasks)).for_each(|i| f(i, t));
+            });
+        }
         let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: erase the lifetime; `f` outlives this call, and workers
         // stop using it before this call returns (see `Shared`).
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize, usize) + Sync), Job>(f) };
-        unsafe { *s.job.get() = Some(job) };
-        s.n_tasks.store(n_tasks, Ordering::Relaxed);
-        s.next.store(0, Ordering::Relaxed);
+        unsafe { *s.posted.job.get() = Some(job) };
+        s.posted.n_tasks.store(n_tasks, Ordering::Relaxed);
         let gen = s.generation.fetch_add(1, Ordering::Release) + 1;
         if s.sleepers.load(Ordering::Acquire) > 0 {
             let _l = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        while let Some(tasks) = claim(s, n_tasks) {
-            for task in tasks {
-                f(task, 0);
-            }
-        }
+        run_share(s, gen, n_tasks, 0, &|task| f(task, 0));
         // Wait for every worker to finish the job. A worker may be off its
         // core (another process took it) and hold claimed tasks, or not
         // have seen the job yet: after a short spin, give the core away
@@ -142,23 +190,83 @@ impl ThreadPool {
     }
 }
 
-/// Claims the next run of tasks of the current job: a share of what is left
-/// (half of an even split), at least one task.
-fn claim(s: &Shared, n: usize) -> Option<std::ops::Range<usize>> {
-    let mut cur = s.next.load(Ordering::Relaxed);
+/// Thread `t`'s even share of `n` tasks.
+fn share(n: usize, threads: usize, t: usize) -> (usize, usize) {
+    (n * t / threads, n * (t + 1) / threads)
+}
+
+/// Thread `t`'s slot as the job `gen` starts it, if it still holds an
+/// earlier job's: its share, untouched. Returns the slot's value.
+fn start_slot(s: &Shared, gen: usize, n: usize, t: usize) -> u64 {
+    let cur = s.slots[t].load(Ordering::Relaxed);
+    if unslot(cur).0 == gen & 0xFFFF {
+        return cur;
+    }
+    let (a, b) = share(n, s.threads, t);
+    let fresh = slot(gen, a, b);
+    match s.slots[t].compare_exchange(cur, fresh, Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => fresh,
+        // Another thread started it (for this job) or took from it.
+        Err(now) => now,
+    }
+}
+
+/// Runs thread `t`'s tasks of job `gen`: its own share, one task at a
+/// time from the front; then, while any is left, the back half of what is
+/// left of another's share, moved into its own slot and taken the same
+/// way (so a thread taken off its core mid-job holds up one task at most).
+fn run_share(s: &Shared, gen: usize, n: usize, t: usize, f: &dyn Fn(usize)) {
+    let mut cur = start_slot(s, gen, n, t);
     loop {
-        if cur >= n {
-            return None;
+        let (tag, next, end) = unslot(cur);
+        if next < end {
+            match s.slots[t].compare_exchange_weak(cur, slot(tag, next + 1, end), Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    f(next);
+                    cur = s.slots[t].load(Ordering::Relaxed);
+                }
+                Err(now) => cur = now,
+            }
+            continue;
         }
-        let take = ((n - cur) / (2 * s.threads)).max(1);
-        match s
-            .next
-            .compare_exchange_weak(cur, cur + take, Ordering::Relaxed, Ordering::Relaxed)
-        {
-            Ok(_) => return Some(cur..cur + take),
-            Err(now) => cur = now,
+        match steal(s, gen, n, t) {
+            // Only this thread writes its slot while it is empty: thieves
+            // skip empty slots.
+            Some(v) => {
+                s.slots[t].store(v, Ordering::Relaxed);
+                cur = v;
+            }
+            None => return,
         }
     }
+}
+
+/// Takes the back half of what is left of another thread's share, from
+/// the thread after `t` on; the slot value for it, or `None` when every
+/// share is empty.
+fn steal(s: &Shared, gen: usize, n: usize, t: usize) -> Option<u64> {
+    for k in 1..s.threads {
+        let v = (t + k) % s.threads;
+        let mut cur = start_slot(s, gen, n, v);
+        loop {
+            let (tag, next, end) = unslot(cur);
+            if next >= end {
+                break;
+            }
+            let take = (end - next).div_ceil(2);
+            match s.slots[v].compare_exchange_weak(
+                cur,
+                slot(tag, next, end - take),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(slot(tag, end - take, end)),
+                Err(now) => cur = now,
+            }
+        }
+    }
+    None
 }
 
 fn worker(s: &Shared, t: usize) {
@@ -196,15 +304,11 @@ fn worker(s: &Shared, t: usize) {
         };
         seen = gen;
         // SAFETY: published before `generation` (Release/Acquire).
-        let job = unsafe { *s.job.get() };
-        let n = s.n_tasks.load(Ordering::Relaxed);
+        let job = unsafe { *s.posted.job.get() };
+        let n = s.posted.n_tasks.load(Ordering::Relaxed);
         if let Some(job) = job {
             let f = unsafe { &*job };
-            while let Some(tasks) = claim(s, n) {
-                for task in tasks {
-                    f(task, t);
-                }
-            }
+            run_share(s, gen, n, t, &|task| f(task, t));
         }
         s.done[t].store(gen, Ordering::Release);
     }
@@ -263,6 +367,52 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n = {n}");
         }
+    }
+
+    #[test]
+    fn a_slot_packs_its_tag_and_range() {
+        let max = TASK_MASK as usize;
+        for (tag, next, end) in [(0, 0, 0), (7, 3, 9), (0xFFFF, max, max), (0x1_0002, 1, 2)] {
+            assert_eq!(unslot(slot(tag, next, end)), (tag & 0xFFFF, next, end));
+        }
+        // Shares cover the tasks once, in order.
+        for (n, threads) in [(1, 4), (7, 3), (100, 16), (64, 2)] {
+            let mut at = 0;
+            for t in 0..threads {
+                let (a, b) = share(n, threads, t);
+                assert_eq!(a, at);
+                at = b;
+            }
+            assert_eq!(at, n);
+        }
+    }
+
+    #[test]
+    fn a_slow_share_is_taken_by_the_others() {
+        // Task 0, the first of the caller's share, stops for a while: the
+        // rest of that share runs on the workers meanwhile. (Tried a few
+        // times: a caller taken off its core before its first task can
+        // leave the whole share to one thief.)
+        let pool = ThreadPool::new(4);
+        let mut taken = false;
+        for _ in 0..20 {
+            let hits: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            let by: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(usize::MAX)).collect();
+            pool.run_with_thread(64, &|i, t| {
+                if i == 0 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                hits[i].fetch_add(1, Ordering::Relaxed);
+                by[i].store(t, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            let slow = by[0].load(Ordering::Relaxed);
+            if (1..16).any(|i| by[i].load(Ordering::Relaxed) != slow) {
+                taken = true;
+                break;
+            }
+        }
+        assert!(taken, "no task of the slow share was taken by another thread");
     }
 
     #[test]
