@@ -9,8 +9,10 @@
 # prefill. .gpu/ holds gpucheck.gz, synth.gz and tok.gguf. Run from the
 # repository root (V="MMT_R=2,MMT_S=1 ..." picks the variants; "-" is the
 # defaults; the Q5_K and Q6_K files are checked with the defaults only;
-# ONLY=bench leaves out the profile, ONLY=ncu does only it); a summary on
-# stdout and in $OUT/tiles.txt.
+# ONLY=bench leaves out the profile, ONLY=ncu does only it, ONLY=checks and
+# ONLY=times do only the bits or only the times; CHECK_MODELS and
+# TIME_MODELS name the files checked and timed, WARP=0 leaves out a warp's
+# tiles' times); a summary on stdout and in $OUT/tiles.txt.
 set -u
 ROOT=$PWD
 . bench/gpu/setup.sh
@@ -25,8 +27,8 @@ defs() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | sed 's/^/--define /' | tr '\n
   ./synth --like tok.gguf --shape 1.5b --type q5_k --out 1.5b-q5k.gguf 2> /dev/null
 }
 {
-  [ "${ONLY:-}" = ncu ] || for v in $V; do
-    for m in 1.5b $([ "$v" = - ] && echo q5k q6k); do
+  case ${ONLY:-} in ncu | times) ;; *) for v in $V; do
+    for m in ${CHECK_MODELS:-1.5b $([ "$v" = - ] && echo q5k q6k)}; do
       ./gpucheck $m.gguf --prompt ${CHECK_PROMPT:-45} --gen 6 --pp 512 --tg 8 $(defs $v) --out c.json > /dev/null 2> c.err || tail -3 c.err
       python3 -c '
 import json, sys; d = json.load(open("c.json"))
@@ -34,24 +36,24 @@ ok = all(v for k, v in d.items() if k.startswith(("batch_inv", "graphs_same", "t
 print(sys.argv[1], sys.argv[2], "bits:", d["logits_bitwise_equal_to_cpu_steps"], "of", d["generated"] + 1,
       "steps the CPU\x27s; invariant", ok, "; pp512 staged", round(d["pp_tok_s"]), "warp", round(d["pp_tok_s_warp_tiles"]))' "$v" $m
     done
-  done
-  [ "${ONLY:-}" = ncu ] || for m in 1.5b 7b 1.5b-q5k; do
-    for tl in warp; do
+  done ;; esac
+  case ${ONLY:-} in ncu | checks) ;; *) for m in ${TIME_MODELS:-1.5b 7b 1.5b-q5k}; do
+    [ "${WARP:-1}" = 0 ] || for tl in warp; do
       echo "$tl tiles $m: $(./gpucheck $m.gguf --prompt 512 --profile-prefill 7 --tiles $tl 2>/dev/null | tail -1)"
     done
     for v in $V; do
       echo "staged $v $m: $(./gpucheck $m.gguf --prompt 512 --profile-prefill 7 $(defs $v) 2>/dev/null | tail -1)"
     done
-  done
+  done ;; esac
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   # DETAIL=1: Nsight Compute's sections on one Q4_K product of a 7B prefill.
   [ -n "${DETAIL:-}" ] && "$ncu" --kernel-name mmt_q4_k --launch-skip 20 --launch-count 1 --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section LaunchStats ./gpucheck 7b.gguf --prompt 512 --profile-prefill 1 \
     $(defs ${NCU_V:--}) 2>&1 | grep -v '^==PROF==' | grep -E '^ +[A-Z]|^ +-|Stall|stall|Issue|Warp|Throughput|Occupancy|Registers|Shared' | head -120
-  [ "${ONLY:-}" = bench ] || [ -n "${DETAIL:-}" ] || for m in ${NCU_MODELS:-1.5b 7b}; do
+  case ${ONLY:-} in bench | times | checks) ;; *) [ -n "${DETAIL:-}" ] || for m in ${NCU_MODELS:-1.5b 7b}; do
     "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv ./gpucheck $m.gguf --prompt 512 \
       --profile-prefill 1 $(defs ${NCU_V:--}) > ncu.csv 2> ncu.err
     echo "ncu $m prefill, staged tiles ${NCU_V:--}"; python3 $ROOT/bench/gpu/ncusum.py ncu.csv prefill
-  done
+  done ;; esac
 } 2>&1 | tee $OUT/tiles.txt

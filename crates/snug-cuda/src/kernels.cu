@@ -1185,13 +1185,16 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
 // stages), and blocks of neighbouring rows are launched together (x is
 // the row tile), so a weight block read from memory serves them from L2.
 //
-// Every integer sum of a super-block is taken on tensor cores. With the
-// weight levels q scaled by their sub-block's 6-bit scale split as
-// 8 sh + sl (q sl and q sh are at most 217, unsigned bytes),
-// isum = X + 8 Y, where X sums q sl a and Y sums q sh a over the
-// super-block; and msum = Z sums each activation times its sub-block's
-// minimum. All exact, so each (row, output) then takes matvec_body's float
-// steps with them. The super-blocks are visited class by class (class k:
+// Each sub-block's sum of levels times activations is one tensor-core
+// product of the raw levels (MMT_RAW, the default 1), multiplied by its
+// 6-bit scale on the CUDA cores and added into isum = X; msum = Z is a
+// second product with each sub-block's minimum spread over its 32 bytes
+// as the weight (MMT_RAW=2: the minimum times the activations' sub-block
+// sum, which quantization stored beside them, on the CUDA cores instead).
+// MMT_RAW=0 keeps the older way: the scale split as 8 sh + sl multiplied
+// into the weight bytes, X and Y both on tensor cores, isum = X + 8 Y. All
+// exact, so each (row, output) then takes matvec_body's float steps with
+// them. The super-blocks are visited class by class (class k:
 // super-blocks k, k+8, ... in order), and each class is folded in as soon
 // as the sum ((0+1)+(2+3))+((4+5)+(6+7)) can take it: four floats per
 // (row, output) are live instead of eight. A lane's part of an mma is
@@ -1215,6 +1218,15 @@ __device__ void matmul_mma_body(const u8* w, u64 row_bytes, int nblk, int outs, 
 // Pairs of sub-blocks unrolled together (1, 2 or 4).
 #ifndef MMT_JP
 #define MMT_JP 4
+#endif
+// How a sub-block's scale and minimum come in. 0: the scale's low and high
+// three bits multiplied into the weight bytes (two products, X and Y) and
+// the minimum broadcast into a third (Z). 1: the raw levels in one product
+// of its own, multiplied by the scale as an integer (IMAD), the minimum as
+// in 0. 2: as 1, and the minimum times the activations' sub-block sum
+// (IMAD) instead of a product. The integer sums are the same in all three.
+#ifndef MMT_RAW
+#define MMT_RAW 1
 #endif
 #define MMT_PRAGMA(x) _Pragma(#x)
 #define MMT_UNROLL(n) MMT_PRAGMA(unroll n)
@@ -1242,6 +1254,26 @@ __device__ __forceinline__ void mma32u(int* d, int a0, int a1, int a2, int a3, i
         "{%0,%1,%2,%3};"
         : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d = a b, with b unsigned bytes.
+__device__ __forceinline__ void mma32u0(int* d, int a0, int a1, int a2, int a3, int b0, int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+// A super-block's eight 6-bit scales (sc[0]: sub-blocks 0-3, sc[1]: 4-7)
+// and minimums as bytes, from the 12 packed bytes at `p`.
+__device__ __forceinline__ void k_scales(const u8* p, u32* sc, u32* mn) {
+    const u32* qw = (const u32*)p;
+    u32 w0 = qw[0], w1 = qw[1], w2 = qw[2];
+    sc[0] = w0 & 0x3F3F3F3Fu;
+    sc[1] = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+    mn[0] = w1 & 0x3F3F3F3Fu;
+    mn[1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
 }
 
 // A thread's share of the copies of a stage: its 16-byte pieces of the
@@ -1323,6 +1355,15 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
             // high bits of the lane's eight elements.
             u32 sl[MMT_S][2], sh3[MMT_S][2], mn[MMT_S][2];
             uint2 qh[MMT_S];
+#if MMT_RAW
+            // The scales and minimums of the outputs of this lane's sums
+            // (oa + 8s + 2t + c).
+            u32 scc[MMT_S][2][2], mnc[MMT_S][2][2];
+            #pragma unroll
+            for (int s = 0; s < MMT_S; s++)
+                #pragma unroll
+                for (int c = 0; c < 2; c++) k_scales(W + (oa + 8 * s + 2 * t + c) * WS + 4, scc[s][c], mnc[s][c]);
+#endif
             #pragma unroll
             for (int s = 0; s < MMT_S; s++) {
                 const u8* row = W + (oa + 8 * s + g) * WS;
@@ -1360,21 +1401,57 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
                             q0 |= ((qh[s].x >> j) & 0x01010101u) << 4;
                             q1 |= ((qh[s].y >> j) & 0x01010101u) << 4;
                         }
+#if MMT_RAW
+                        (void)l;
+                        (void)h;
+                        bl[s][0] = (int)q0;
+                        bl[s][1] = (int)q1;
+#else
                         // Bytes times at most 7: no carries between them.
                         bl[s][0] = (int)(q0 * l);
                         bl[s][1] = (int)(q1 * l);
                         bh[s][0] = (int)(q0 * h);
                         bh[s][1] = (int)(q1 * h);
+#endif
                     }
+#if MMT_RAW
+                    // Sub-block j's scale and minimum of outputs 2t, 2t + 1.
+                    int scj[MMT_S][2], mnj[MMT_S][2];
+                    #pragma unroll
+                    for (int s = 0; s < MMT_S; s++)
+                        #pragma unroll
+                        for (int c = 0; c < 2; c++) {
+                            scj[s][c] = (int)__byte_perm(scc[s][c][j >> 2], 0, 0x4440u | (j & 3));
+                            mnj[s][c] = (int)__byte_perm(mnc[s][c][j >> 2], 0, 0x4440u | (j & 3));
+                        }
+#endif
                     #pragma unroll
                     for (int i = 0; i < MMT_R; i++) {
                         const u8* pa = A + (ra + 16 * i + g) * MMT_AS + 48 * j;
                         int2 x = *(const int2*)(pa + 8 * t), z = *(const int2*)(pa + 8 * MMT_AS + 8 * t);
+#if MMT_RAW == 2
+                        // The sub-block sums of rows g and g + 8.
+                        int as[2] = {*(const int*)(pa + 40), *(const int*)(pa + 8 * MMT_AS + 40)};
+#endif
                         #pragma unroll
                         for (int s = 0; s < MMT_S; s++) {
+#if MMT_RAW
+                            int p[4];
+                            mma32u0(p, x.x, z.x, x.y, z.y, bl[s][0], bl[s][1]);
+                            #pragma unroll
+                            for (int e = 0; e < 4; e++) X[i][s][e] += scj[s][e & 1] * p[e];
+#if MMT_RAW == 2
+                            (void)bm[s];
+                            #pragma unroll
+                            for (int e = 0; e < 4; e++) Z[i][s][e] += mnj[s][e & 1] * as[e >> 1];
+#else
+                            mma32u(Z[i][s], x.x, z.x, x.y, z.y, bm[s], bm[s]);
+#endif
+#else
                             mma32u(X[i][s], x.x, z.x, x.y, z.y, bl[s][0], bl[s][1]);
                             mma32u(Y[i][s], x.x, z.x, x.y, z.y, bh[s][0], bh[s][1]);
                             mma32u(Z[i][s], x.x, z.x, x.y, z.y, bm[s], bm[s]);
+#endif
                         }
                     }
                 }
@@ -1392,7 +1469,7 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
                         #pragma unroll
                         for (int h = 0; h < 2; h++) {
                             int e = 2 * h + c;
-                            int isum = X[i][s][e] + 8 * Y[i][s][e];
+                            int isum = MMT_RAW ? X[i][s][e] : X[i][s][e] + 8 * Y[i][s][e];
                             cur[i][s][e] = fmaf((float)isum, d * da[h], cur[i][s][e]);
                             cur[i][s][e] = fmaf(-(dmin * da[h]), (float)Z[i][s][e], cur[i][s][e]);
                         }
@@ -1965,6 +2042,11 @@ __device__ __forceinline__ void att_wait() {
 #ifndef ATT_ROWS
 #define ATT_ROWS 4
 #endif
+// 1: the value sums go through positions once for all the rows of a group
+// (each value loaded once); 0: row by row.
+#ifndef ATT_PVJ
+#define ATT_PVJ 0
+#endif
 
 template <int NR>
 __device__ __forceinline__ void attend_set(const float* q, const u32* table, const u32* row_table,
@@ -2091,6 +2173,28 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
         __syncthreads();
         if (owner) {
             const u32* v2 = (const u32*)vt + tid;
+#if ATT_PVJ
+            // Positions outer: each value is loaded once for the rows; row
+            // i takes the positions before its end, in order.
+            int ni[NR], nmax = 0;
+            #pragma unroll
+            for (int i = 0; i < NR; i++) {
+                ni[i] = i < per ? min(np, end[i] - p0) : 0;
+                nmax = max(nmax, ni[i]);
+            }
+            for (int j = 0; j < nmax; j++) {
+                u32 two = v2[j * (hd / 2)];
+                float v0 = h2f((u16)(two & 0xffffu)), v1 = h2f((u16)(two >> 16));
+                #pragma unroll
+                for (int i = 0; i < NR; i++) {
+                    if (j < ni[i]) {
+                        float wgt = wt[i * tile + j];
+                        acc[i][0] = fmaf(wgt, v0, acc[i][0]);
+                        acc[i][1] = fmaf(wgt, v1, acc[i][1]);
+                    }
+                }
+            }
+#else
             #pragma unroll
             for (int i = 0; i < NR; i++) {
                 // Row i's positions before its end, in order.
@@ -2102,6 +2206,7 @@ __device__ __forceinline__ void attend_set(const float* q, const u32* table, con
                     acc[i][1] = fmaf(wgt, h2f((u16)(two >> 16)), acc[i][1]);
                 }
             }
+#endif
         }
         __syncthreads();
     }
