@@ -1367,15 +1367,13 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
             #pragma unroll
             for (int s = 0; s < MMT_S; s++) {
                 const u8* row = W + (oa + 8 * s + g) * WS;
-                const u32* qw = (const u32*)(row + 4);
-                u32 w0 = qw[0], w1 = qw[1], w2 = qw[2];
-                u32 s0 = w0 & 0x3F3F3F3Fu, s1 = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
-                sl[s][0] = s0 & 0x07070707u;
-                sl[s][1] = s1 & 0x07070707u;
-                sh3[s][0] = (s0 >> 3) & 0x07070707u;
-                sh3[s][1] = (s1 >> 3) & 0x07070707u;
-                mn[s][0] = w1 & 0x3F3F3F3Fu;
-                mn[s][1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+                u32 sc[2];
+                k_scales(row + 4, sc, mn[s]);
+                #pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    sl[s][k] = sc[k] & 0x07070707u;
+                    sh3[s][k] = (sc[k] >> 3) & 0x07070707u;
+                }
                 if (TY == T_Q5_K) qh[s] = *(const uint2*)(row + 16 + 8 * t);
             }
             MMT_UNROLL(MMT_JP)
@@ -1393,8 +1391,6 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
                         // Byte j & 3 of the word alone (l, h), and in every
                         // byte (the minimum).
                         u32 k4 = 2 * (jp & 1) + jj;
-                        u32 l = __byte_perm(jp < 2 ? sl[s][0] : sl[s][1], 0, 0x4440u | k4);
-                        u32 h = __byte_perm(jp < 2 ? sh3[s][0] : sh3[s][1], 0, 0x4440u | k4);
                         bm[s] = (int)__byte_perm(jp < 2 ? mn[s][0] : mn[s][1], 0, k4 * 0x1111u);
                         u32 q0 = (wq[s].x >> (4 * jj)) & 0x0F0F0F0Fu, q1 = (wq[s].y >> (4 * jj)) & 0x0F0F0F0Fu;
                         if (TY == T_Q5_K) {
@@ -1402,11 +1398,11 @@ __device__ void mmt_body(const u8* w, u64 row_bytes, int nblk, int outs, const Q
                             q1 |= ((qh[s].y >> j) & 0x01010101u) << 4;
                         }
 #if MMT_RAW
-                        (void)l;
-                        (void)h;
                         bl[s][0] = (int)q0;
                         bl[s][1] = (int)q1;
 #else
+                        u32 l = __byte_perm(jp < 2 ? sl[s][0] : sl[s][1], 0, 0x4440u | k4);
+                        u32 h = __byte_perm(jp < 2 ? sh3[s][0] : sh3[s][1], 0, 0x4440u | k4);
                         // Bytes times at most 7: no carries between them.
                         bl[s][0] = (int)(q0 * l);
                         bl[s][1] = (int)(q1 * l);
