@@ -11,7 +11,8 @@
 # two programs alternating per thread count. The CPU's description first.
 # Run from the repository root with .gpu/ carried (snug.gz, synth.gz,
 # tok.gguf; snug-b.gz, another build of snug, is timed beside snug where
-# present); results in $OUT/threads.txt and $OUT/*.json*.
+# present); PROFILE="2 16" adds `snug bench --profile` at those counts;
+# results in $OUT/threads.txt and $OUT/*.json*.
 set -u
 root=$(pwd)
 . bench/gpu/setup.sh
@@ -67,6 +68,14 @@ for line in open('llama-$m-$t.jsonl'):
     k = f\"pp{d['n_prompt']}\" if d['n_gen'] == 0 else f\"tg{d['n_gen']}\"
     best[k] = max(best.get(k, 0.0), d['avg_ts'])
 print('llama.cpp $m t$t', ' '.join(f'{k} {v:.1f}' for k, v in best.items()))"
+  done
+done 2>&1 | tee -a "$OUT/threads.txt"
+# Where snug's time goes at the counts in PROFILE (none unless set):
+# `snug bench --profile`, microseconds a token by operation.
+for m in ${MODELS:-smol 0.5b}; do
+  for t in ${PROFILE:-}; do
+    echo "profile $m t$t"
+    ./snug bench $m.gguf -p 512 -n 128 -r 2 -t "$t" --profile 2> /dev/null | grep -E '^(pp|tg)|^\| [a-z]'
   done
 done 2>&1 | tee -a "$OUT/threads.txt"
 cp snug-*.json llama-*.jsonl "$OUT/" 2> /dev/null

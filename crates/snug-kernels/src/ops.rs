@@ -94,6 +94,60 @@ impl Rope {
             .collect()
     }
 
+    /// The number of rotated pairs (half the rotated dimensions).
+    pub fn pair_count(&self) -> usize {
+        self.inv_freq.len()
+    }
+
+    /// Each pair's (sine, cosine) at `pos`, as [`Rope::apply`] computes
+    /// them; [`Rope::rotate`] with them gives [`Rope::apply`]'s bits, so a
+    /// row's heads (and layers) can share one computation.
+    pub fn angles(&self, pos: usize, sc: &mut [(f32, f32)]) {
+        for (sc, f) in sc.iter_mut().zip(&self.inv_freq) {
+            *sc = (pos as f32 * f).sin_cos();
+        }
+    }
+
+    /// [`Rope::angles`] as [`Rope::apply_ggml`] computes them.
+    pub fn angles_ggml(&self, pos: usize, sc: &mut [(f32, f32)]) {
+        let mut angle = pos as f32;
+        for (i, sc) in sc.iter_mut().enumerate().take(self.inv_freq.len()) {
+            let theta = self.freq_scale * (angle / self.factors[i]);
+            *sc = (theta.sin(), theta.cos());
+            angle *= self.theta_scale;
+        }
+    }
+
+    /// Rotates one head by its pairs' (sine, cosine) from [`Rope::angles`]:
+    /// [`Rope::apply`]'s arithmetic.
+    pub fn rotate(&self, head: &mut [f32], sc: &[(f32, f32)]) {
+        let d = head.len();
+        for (i, &(sin, cos)) in sc.iter().enumerate() {
+            let (a, b) = match self.layout {
+                RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+                RopeLayout::Halves => (i, i + d / 2),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * cos - x1 * sin;
+            head[b] = x0 * sin + x1 * cos;
+        }
+    }
+
+    /// [`Rope::rotate`] with [`Rope::apply_ggml`]'s arithmetic (its
+    /// fused multiply-adds), by angles from [`Rope::angles_ggml`].
+    pub fn rotate_ggml(&self, head: &mut [f32], sc: &[(f32, f32)]) {
+        let d = head.len();
+        for (i, &(sin, cos)) in sc.iter().enumerate() {
+            let (a, b) = match self.layout {
+                RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+                RopeLayout::Halves => (i, i + d / 2),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0.mul_add(cos, -(x1 * sin));
+            head[b] = x0.mul_add(sin, x1 * cos);
+        }
+    }
+
     /// Rotates one head vector (`head.len()` = head dim) for position `pos`.
     pub fn apply(&self, head: &mut [f32], pos: usize) {
         let d = head.len();
@@ -710,6 +764,35 @@ mod tests {
         rms_norm(&mut x, &[1.0; 4], 0.0);
         let rms = (x.iter().map(|v| v * v).sum::<f32>() / 4.0).sqrt();
         assert!((rms - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn shared_angles_rotate_to_apply_s_bits() {
+        // A row's heads share one computation of the angles; the rotation
+        // by them must be the per-head rotation's, both arithmetics, with
+        // scaling, factors, and a partial rotation (rot_dim < head dim).
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let factors: Vec<f32> = (0..16).map(|i| 1.0 + i as f32 / 5.0).collect();
+        for layout in [RopeLayout::Adjacent, RopeLayout::Halves] {
+            for rope in [
+                Rope::new(layout, 64, 10000.0),
+                Rope::new(layout, 32, 1e6).scaled(0.25, Some(&factors)),
+            ] {
+                let mut sc = vec![(0.0, 0.0); rope.pair_count()];
+                for pos in [0, 1, 9, 777, 131_071] {
+                    let (mut want, mut got) = (head(64), head(64));
+                    rope.apply(&mut want, pos);
+                    rope.angles(pos, &mut sc);
+                    rope.rotate(&mut got, &sc);
+                    assert_eq!(bits(&got), bits(&want), "{layout:?} pos {pos}");
+                    let (mut want, mut got) = (head(64), head(64));
+                    rope.apply_ggml(&mut want, pos);
+                    rope.angles_ggml(pos, &mut sc);
+                    rope.rotate_ggml(&mut got, &sc);
+                    assert_eq!(bits(&got), bits(&want), "{layout:?} pos {pos} ggml");
+                }
+            }
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use snug_engine::{Engine, EngineOptions, StepRow};
 use snug_kernels::cpu::kernels_name;
+use snug_model::arch::profile::{self, Op};
 
 use crate::{open_model, BenchArgs};
 
@@ -17,6 +18,55 @@ struct Row {
     kv: String,
     depth: usize,
     samples: Vec<f64>, // tokens per second
+    /// With `--profile`: where the measured repetitions' time went.
+    profile: Option<Profile>,
+}
+
+/// The forward passes' time by operation over a test's measured
+/// repetitions (not the warm-up), and the whole time they took.
+#[derive(Default)]
+struct Profile {
+    nanos: [u64; Op::ALL.len()],
+    passes: u64,
+    secs: f64,
+    tokens: usize,
+}
+
+impl Profile {
+    /// Clears the passes' totals before a measured run (with `--profile`).
+    fn start(on: bool) {
+        if on {
+            profile::reset();
+        }
+    }
+
+    /// Adds what the passes since [`Profile::start`] took, in a run of
+    /// `secs` over `tokens` tokens.
+    fn absorb(this: &mut Option<Profile>, secs: f64, tokens: usize) {
+        let Some(p) = this else { return };
+        let (t, passes) = profile::take();
+        for (a, b) in p.nanos.iter_mut().zip(t) {
+            *a += b;
+        }
+        p.passes += passes;
+        p.secs += secs;
+        p.tokens += tokens;
+    }
+
+    /// Microseconds a token per kind, then what lay outside the passes
+    /// (sampling, the engine's bookkeeping).
+    fn per_token(&self) -> Vec<(&'static str, f64)> {
+        let per = |ns: f64| ns / 1e3 / self.tokens.max(1) as f64;
+        let mut v: Vec<(&'static str, f64)> = Op::ALL
+            .iter()
+            .zip(self.nanos)
+            .filter(|(_, ns)| *ns > 0)
+            .map(|(op, ns)| (op.name(), per(ns as f64)))
+            .collect();
+        let inside: u64 = self.nanos.iter().sum();
+        v.push(("outside passes", per((self.secs * 1e9 - inside as f64).max(0.0))));
+        v
+    }
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -65,6 +115,7 @@ fn measure(
     tg: &[usize],
     reps: usize,
     vocab: usize,
+    on: bool,
     rows: &mut Vec<Row>,
 ) -> Result<()> {
     for &d in depths {
@@ -76,14 +127,17 @@ fn measure(
         }
         for &n in pp {
             let mut samples = Vec::new();
+            let mut prof = on.then(Profile::default);
             for rep in 0..=reps {
                 let s = engine.fork(base)?;
+                Profile::start(on);
                 let t = Instant::now();
                 engine.feed(s, &tokens(n, vocab, 2))?;
                 let secs = t.elapsed().as_secs_f64();
                 engine.free_sequence(s);
                 if rep > 0 {
                     samples.push(n as f64 / secs); // rep 0 is a warm-up
+                    Profile::absorb(&mut prof, secs, n);
                 }
             }
             rows.push(Row {
@@ -91,13 +145,16 @@ fn measure(
                 kv: kv_name.to_string(),
                 depth: d,
                 samples,
+                profile: prof,
             });
         }
         for &n in tg {
             let mut samples = Vec::new();
+            let mut prof = on.then(Profile::default);
             for rep in 0..=reps {
                 let s = engine.fork(base)?;
                 let toks = tokens(n, vocab, 3);
+                Profile::start(on);
                 let t = Instant::now();
                 for &tok in &toks {
                     engine.feed(s, &[tok])?;
@@ -106,6 +163,7 @@ fn measure(
                 engine.free_sequence(s);
                 if rep > 0 {
                     samples.push(n as f64 / secs);
+                    Profile::absorb(&mut prof, secs, n);
                 }
             }
             rows.push(Row {
@@ -113,6 +171,7 @@ fn measure(
                 kv: kv_name.to_string(),
                 depth: d,
                 samples,
+                profile: prof,
             });
         }
         engine.free_sequence(base);
@@ -123,6 +182,7 @@ fn measure(
 /// `n` sequences decoding together: each prefilled with `pp` tokens (one
 /// forward pass per sequence), then `tg` steps of one pass over a row of
 /// every sequence. Aggregate tokens per second.
+#[allow(clippy::too_many_arguments)]
 fn measure_parallel(
     engine: &mut Engine,
     kv_name: &str,
@@ -130,16 +190,23 @@ fn measure_parallel(
     (pp, tg): (usize, usize),
     reps: usize,
     vocab: usize,
+    on: bool,
     rows: &mut Vec<Row>,
 ) -> Result<()> {
     let (mut pps, mut tgs) = (Vec::new(), Vec::new());
+    let (mut pp_prof, mut tg_prof) = (on.then(Profile::default), on.then(Profile::default));
     for rep in 0..=reps {
         let seqs: Vec<_> = (0..n).map(|_| engine.create_sequence()).collect();
+        Profile::start(on);
         let t = Instant::now();
         for (i, &s) in seqs.iter().enumerate() {
             engine.feed(s, &tokens(pp, vocab, 10 + i))?;
         }
         let pp_secs = t.elapsed().as_secs_f64();
+        if rep > 0 {
+            Profile::absorb(&mut pp_prof, pp_secs, n * pp);
+        }
+        Profile::start(on);
         let t = Instant::now();
         for step in 0..tg {
             let batch: Vec<StepRow> = seqs
@@ -150,6 +217,9 @@ fn measure_parallel(
             engine.step(&batch)?;
         }
         let tg_secs = t.elapsed().as_secs_f64();
+        if rep > 0 {
+            Profile::absorb(&mut tg_prof, tg_secs, n * tg);
+        }
         for s in seqs {
             engine.free_sequence(s);
         }
@@ -158,12 +228,16 @@ fn measure_parallel(
             tgs.push((n * tg) as f64 / tg_secs);
         }
     }
-    for (test, samples) in [(format!("pp{pp} x{n}"), pps), (format!("tg{tg} x{n}"), tgs)] {
+    for (test, samples, profile) in [
+        (format!("pp{pp} x{n}"), pps, pp_prof),
+        (format!("tg{tg} x{n}"), tgs, tg_prof),
+    ] {
         rows.push(Row {
             test,
             kv: kv_name.to_string(),
             depth: 0,
             samples,
+            profile,
         });
     }
     Ok(())
@@ -200,6 +274,10 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         None => vec![None],
     };
     let gpu = crate::gpu_for(&a.cache, &model)?;
+    if a.profile && gpu.is_some() {
+        bail!("--profile times the CPU's operations; a GPU's run asynchronously (gpucheck --profile-prefill times its kernels)");
+    }
+    profile::enable(a.profile);
     let mut rows: Vec<Row> = Vec::new();
     for format in formats {
         let cache = crate::KvArgs {
@@ -224,10 +302,20 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         options.gpu = gpu.clone();
         let mut engine = Engine::try_new(&model, options)?;
         if parallel.is_empty() {
-            measure(&mut engine, &kv_name, &depths, &pp, &tg, a.reps, vocab, &mut rows)?;
+            measure(
+                &mut engine,
+                &kv_name,
+                &depths,
+                &pp,
+                &tg,
+                a.reps,
+                vocab,
+                a.profile,
+                &mut rows,
+            )?;
         }
         for &n in &parallel {
-            measure_parallel(&mut engine, &kv_name, n, par_shape, a.reps, vocab, &mut rows)?;
+            measure_parallel(&mut engine, &kv_name, n, par_shape, a.reps, vocab, a.profile, &mut rows)?;
         }
     }
     let name = file.get_str("general.name").unwrap_or("model").to_string();
@@ -235,11 +323,21 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
         let v: Vec<serde_json::Value> = rows
             .iter()
             .map(|r| {
-                serde_json::json!({
+                let mut v = serde_json::json!({
                     "model": name, "test": r.test, "depth": r.depth, "threads": threads, "kv": r.kv,
                     "simd": kernels_name(), "tok_s_median": median(&r.samples),
                     "tok_s_stddev": stddev(&r.samples), "samples": r.samples,
-                })
+                });
+                if let Some(p) = &r.profile {
+                    let us: serde_json::Map<String, serde_json::Value> = p
+                        .per_token()
+                        .into_iter()
+                        .map(|(k, us)| (k.to_string(), us.into()))
+                        .collect();
+                    v["profile_us_per_token"] = us.into();
+                    v["profile_passes"] = p.passes.into();
+                }
+                v
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -260,6 +358,25 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
             median(&r.samples),
             stddev(&r.samples)
         );
+    }
+    for r in &rows {
+        let Some(p) = &r.profile else { continue };
+        let total: f64 = p.per_token().iter().map(|(_, us)| us).sum();
+        println!(
+            "\n{} {} ({} passes): µs a token by operation",
+            r.test,
+            if r.depth > 0 {
+                format!("@ d{}", r.depth)
+            } else {
+                String::new()
+            },
+            p.passes
+        );
+        println!("| operation | µs a token | share |");
+        println!("| --- | ---: | ---: |");
+        for (op, us) in p.per_token() {
+            println!("| {op} | {us:.2} | {:.1}% |", 100.0 * us / total.max(1e-9));
+        }
     }
     Ok(())
 }

@@ -310,6 +310,11 @@ struct BenchArgs {
     /// single-sequence tests).
     #[arg(long, value_name = "N,...")]
     parallel: Option<String>,
+    /// Time each forward pass' operations (norms, products, attention, the
+    /// head) and print, per test, the microseconds a token each took
+    /// (CPU only; a clock read per operation).
+    #[arg(long)]
+    profile: bool,
     // `--kv` takes a comma-separated list here, each format run in turn
     // (as llama-bench's `-ctk`/`-ctv` lists).
     #[command(flatten)]

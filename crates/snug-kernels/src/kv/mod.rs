@@ -135,29 +135,83 @@ impl Data {
         }
     }
 
+    /// Where this array's elements (or codes) and scales are, for writes
+    /// of distinct vectors from several threads at once ([`Raw::put`]).
+    fn raw(&mut self) -> Raw {
+        fn r<T>(v: &mut [T]) -> (*mut T, usize) {
+            (v.as_mut_ptr(), v.len())
+        }
+        match self {
+            Data::F32(d) => Raw::F32(r(d)),
+            Data::F16(d) => Raw::F16(r(d)),
+            Data::Q8 { codes, scales } => Raw::Q8(r(codes), r(scales)),
+            Data::Tq4 { codes, scales } => Raw::Tq4(r(codes), r(scales)),
+        }
+    }
+}
+
+/// A [`Data`]'s arrays as pointers and lengths (elements or codes, then
+/// scales), taken through `&mut` and written only where no other thread
+/// reads or writes.
+#[derive(Clone, Copy)]
+enum Raw {
+    F32((*mut f32, usize)),
+    F16((*mut u16, usize)),
+    Q8((*mut i8, usize), (*mut u16, usize)),
+    Tq4((*mut u8, usize), (*mut u16, usize)),
+}
+
+// SAFETY: the pointers are only written through by `Raw::put`, whose
+// callers give each thread vectors of its own.
+unsafe impl Send for Raw {}
+// SAFETY: as above.
+unsafe impl Sync for Raw {}
+
+/// `len` elements of `(p, n)` from `at`, bounds checked.
+///
+/// # Safety
+/// No other slice over those elements may be in use while this one is.
+unsafe fn raw_slice<'a, T>((p, n): (*mut T, usize), at: usize, len: usize) -> &'a mut [T] {
+    assert!(at + len <= n, "vector out of its array");
+    // SAFETY: in bounds (checked); exclusive as the caller promises.
+    unsafe { std::slice::from_raw_parts_mut(p.add(at), len) }
+}
+
+impl Raw {
     /// Stores `x` as vector `i` (`signs`: the rotation of its layer and
     /// head, for the rotated formats).
-    fn put(&mut self, i: usize, x: &[f32], signs: &[u64]) {
+    ///
+    /// # Safety
+    /// `self` must come from [`Data::raw`] of an array still alive and not
+    /// reallocated, and no other thread may read or write vector `i` while
+    /// this runs.
+    unsafe fn put(self, i: usize, x: &[f32], signs: &[u64]) {
         let hd = x.len();
         let o = i * hd;
+        // SAFETY (every arm): vector `i` is this call's alone, as promised.
         match self {
-            Data::F32(d) => d[o..o + hd].copy_from_slice(x),
-            Data::F16(d) => crate::vec::f32_to_f16(x, &mut d[o..o + hd]),
-            Data::Q8 { codes, scales } => {
+            Raw::F32(d) => unsafe { raw_slice(d, o, hd) }.copy_from_slice(x),
+            Raw::F16(d) => crate::vec::f32_to_f16(x, unsafe { raw_slice(d, o, hd) }),
+            Raw::Q8(codes, scales) => {
                 let mut work = [0f32; ROTATED_MAX_DIM];
                 let w = &mut work[..hd];
                 w.copy_from_slice(x);
                 crate::tq4::rotate(w, signs);
-                scales[i] = q8_encode(w, &mut codes[o..o + hd]);
+                let sc = q8_encode(w, unsafe { raw_slice(codes, o, hd) });
+                let scale = unsafe { raw_slice(scales, i, 1) };
+                scale[0] = sc;
             }
-            Data::Tq4 { codes, scales } => {
+            Raw::Tq4(codes, scales) => {
                 let mut work = [0f32; ROTATED_MAX_DIM];
-                let sc = crate::tq4::encode(x, signs, &mut codes[o / 2..(o + hd) / 2], &mut work[..hd]);
-                scales[i] = half::f16::from_f32(sc).to_bits();
+                let sc = crate::tq4::encode(x, signs, unsafe { raw_slice(codes, o / 2, hd / 2) }, &mut work[..hd]);
+                let scale = unsafe { raw_slice(scales, i, 1) };
+                scale[0] = half::f16::from_f32(sc).to_bits();
             }
         }
     }
+}
 
+impl Data {
     /// Copies vectors `from..from + n` to `to..`.
     fn copy(&mut self, from: usize, to: usize, n: usize, hd: usize) {
         let (f, t, e) = (from * hd, to * hd, n * hd);
@@ -378,25 +432,87 @@ impl KvStorage {
     /// Stores one position's keys and values (`kv_heads * head_dim` each),
     /// and their F16 copy in the page's twin if it has one.
     pub fn write(&mut self, layer: usize, at: KvSlot, k: &[f32], v: &[f32]) {
+        let raw = self.raws();
+        // SAFETY: `&mut self`: no one else reads or writes the arrays.
+        unsafe { self.write_raw(&raw, layer, at, k, v) }
+    }
+
+    /// [`KvStorage::write`] for a batch's rows, row `r` at `at[r]` from
+    /// `k` and `v` (`kv_heads * head_dim` floats a row), spread over `pool`
+    /// where there are enough rows to pay for it. Each vector is coded
+    /// alone, so the result is the same as writing the rows one by one; rows
+    /// that share a slot are written one by one, in order, so the last
+    /// wins as it would.
+    pub fn write_rows(&mut self, layer: usize, at: &[KvSlot], k: &[f32], v: &[f32], pool: &crate::pool::ThreadPool) {
+        let kvd = self.shape.kv_heads * self.shape.head_dim;
+        let n = at.len();
+        let row = |r: usize| (&k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
+        let distinct = || {
+            let pt = self.shape.page_tokens as u64;
+            let mut seen: Vec<u64> = at.iter().map(|a| a.page as u64 * pt + a.slot as u64).collect();
+            seen.extend(
+                at.iter()
+                    .filter_map(|a| a.twin.map(|t| (1 << 63) | (t as u64 * pt + a.slot as u64))),
+            );
+            seen.sort_unstable();
+            seen.windows(2).all(|w| w[0] != w[1])
+        };
+        if n < 16 || pool.threads() == 1 || !distinct() {
+            for (r, &a) in at.iter().enumerate() {
+                let (k, v) = row(r);
+                self.write(layer, a, k, v);
+            }
+            return;
+        }
+        let raw = self.raws();
+        let this = &*self;
+        let tasks = n.min(4 * pool.threads());
+        pool.run(tasks, &|t| {
+            let rows = t * n / tasks..(t + 1) * n / tasks;
+            for (r, &a) in rows.clone().zip(&at[rows]) {
+                let (k, v) = row(r);
+                // SAFETY: every row's slots (and its twin's) are its own
+                // (checked above), and tasks take disjoint rows.
+                unsafe { this.write_raw(&raw, layer, a, k, v) }
+            }
+        });
+    }
+
+    /// Pointers into the keys, values and their twins, for
+    /// [`KvStorage::write_raw`].
+    fn raws(&mut self) -> [Raw; 4] {
+        [self.k.raw(), self.v.raw(), self.twin_k.raw(), self.twin_v.raw()]
+    }
+
+    /// [`KvStorage::write`] through `raw` (from [`KvStorage::raws`]).
+    ///
+    /// # Safety
+    /// No other thread may read or write `at`'s vectors (nor its twin's)
+    /// while this runs, and the arrays must not have changed since `raw`
+    /// was taken.
+    unsafe fn write_raw(&self, raw: &[Raw; 4], layer: usize, at: KvSlot, k: &[f32], v: &[f32]) {
         let hd = self.shape.head_dim;
         let mut coded = [0f32; ROTATED_MAX_DIM];
+        let [rk, rv, tk, tv] = *raw;
         for h in 0..self.shape.kv_heads {
             let i = self.vector(at.page, layer, h, at.slot);
             let signs = self.signs.get(layer * self.shape.kv_heads + h).map_or(&[][..], |v| v);
             let (kh, vh) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+            // SAFETY (each put): vector `i` of the page, and `j` of its
+            // twin, are this call's alone, as the caller promises.
             match &self.basis {
                 Some((b, _)) => {
                     let x = &mut coded[..hd];
                     b.to_coded(layer, h, at.pos, kh, x);
-                    self.k.put(i, x, signs);
+                    unsafe { rk.put(i, x, signs) };
                 }
-                None => self.k.put(i, kh, signs),
+                None => unsafe { rk.put(i, kh, signs) },
             }
-            self.v.put(i, vh, signs);
+            unsafe { rv.put(i, vh, signs) };
             if let Some(t) = at.twin {
                 let j = self.vector(t, layer, h, at.slot);
-                self.twin_k.put(j, kh, &[]);
-                self.twin_v.put(j, vh, &[]);
+                unsafe { tk.put(j, kh, &[]) };
+                unsafe { tv.put(j, vh, &[]) };
             }
         }
     }

@@ -464,3 +464,85 @@ fn fused_f16_attention_matches_the_generic_path_bitwise() {
         }
     }
 }
+
+#[test]
+fn a_batch_written_on_the_pool_is_the_rows_written_one_by_one() {
+    // Every format and a key basis; twins on some pages; a batch of two
+    // sequences, and one where two rows share a slot (the later one wins,
+    // so that batch is written in order).
+    let shape = KvShape {
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        page_tokens: 16,
+    };
+    let mut x = 0x1234_5679u32;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x % 2000) as f32 / 1000.0 - 1.0
+    };
+    let rope = crate::ops::Rope::new(crate::ops::RopeLayout::Halves, 64, 10000.0);
+    let mut basis = crate::kvbasis::KeyBasis::identity(2, 2, 64, vec![rope; 2]);
+    for (i, m) in basis.offset.iter_mut().enumerate() {
+        *m = 0.2 * ((i % 9) as f32 - 4.0);
+    }
+    let basis = std::sync::Arc::new(basis);
+    let pool = crate::pool::ThreadPool::new(3);
+    let n = 70;
+    let k: Vec<f32> = (0..n * 128).map(|_| rnd()).collect();
+    let v: Vec<f32> = (0..n * 128).map(|_| rnd()).collect();
+    // Sequence A: positions 0..40 on pages 5, 2, 7 (twins 1, -, 0);
+    // sequence B: positions 3..33 on pages 4, 6, 3.
+    let (pa, ta) = ([5u32, 2, 7], [Some(1u32), None, Some(0)]);
+    let pb = [4u32, 6, 3];
+    let at: Vec<KvSlot> = (0..40)
+        .map(|p| KvSlot {
+            page: pa[p / 16],
+            slot: p % 16,
+            pos: p,
+            twin: ta[p / 16],
+        })
+        .chain((3..33).map(|p| KvSlot {
+            page: pb[p / 16],
+            slot: p % 16,
+            pos: p,
+            twin: None,
+        }))
+        .collect();
+    let shared = {
+        let mut s = at.clone();
+        s[50] = s[10];
+        s
+    };
+    for (fk, fv) in [
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::F32, KvFormat::Q8),
+        (KvFormat::Tq4, KvFormat::Tq4),
+        (KvFormat::Q8, KvFormat::Tq4),
+    ] {
+        for slots in [&at, &shared] {
+            let new = || {
+                KvStorage::with_formats(shape, fk, fv, 8)
+                    .with_twins(2)
+                    .with_key_basis(basis.clone())
+            };
+            let (mut one, mut many) = (new(), new());
+            for l in 0..2 {
+                for (r, &a) in slots.iter().enumerate() {
+                    one.write(l, a, &k[r * 128..(r + 1) * 128], &v[r * 128..(r + 1) * 128]);
+                }
+                many.write_rows(l, slots, &k, &v, &pool);
+            }
+            for (a, b) in [
+                (&one.k, &many.k),
+                (&one.v, &many.v),
+                (&one.twin_k, &many.twin_k),
+                (&one.twin_v, &many.twin_v),
+            ] {
+                assert!(a.part_bytes() == b.part_bytes(), "{fk:?}/{fv:?}");
+            }
+        }
+    }
+}

@@ -11,6 +11,7 @@
 use snug_kernels::kv::{KvSlot, KvStorage, KvStore, NO_TWIN};
 
 use super::config::Config;
+use super::profile::{Laps, Op};
 use crate::backend::{Backend, Buf};
 
 /// One row of a batch.
@@ -133,11 +134,13 @@ pub fn forward<'w, B: Backend>(
     let nl = c.layers;
     let trace = |ws: &mut B::Workspace, name: &str, l: usize, buf: Buf, len: usize| B::trace(ws, name, l, nl, buf, len);
 
+    let mut laps = Laps::start();
     B::begin(ws, rows, head, kv);
     B::embed(ws, &w.embed, rows);
     if c.embed_scale != 1.0 {
         B::scale(ws, Buf::X, n * dim, c.embed_scale);
     }
+    laps.lap(Op::Embed);
     // Where each row's keys and values go (the same in every layer).
     let pt = kv.storage.shape().page_tokens;
     let slots: Vec<KvSlot> = rows
@@ -175,6 +178,7 @@ pub fn forward<'w, B: Backend>(
         // Attention block.
         B::add_norm(ws, Buf::X, pending.take(), Buf::H, n * dim, &layer.attn_norm, c.rms_eps);
         trace(ws, "attn_norm", l, Buf::H, n * dim);
+        laps.lap(Op::Norm);
         B::matmul_many(
             ws,
             &[&layer.wq, &layer.wk, &layer.wv],
@@ -196,6 +200,7 @@ pub fn forward<'w, B: Backend>(
         if let Some(kn) = &layer.k_norm {
             B::rms_norm(ws, Buf::K, n * kvd, kn, c.rms_eps);
         }
+        laps.lap(Op::Qkv);
         let rope = c.uses_rope(l).then(|| c.is_local(l));
         B::rope_write_kv(ws, l, rows, rope, &slots, kv.storage);
         trace(ws, "Qcur_rope", l, Buf::Q, n * qd);
@@ -203,10 +208,13 @@ pub fn forward<'w, B: Backend>(
         if prescale {
             B::scale(ws, Buf::Q, n * qd, c.attn_scale);
         }
+        laps.lap(Op::Rope);
         B::attention(ws, c, l, rows, kv, scale);
         trace(ws, "kqv_out", l, Buf::Attn, n * qd);
+        laps.lap(Op::Attention);
         B::matmul(ws, &layer.wo, Buf::Attn, Buf::O, n);
         trace(ws, "attn_out", l, Buf::O, n * dim);
+        laps.lap(Op::AttnOut);
         if let Some(pn) = &layer.post_attn_norm {
             B::rms_norm(ws, Buf::O, n * dim, pn, c.rms_eps);
         }
@@ -233,16 +241,23 @@ pub fn forward<'w, B: Backend>(
         B::add_norm(ws, Buf::X, residual, Buf::H, n * dim, &layer.ffn_norm, c.rms_eps);
         trace(ws, "ffn_inp", l, Buf::X, n * dim);
         trace(ws, "ffn_norm", l, Buf::H, n * dim);
+        laps.lap(Op::Norm);
         match &layer.ffn {
             Ffn::Dense { gate, up, down } => {
                 B::matmul_many(ws, &[gate, up], Buf::H, &[Buf::Gate, Buf::Up], n);
                 trace(ws, "ffn_gate", l, Buf::Gate, n * c.ff);
                 trace(ws, "ffn_up", l, Buf::Up, n * c.ff);
+                laps.lap(Op::GateUp);
                 B::gated(ws, c.arch.activation, n, c.ff);
                 trace(ws, "ffn_act", l, Buf::Gate, n * c.ff);
+                laps.lap(Op::Act);
                 B::matmul(ws, down, Buf::Gate, Buf::O, n);
+                laps.lap(Op::Down);
             }
-            Ffn::Experts(e) => B::experts(ws, e, c, n),
+            Ffn::Experts(e) => {
+                B::experts(ws, e, c, n);
+                laps.lap(Op::Experts);
+            }
         }
         trace(ws, "ffn_out", l, Buf::O, n * dim);
         if let Some(pn) = &layer.post_ffn_norm {
@@ -258,6 +273,7 @@ pub fn forward<'w, B: Backend>(
             B::add(ws, Buf::X, Buf::O, n * dim);
             trace(ws, "l_out", l, Buf::X, n * dim);
         }
+        laps.lap(Op::Norm);
     }
 
     // Logits for the rows that want them.
@@ -276,6 +292,7 @@ pub fn forward<'w, B: Backend>(
     if head == Head::Hidden {
         logits.resize(start + m * dim, 0.0);
         B::read(ws, Buf::Sel, &mut logits[start..]);
+        laps.lap(Op::Head);
         return;
     }
     logits.resize(start + m * c.vocab, 0.0);
@@ -287,6 +304,7 @@ pub fn forward<'w, B: Backend>(
             *x *= by;
         }
     }
+    laps.lap(Op::Head);
     trace(ws, "result_norm", usize::MAX, Buf::Sel, m * dim);
     super::trace::trace("result_output", usize::MAX, nl, &logits[start..]);
 }

@@ -8,6 +8,7 @@
 mod config;
 pub mod describe;
 mod forward;
+pub mod profile;
 pub mod trace;
 mod weights;
 

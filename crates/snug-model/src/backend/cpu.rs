@@ -15,7 +15,7 @@ use snug_kernels::pool::{SendPtr, ThreadPool};
 use snug_kernels::vec::committed;
 
 use super::{Backend, Buf, WorkspaceSize};
-use crate::arch::{trace::trace, Activation, BatchRow, Config, Experts, KvView};
+use crate::arch::{trace::trace, Activation, BatchRow, Config, Experts, Head, KvView};
 
 /// Rows a thread takes through the pages of a lossy KV cache together.
 /// Each page's codes are decoded once for the block, so a longer block
@@ -35,6 +35,11 @@ pub struct CpuWorkspace {
     attn_threads: Vec<Mutex<AttnScratch>>,
     mm: MatmulScratch,
     ropes: [Rope; 2], // [global, local]
+    /// Per rotation, each row's pairs' (sine, cosine) at its position:
+    /// computed at the first layer of a pass that rotates by it
+    /// (`rope_fresh`), then shared by every head and layer.
+    rope_sc: [Vec<(f32, f32)>; 2],
+    rope_fresh: [bool; 2],
     pool: ThreadPool,
     moe: MoeScratch,
     /// Sums of pre-RoPE keys and of queries, gathered while set (the key
@@ -70,6 +75,8 @@ impl CpuWorkspace {
                 .collect(),
             mm: MatmulScratch::with_capacity(rows, c.ff.max(c.ff_expert).max(c.dim).max(qd)),
             ropes: [c.rope(false), c.rope(true)],
+            rope_sc: [false, true].map(|local| vec![(0.0, 0.0); rows * c.rope(local).pair_count()]),
+            rope_fresh: [false; 2],
             pool: ThreadPool::new(threads),
             moe: MoeScratch::new(c, rows),
             probe: None,
@@ -87,7 +94,8 @@ impl CpuWorkspace {
             .iter()
             .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).bytes())
             .sum();
-        self.bufs.iter().map(|v| v.capacity() * 4).sum::<usize>() + attn + self.mm.bytes() + self.moe.bytes()
+        let rope: usize = self.rope_sc.iter().map(|v| v.capacity() * 8).sum();
+        self.bufs.iter().map(|v| v.capacity() * 4).sum::<usize>() + attn + self.mm.bytes() + self.moe.bytes() + rope
     }
 
     fn buf(&mut self, b: Buf) -> &mut [f32] {
@@ -181,8 +189,10 @@ pub trait CpuArithmetic: Sync + Send + 'static {
             Self::matmul(pool, w, x, n, out, s);
         }
     }
-    /// Rotates one head to `pos`.
-    fn rope(rope: &Rope, head: &mut [f32], pos: usize);
+    /// Each rotated pair's (sine, cosine) at `pos`.
+    fn rope_angles(rope: &Rope, pos: usize, sc: &mut [(f32, f32)]);
+    /// Rotates one head by the angles of [`CpuArithmetic::rope_angles`].
+    fn rope_rotate(rope: &Rope, head: &mut [f32], sc: &[(f32, f32)]);
     /// Attention of a block of consecutive rows of one sequence, for the
     /// query heads of one KV head.
     fn attend(kv: &KvStorage, layer: usize, kv_head: usize, rows: &mut [AttnRow], scale: f32, s: &mut AttnScratch);
@@ -232,8 +242,12 @@ impl CpuArithmetic for Native {
         matmul_many(pool, ws, &x[..n * k], n, outs, s)
     }
 
-    fn rope(rope: &Rope, head: &mut [f32], pos: usize) {
-        rope.apply(head, pos)
+    fn rope_angles(rope: &Rope, pos: usize, sc: &mut [(f32, f32)]) {
+        rope.angles(pos, sc)
+    }
+
+    fn rope_rotate(rope: &Rope, head: &mut [f32], sc: &[(f32, f32)]) {
+        rope.rotate(head, sc)
     }
 
     fn attend(kv: &KvStorage, layer: usize, kv_head: usize, rows: &mut [AttnRow], scale: f32, s: &mut AttnScratch) {
@@ -267,8 +281,12 @@ impl CpuArithmetic for LlamaCpp {
         matmul_ggml(pool, w, &x[..n * w.cols], n, &mut out[..n * w.rows], s)
     }
 
-    fn rope(rope: &Rope, head: &mut [f32], pos: usize) {
-        rope.apply_ggml(head, pos)
+    fn rope_angles(rope: &Rope, pos: usize, sc: &mut [(f32, f32)]) {
+        rope.angles_ggml(pos, sc)
+    }
+
+    fn rope_rotate(rope: &Rope, head: &mut [f32], sc: &[(f32, f32)]) {
+        rope.rotate_ggml(head, sc)
     }
 
     fn attend(kv: &KvStorage, layer: usize, kv_head: usize, rows: &mut [AttnRow], scale: f32, s: &mut AttnScratch) {
@@ -311,6 +329,11 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         ws.max_rows
     }
 
+    fn begin(ws: &mut CpuWorkspace, _rows: &[BatchRow], _head: Head, _kv: &KvView<KvStorage>) {
+        // A new pass' rows: their angles are computed again.
+        ws.rope_fresh = [false; 2];
+    }
+
     fn embed(ws: &mut CpuWorkspace, table: &Weight<'_>, rows: &[BatchRow]) {
         let dim = table.cols;
         let x = ws.buf(Buf::X);
@@ -329,7 +352,37 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
     }
 
     fn rms_norm(ws: &mut CpuWorkspace, buf: Buf, len: usize, w: &&[f32], eps: f32) {
-        A::rms_norm(&mut ws.buf(buf)[..len], w, eps)
+        let width = w.len();
+        let x = SendPtr(ws.bufs[buf as usize][..len].as_mut_ptr());
+        par_rows(&ws.pool, len / width, width, &|r| {
+            // SAFETY: the ranges of rows are disjoint and within `len`.
+            let x = unsafe { rows_mut(&x, r, width) };
+            A::rms_norm(x, w, eps)
+        });
+    }
+
+    fn add_norm(ws: &mut CpuWorkspace, x: Buf, add: Option<Buf>, to: Buf, len: usize, w: &&[f32], eps: f32) {
+        // `x += add; to = x; rms_norm(to)`, as the trait's default runs
+        // them, a range of rows at a time.
+        let width = w.len();
+        assert!(
+            x != to && add != Some(x) && add != Some(to),
+            "a buffer read and written at once"
+        );
+        let xp = SendPtr(ws.bufs[x as usize][..len].as_mut_ptr());
+        let tp = SendPtr(ws.bufs[to as usize][..len].as_mut_ptr());
+        let ap = add.map(|a| SendPtr(ws.bufs[a as usize][..len].as_mut_ptr()));
+        par_rows(&ws.pool, len / width, width, &|r| {
+            // SAFETY: the three buffers are distinct (asserted above); the
+            // ranges of rows are disjoint and within `len`; `add` is read only.
+            let (x, to) = unsafe { (rows_mut(&xp, r.clone(), width), rows_mut(&tp, r.clone(), width)) };
+            if let Some(a) = &ap {
+                // SAFETY: as above.
+                ops::add(x, unsafe { rows_mut(a, r, width) });
+            }
+            to.copy_from_slice(x);
+            A::rms_norm(to, w, eps)
+        });
     }
 
     fn matmul(ws: &mut CpuWorkspace, w: &Weight, from: Buf, to: Buf, rows: usize) {
@@ -364,9 +417,13 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
 
     fn add_bias(ws: &mut CpuWorkspace, buf: Buf, rows: usize, bias: &&[f32]) {
         let b: &[f32] = bias;
-        for row in ws.buf(buf)[..rows * b.len()].chunks_exact_mut(b.len()) {
-            ops::add(row, b);
-        }
+        let x = SendPtr(ws.bufs[buf as usize][..rows * b.len()].as_mut_ptr());
+        par_rows(&ws.pool, rows, b.len(), &|r| {
+            // SAFETY: the ranges of rows are disjoint and within the buffer.
+            for row in unsafe { rows_mut(&x, r, b.len()) }.chunks_exact_mut(b.len()) {
+                ops::add(row, b);
+            }
+        });
     }
 
     fn add(ws: &mut CpuWorkspace, to: Buf, from: Buf, len: usize) {
@@ -383,31 +440,59 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         kv: &mut KvStorage,
     ) {
         let (hd, qd, kvd) = (ws.head_dim, ws.qd, ws.kvd);
+        let n = rows.len();
+        // The rows' angles, once a pass for each rotation.
+        let which = rope.map(usize::from);
+        if let Some(i) = which.filter(|&i| !ws.rope_fresh[i]) {
+            let (r, pc) = (&ws.ropes[i], ws.ropes[i].pair_count());
+            for (sc, row) in ws.rope_sc[i].chunks_exact_mut(pc).zip(rows) {
+                A::rope_angles(r, row.pos, sc);
+            }
+            ws.rope_fresh[i] = true;
+        }
         let [_, _, q, k, v, ..] = &mut ws.bufs;
         if let Some(probe) = &mut ws.probe {
+            // The key basis' calibration: keys before their rotation and
+            // queries after, row by row.
             for (r, row) in rows.iter().enumerate() {
                 if row.pos > 0 {
                     probe.add_keys(layer, &k[r * kvd..(r + 1) * kvd]);
                 }
             }
-        }
-        for (r, row) in rows.iter().enumerate() {
-            if let Some(local) = rope {
-                let rope = &ws.ropes[usize::from(local)];
-                for head in q[r * qd..(r + 1) * qd].chunks_exact_mut(hd) {
-                    A::rope(rope, head, row.pos);
+            for (r, row) in rows.iter().enumerate() {
+                if let Some(i) = which {
+                    let (rope, pc) = (&ws.ropes[i], ws.ropes[i].pair_count());
+                    let sc = &ws.rope_sc[i][r * pc..(r + 1) * pc];
+                    for head in q[r * qd..(r + 1) * qd].chunks_exact_mut(hd) {
+                        A::rope_rotate(rope, head, sc);
+                    }
+                    for head in k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd) {
+                        A::rope_rotate(rope, head, sc);
+                    }
                 }
-                for head in k[r * kvd..(r + 1) * kvd].chunks_exact_mut(hd) {
-                    A::rope(rope, head, row.pos);
+                if row.pos > 0 {
+                    probe.add_queries(layer, &q[r * qd..(r + 1) * qd]);
                 }
             }
-            if let (Some(probe), true) = (&mut ws.probe, row.pos > 0) {
-                probe.add_queries(layer, &q[r * qd..(r + 1) * qd]);
-            }
+        } else if let Some(i) = which {
+            let (rope, pc, sc) = (&ws.ropes[i], ws.ropes[i].pair_count(), &ws.rope_sc[i]);
+            let (qp, kp) = (SendPtr(q[..n * qd].as_mut_ptr()), SendPtr(k[..n * kvd].as_mut_ptr()));
+            par_rows(&ws.pool, n, qd + kvd, &|range| {
+                // SAFETY: the ranges of rows are disjoint and within the
+                // batch's rows of both buffers.
+                let (q, k) = unsafe { (rows_mut(&qp, range.clone(), qd), rows_mut(&kp, range.clone(), kvd)) };
+                for (j, r) in range.enumerate() {
+                    let sc = &sc[r * pc..(r + 1) * pc];
+                    for head in q[j * qd..(j + 1) * qd].chunks_exact_mut(hd) {
+                        A::rope_rotate(rope, head, sc);
+                    }
+                    for head in k[j * kvd..(j + 1) * kvd].chunks_exact_mut(hd) {
+                        A::rope_rotate(rope, head, sc);
+                    }
+                }
+            });
         }
-        for (r, &at) in slots.iter().enumerate() {
-            kv.write(layer, at, &k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
-        }
+        kv.write_rows(layer, slots, &k[..n * kvd], &v[..n * kvd], &ws.pool);
     }
 
     fn attention(
@@ -530,6 +615,29 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
 fn split2(bufs: &mut [Vec<f32>; 10], i: usize, j: usize) -> (&[f32], &mut [f32]) {
     let (a, b) = super::read_and_write(bufs, i, j);
     (a, b)
+}
+
+/// Runs `f` on ranges of `rows` rows (`width` floats each) that split them,
+/// on the pool when the rows hold enough floats together to pay for the
+/// hand-offs (prefill), else on the caller at once (a decode step). `f`
+/// must compute each row alone, so that the split cannot change a value.
+fn par_rows(pool: &ThreadPool, rows: usize, width: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    const CHUNK: usize = 16 * 1024;
+    let per = (CHUNK / width.max(1)).max(1);
+    if rows <= per || pool.threads() == 1 {
+        return f(0..rows);
+    }
+    pool.run(rows.div_ceil(per), &|t| f(t * per..((t + 1) * per).min(rows)));
+}
+
+/// Rows `r` (of `width` floats) of the buffer at `p`.
+///
+/// # Safety
+/// The rows must lie within the buffer, and no other slice over them may be
+/// in use while this one is.
+unsafe fn rows_mut<'a>(p: &SendPtr<f32>, r: std::ops::Range<usize>, width: usize) -> &'a mut [f32] {
+    // SAFETY: as the caller promises.
+    unsafe { std::slice::from_raw_parts_mut(p.0.add(r.start * width), r.len() * width) }
 }
 
 /// Runs the element-wise `f` over matching chunks of `a` and `b`, on the
