@@ -14,7 +14,9 @@
 #   from the start, 330 unless set; LLAMA=0 leaves llama.cpp out);
 # - the thread pool on the host CPU (no GPU): `poolbench` and SmolLM2's
 #   decode at 16 threads, with .gpu/snug-b.gz and poolbench-b.gz (builds
-#   before a pool change) alternating with the current ones, where carried.
+#   before a pool change) alternating with the current ones, where carried;
+#   with HOST=1, bench/gpu/threads.sh instead (HOST_MODELS, default smol;
+#   HOST_PROFILE, default "2 16"). BENCH=0 leaves out the `snug bench`es.
 # .gpu/ holds gpucheck.gz, snug.gz, synth.gz, tok.gguf, llama-src.tgz.
 # Run from the repository root; a summary on stdout and $OUT/round.txt.
 set -u
@@ -53,14 +55,16 @@ print(sys.argv[2], "[" + sys.argv[1] + "] bits:", d["logits_bitwise_equal_to_cpu
     done
   done
   echo "prefills $(el)"
-  for m in smol 1.5b 7b; do
+  [ "${BENCH:-1}" = 0 ] || for m in smol 1.5b 7b; do
     ./snug bench $m.gguf -p 512 -n 128 -r 3 --device cuda -o json > $OUT/bench-$m.json 2> bench.err
     python3 -c 'import json, sys; print("snug", sys.argv[2], [(d["test"], round(d["tok_s_median"], 1)) for d in json.load(open(sys.argv[1]))])' \
       $OUT/bench-$m.json $m || tail -2 bench.err
   done
-  ./snug bench smol.gguf -p 128 -n 128 --parallel 1,64 -r 3 --device cuda -o json > $OUT/batched-smol.json 2> bench.err
-  python3 -c 'import json, sys; print("snug batched", [(d["test"], round(d["tok_s_median"], 1)) for d in json.load(open(sys.argv[1]))])' \
-    $OUT/batched-smol.json || tail -2 bench.err
+  if [ "${BENCH:-1}" != 0 ]; then
+    ./snug bench smol.gguf -p 128 -n 128 --parallel 1,64 -r 3 --device cuda -o json > $OUT/batched-smol.json 2> bench.err
+    python3 -c 'import json, sys; print("snug batched", [(d["test"], round(d["tok_s_median"], 1)) for d in json.load(open(sys.argv[1]))])' \
+      $OUT/batched-smol.json || tail -2 bench.err
+  fi
   echo "snug benches $(el)"
   [ "${LLAMA:-1}" = 0 ] || while [ ! -f llbuilt ] && [ $(el) -lt ${WAIT:-330} ]; do sleep 2; done
   if [ -x ll/build/bin/llama-bench ]; then
@@ -79,7 +83,12 @@ for l in open(sys.argv[1]):
     echo "llama.cpp not built by $(el) s"; tail -3 ll.out
   fi
   echo "llama.cpp $(el)"
-  if [ -x snug-b ] && [ -x poolbench-b ]; then
+  if [ "${HOST:-0}" = 1 ]; then
+    # The host CPU instead: bench/gpu/threads.sh (snug, snug-b and
+    # llama.cpp's CPU build at 1 to 16 threads, profiles).
+    (cd "$ROOT" && MODELS="${HOST_MODELS:-smol}" PROFILE="${HOST_PROFILE:-2 16}" sh bench/gpu/threads.sh > /dev/null 2>&1)
+    grep -E '^(snug|llama|profile|pp|tg|\|)' "$OUT/threads.txt"
+  elif [ -x snug-b ] && [ -x poolbench-b ]; then
     for r in 1 2 3; do
       for b in "" -b; do
         echo "poolbench$b: $(./poolbench$b 16 128 20 | cut -d: -f2) / $(./poolbench$b 16 16 2000 | cut -d: -f2)"
