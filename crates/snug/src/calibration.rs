@@ -3,7 +3,9 @@
 //! later runs of the same model file with the same thread count skip the
 //! measurement. One small JSON file per (model file, size, threads, SIMD
 //! path, panels packed or not) under `~/.cache/snug/calibration/`; delete it to measure again.
-//! A missing, unreadable or malformed file is ignored (the run measures).
+//! A missing, unreadable or malformed file is ignored (the run measures), and
+//! so is one another build of snug wrote: a build's kernels set the costs,
+//! and a policy that reads a slower build's 9-row cost drafts too short.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -41,9 +43,23 @@ fn cache_path(model: &Path, threads: usize, panels: bool) -> Option<PathBuf> {
     )
 }
 
-fn parse(text: &str) -> Option<Vec<(usize, f64)>> {
+/// This build of snug: its version and its executable's size and time
+/// (a rebuilt binary measures again).
+fn build() -> String {
+    let exe = std::env::current_exe().and_then(fs::metadata);
+    let (len, secs) = exe.map_or((0, 0), |m| {
+        let t = m
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        (m.len(), t.map_or(0, |t| t.as_secs()))
+    });
+    format!("{} {len} {secs}", env!("CARGO_PKG_VERSION"))
+}
+
+fn parse(text: &str, build: &str) -> Option<Vec<(usize, f64)>> {
     let v: serde_json::Value = serde_json::from_str(text).ok()?;
-    if v.get("version")?.as_u64()? != VERSION {
+    if v.get("version")?.as_u64()? != VERSION || v.get("build")?.as_str()? != build {
         return None;
     }
     v.get("costs")?
@@ -59,7 +75,7 @@ pub fn load(model: &Path, threads: usize, engine: &mut Engine) -> Calibration {
     let costs = path
         .as_ref()
         .and_then(|p| fs::read_to_string(p).ok())
-        .and_then(|t| parse(&t));
+        .and_then(|t| parse(&t, &build()));
     if let Some(c) = &costs {
         engine.set_speculation_costs(c);
     }
@@ -74,15 +90,16 @@ pub fn save(c: &mut Calibration, engine: &Engine) {
     let (Some(path), false, Some(costs)) = (&c.path, c.loaded, engine.known_speculation_costs()) else {
         return;
     };
-    let _ = write(path, costs);
+    let _ = write(path, costs, &build());
     c.loaded = true;
 }
 
-fn write(path: &Path, costs: &[(usize, f64)]) -> std::io::Result<()> {
+fn write(path: &Path, costs: &[(usize, f64)], build: &str) -> std::io::Result<()> {
     let dir = path.parent().expect("cache paths have a parent");
     fs::create_dir_all(dir)?;
     let body = serde_json::json!({
         "version": VERSION,
+        "build": build,
         "costs": costs.iter().map(|&(r, s)| serde_json::json!([r, s])).collect::<Vec<_>>(),
     });
     snug_core::durable::write(path, body.to_string().as_bytes())
@@ -96,13 +113,19 @@ mod tests {
     fn parses_what_it_writes_and_rejects_the_rest() {
         let dir = std::env::temp_dir().join(format!("snug-calibration-{}", std::process::id()));
         let path = dir.join("m.json");
-        write(&path, &[(1, 0.01), (9, 0.03)]).unwrap();
-        let got = parse(&fs::read_to_string(&path).unwrap()).unwrap();
+        let b = build();
+        write(&path, &[(1, 0.01), (9, 0.03)], &b).unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        let got = parse(&text, &b).unwrap();
         assert_eq!(got, vec![(1, 0.01), (9, 0.03)]);
-        assert!(parse("{").is_none());
-        // A file of an earlier version (1: two row counts) is measured again.
-        assert!(parse(r#"{"version": 1, "costs": [[1, 0.01], [9, 0.03]]}"#).is_none());
-        assert!(parse(r#"{"version": 2, "costs": [[1, "x"]]}"#).is_none());
+        // Another build's costs are measured again.
+        assert!(parse(&text, "0.0.0 1 2").is_none());
+        assert!(parse("{", &b).is_none());
+        // A file of an earlier version (1: two row counts) is measured again,
+        // and one without a build.
+        assert!(parse(r#"{"version": 1, "costs": [[1, 0.01], [9, 0.03]]}"#, &b).is_none());
+        assert!(parse(r#"{"version": 2, "costs": [[1, 0.01], [9, 0.03]]}"#, &b).is_none());
+        assert!(parse(&format!(r#"{{"version": 2, "build": "{b}", "costs": [[1, "x"]]}}"#), &b).is_none());
         fs::remove_dir_all(&dir).unwrap();
     }
 }
