@@ -1963,9 +1963,10 @@ mod tests {
             ("ATT_ROWS", 4),
             ("NORM_EARLY", 1),
             ("MMT_R", 2),
-            ("MMT_S", 1),
+            ("MMT_S", 2),
             ("MMT_WR", 2),
-            ("MMT_WO", 4),
+            ("MMT_WO", 2),
+            ("MMT_RAW", 2),
         ] {
             assert_eq!(define(SOURCE, &[], name), want, "{name}");
         }
