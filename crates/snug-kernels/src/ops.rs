@@ -87,11 +87,20 @@ impl Rope {
         self.inv_freq
             .iter()
             .enumerate()
-            .map(|(i, &f)| match self.layout {
-                RopeLayout::Adjacent => (2 * i, 2 * i + 1, f),
-                RopeLayout::Halves => (i, i + d / 2, f),
+            .map(|(i, &f)| {
+                let (a, b) = self.pair(i, d);
+                (a, b, f)
             })
             .collect()
+    }
+
+    /// The elements of pair `i` in a head of `d`.
+    #[inline(always)]
+    fn pair(&self, i: usize, d: usize) -> (usize, usize) {
+        match self.layout {
+            RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+            RopeLayout::Halves => (i, i + d / 2),
+        }
     }
 
     /// The number of rotated pairs (half the rotated dimensions).
@@ -123,10 +132,7 @@ impl Rope {
     pub fn rotate(&self, head: &mut [f32], sc: &[(f32, f32)]) {
         let d = head.len();
         for (i, &(sin, cos)) in sc.iter().enumerate() {
-            let (a, b) = match self.layout {
-                RopeLayout::Adjacent => (2 * i, 2 * i + 1),
-                RopeLayout::Halves => (i, i + d / 2),
-            };
+            let (a, b) = self.pair(i, d);
             let (x0, x1) = (head[a], head[b]);
             head[a] = x0 * cos - x1 * sin;
             head[b] = x0 * sin + x1 * cos;
@@ -138,10 +144,7 @@ impl Rope {
     pub fn rotate_ggml(&self, head: &mut [f32], sc: &[(f32, f32)]) {
         let d = head.len();
         for (i, &(sin, cos)) in sc.iter().enumerate() {
-            let (a, b) = match self.layout {
-                RopeLayout::Adjacent => (2 * i, 2 * i + 1),
-                RopeLayout::Halves => (i, i + d / 2),
-            };
+            let (a, b) = self.pair(i, d);
             let (x0, x1) = (head[a], head[b]);
             head[a] = x0.mul_add(cos, -(x1 * sin));
             head[b] = x0.mul_add(sin, x1 * cos);
@@ -154,10 +157,7 @@ impl Rope {
         for (i, f) in self.inv_freq.iter().enumerate() {
             let angle = pos as f32 * f;
             let (sin, cos) = angle.sin_cos();
-            let (a, b) = match self.layout {
-                RopeLayout::Adjacent => (2 * i, 2 * i + 1),
-                RopeLayout::Halves => (i, i + d / 2),
-            };
+            let (a, b) = self.pair(i, d);
             let (x0, x1) = (head[a], head[b]);
             head[a] = x0 * cos - x1 * sin;
             head[b] = x0 * sin + x1 * cos;
@@ -174,10 +174,7 @@ impl Rope {
         for i in 0..self.inv_freq.len() {
             let theta = self.freq_scale * (angle / self.factors[i]);
             let (sin, cos) = (theta.sin(), theta.cos());
-            let (a, b) = match self.layout {
-                RopeLayout::Adjacent => (2 * i, 2 * i + 1),
-                RopeLayout::Halves => (i, i + d / 2),
-            };
+            let (a, b) = self.pair(i, d);
             let (x0, x1) = (head[a], head[b]);
             head[a] = x0.mul_add(cos, -(x1 * sin));
             head[b] = x0.mul_add(sin, x1 * cos);

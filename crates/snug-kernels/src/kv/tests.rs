@@ -1,5 +1,23 @@
 use super::*;
 
+/// Two layers of two KV heads of 64, pages of 16 positions.
+const SMALL: KvShape = KvShape {
+    layers: 2,
+    kv_heads: 2,
+    head_dim: 64,
+    page_tokens: 16,
+};
+
+/// Values uniform in [-1, 1) from a xorshift generator seeded with `x`.
+fn uniform(mut x: u32) -> impl FnMut() -> f32 {
+    move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x % 2000) as f32 / 1000.0 - 1.0
+    }
+}
+
 /// Where position `p` of a sequence with 16-position `pages` goes.
 fn slot_at(pages: &[u32], p: usize) -> KvSlot {
     KvSlot {
@@ -12,19 +30,8 @@ fn slot_at(pages: &[u32], p: usize) -> KvSlot {
 
 #[test]
 fn export_page_round_trip_into_another_page_of_another_storage() {
-    let shape = KvShape {
-        layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        page_tokens: 16,
-    };
-    let mut x = 0x9e37_79b9u32;
-    let mut rnd = move || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        (x % 2000) as f32 / 1000.0 - 1.0
-    };
+    let shape = SMALL;
+    let mut rnd = uniform(0x9e37_79b9u32);
     for (fk, fv) in [
         (KvFormat::F16, KvFormat::F16),
         (KvFormat::Tq4, KvFormat::Q8),
@@ -93,13 +100,7 @@ fn compressed_pages_are_small_and_attention_on_them_is_close() {
         head_dim: hd,
         page_tokens: 16,
     };
-    let mut x = 0x2545_f491u32;
-    let mut rnd = move || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        (x % 2000) as f32 / 1000.0 - 1.0
-    };
+    let mut rnd = uniform(0x2545_f491u32);
     let pages = [2u32, 0, 3];
     let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..40)
         .map(|_| {
@@ -242,13 +243,7 @@ fn coded_attention_is_the_same_bits_at_every_level_and_close_to_the_reference() 
             head_dim: hd,
             page_tokens: pt,
         };
-        let mut x = 0x9e37_79b9u32 ^ (hd * 7 + group + pt) as u32;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x % 2000) as f32 / 1000.0 - 1.0
-        };
+        let mut rnd = uniform(0x9e37_79b9u32 ^ (hd * 7 + group + pt) as u32);
         let ropes = vec![Rope::new(layout, rot, 10000.0); 2];
         let mut basis = KeyBasis::identity(2, 2, hd, ropes.clone());
         for (i, m) in basis.offset.iter_mut().enumerate() {
@@ -409,13 +404,7 @@ fn fused_f16_attention_matches_the_generic_path_bitwise() {
                 page_tokens: 16,
             };
             let mut kv = KvStorage::new(shape, KvFormat::F16, 6);
-            let mut x = 0x1234_5678u32 ^ (hd * 31 + group) as u32;
-            let mut rnd = move || {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                (x % 2000) as f32 / 1000.0 - 1.0
-            };
+            let mut rnd = uniform(0x1234_5678u32 ^ (hd * 31 + group) as u32);
             let pages = [3u32, 0, 5, 1];
             for p in 0..60 {
                 let k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
@@ -470,19 +459,8 @@ fn a_batch_written_on_the_pool_is_the_rows_written_one_by_one() {
     // Every format and a key basis; twins on some pages; a batch of two
     // sequences, and one where two rows share a slot (the later one wins,
     // so that batch is written in order).
-    let shape = KvShape {
-        layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        page_tokens: 16,
-    };
-    let mut x = 0x1234_5679u32;
-    let mut rnd = move || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        (x % 2000) as f32 / 1000.0 - 1.0
-    };
+    let shape = SMALL;
+    let mut rnd = uniform(0x1234_5679u32);
     let rope = crate::ops::Rope::new(crate::ops::RopeLayout::Halves, 64, 10000.0);
     let mut basis = crate::kvbasis::KeyBasis::identity(2, 2, 64, vec![rope; 2]);
     for (i, m) in basis.offset.iter_mut().enumerate() {
