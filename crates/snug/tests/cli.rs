@@ -1573,3 +1573,61 @@ fn bench_parallel_reports_aggregate_rows() {
         .iter()
         .all(|r| r["tok_s_median"].as_f64().unwrap() > 0.0));
 }
+
+#[test]
+fn bench_profile_accounts_for_each_test_s_time_by_operation() {
+    let Some(p) = model_path("smollm2-135m") else { return };
+    let out = snug()
+        .args(["bench", "-m"])
+        .arg(&p)
+        .args(["-p", "32", "-n", "4", "-r", "2", "-t", "2", "--profile", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for r in v.as_array().unwrap() {
+        let test = r["test"].as_str().unwrap();
+        let prof = r["profile_us_per_token"].as_object().unwrap();
+        // Every step a dense llama model takes was timed, and no other.
+        for step in [
+            "norms",
+            "q/k/v",
+            "rope+kv",
+            "attention",
+            "attn out",
+            "gate/up",
+            "activation",
+            "down",
+            "head",
+        ] {
+            assert!(prof[step].as_f64().unwrap() > 0.0, "{test}: {step}");
+        }
+        assert!(!prof.contains_key("experts"), "{test}");
+        // The steps and what lay outside them add up to the measured time:
+        // the median's reciprocal, within the spread of the repetitions.
+        let total: f64 = prof.values().map(|x| x.as_f64().unwrap()).sum();
+        let samples: Vec<f64> = r["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let mean_us = samples.iter().map(|s| 1e6 / s).sum::<f64>() / samples.len() as f64;
+        assert!(
+            (total - mean_us).abs() <= 0.01 * mean_us,
+            "{test}: {total} against {mean_us}"
+        );
+        // One pass a repetition for the prefill; one a token for decoding.
+        let passes = r["profile_passes"].as_u64().unwrap();
+        assert_eq!(passes, if test.starts_with("pp") { 2 } else { 8 }, "{test}");
+    }
+    // The time of a GPU's steps is not the caller's: refused there.
+    let out = snug()
+        .args(["bench", "-m"])
+        .arg(&p)
+        .args(["-p", "8", "-n", "0", "--profile", "--device", "cuda"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(!text(&out.stderr).contains("panicked"), "{}", text(&out.stderr));
+}
