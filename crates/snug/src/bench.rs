@@ -362,16 +362,17 @@ pub fn cmd_bench(a: BenchArgs) -> Result<()> {
     for r in &rows {
         let Some(p) = &r.profile else { continue };
         let total: f64 = p.per_token().iter().map(|(_, us)| us).sum();
-        println!(
-            "\n{} {} ({} passes): µs a token by operation",
-            r.test,
-            if r.depth > 0 {
-                format!("@ d{}", r.depth)
-            } else {
-                String::new()
-            },
-            p.passes
-        );
+        let at = if r.depth > 0 {
+            format!(" @ d{}", r.depth)
+        } else {
+            String::new()
+        };
+        let passes = if p.passes == 1 {
+            "1 pass".to_string()
+        } else {
+            format!("{} passes", p.passes)
+        };
+        println!("\n{}{at} ({passes}): µs a token by operation", r.test);
         println!("| operation | µs a token | share |");
         println!("| --- | ---: | ---: |");
         for (op, us) in p.per_token() {
