@@ -4,13 +4,12 @@
 //! each lane takes the same fused multiply-adds as `dot_f32` and the
 //! value sums the same as `axpy`, and the lanes are folded by the same
 //! tree. Scores of several (position, head) pairs share one fold
-//! (`hsums`); value sums keep up to 64 dimensions of every head of the
+//! (`folds`); value sums keep up to 64 dimensions of every head of the
 //! group in registers over all positions; each page is walked as one
 //! contiguous run of vectors.
 
 use std::arch::x86_64::*;
 
-use super::coded::x86::hsums;
 use super::{softmax_row, AttnQuery, KvStorage};
 
 /// Positions the prefetch cursor runs ahead of the scores (measured
@@ -117,6 +116,47 @@ impl<'a> Ahead<'a> {
     }
 }
 
+/// Where register `f` of [`folds`] goes in, so that its sum comes out
+/// in lane `f`.
+const fn slot(f: usize) -> usize {
+    match f {
+        0..4 => 2 * f,
+        4..8 => 2 * (f - 4) + 1,
+        8..12 => 8 + 2 * (f - 8),
+        _ => 9 + 2 * (f - 12),
+    }
+}
+
+/// [`crate::ops::fold16`] of 16 registers at once, the sum of register
+/// `f` in lane `f`: the halves' sums `l[k] + l[k + 8]` of two
+/// registers in one, then three rounds of pairwise sums, each round
+/// taking sixteen lanes at a time, so every register's lanes are summed
+/// by the same tree as `fold16`'s (`((0+1)+(2+3))+((4+5)+(6+7))`) with a
+/// few shuffles shared by all of them, and no lane leaves a register.
+#[inline(always)]
+unsafe fn folds(a: &[__m512; 16]) -> __m512 {
+    let mut s = [_mm512_setzero_ps(); 16];
+    for f in 0..16 {
+        s[slot(f)] = a[f];
+    }
+    // Two registers' halves' sums: lanes 0..8 the first's, 8..16 the
+    // second's.
+    let halves =
+        |x: __m512, y: __m512| _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y));
+    // Sums of neighbouring lanes, within each 128-bit part: x's two
+    // pairs, then y's.
+    let pairs = |x: __m512, y: __m512| _mm512_add_ps(_mm512_shuffle_ps::<0x88>(x, y), _mm512_shuffle_ps::<0xDD>(x, y));
+    let z: [__m512; 8] = std::array::from_fn(|i| halves(s[2 * i], s[2 * i + 1]));
+    let w: [__m512; 4] = std::array::from_fn(|i| pairs(z[2 * i], z[2 * i + 1]));
+    let (v0, v1) = (pairs(w[0], w[1]), pairs(w[2], w[3]));
+    // Each register's sums of lanes 0..4 and of 4..8 are in parts 0 and
+    // 1 (or 2 and 3) of v0 or v1.
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(v0, v1),
+        _mm512_shuffle_f32x4::<0xDD>(v0, v1),
+    )
+}
+
 /// Scores of `P` consecutive positions (keys at `k`, `hd` apart) for
 /// `G` heads, `P * G <= 16`, written to `scores[g * n + j]`.
 #[inline(always)]
@@ -128,7 +168,10 @@ unsafe fn score_block<const G: usize, const P: usize>(
     scores: *mut f32,
     n: usize,
 ) {
-    let mut a = [[_mm512_setzero_ps(); G]; P];
+    debug_assert!(G * P <= 16);
+    // Register `g * P + j`: head `g`'s sum for position `j` (the rest
+    // stay zero).
+    let mut a = [_mm512_setzero_ps(); 16];
     for c in (0..hd).step_by(16) {
         let mut kc = [_mm512_setzero_ps(); P];
         for (j, kj) in kc.iter_mut().enumerate() {
@@ -137,25 +180,26 @@ unsafe fn score_block<const G: usize, const P: usize>(
         for g in 0..G {
             let qv = _mm512_loadu_ps(q.add(g * hd + c));
             for j in 0..P {
-                a[j][g] = _mm512_fmadd_ps(qv, kc[j], a[j][g]);
+                a[g * P + j] = _mm512_fmadd_ps(qv, kc[j], a[g * P + j]);
             }
         }
     }
-    let mut flat = [[_mm512_setzero_ps(); 8]; 2];
-    for j in 0..P {
-        for g in 0..G {
-            flat[(j * G + g) / 8][(j * G + g) % 8] = a[j][g];
-        }
-    }
-    let mut sums = [[0f32; 8]; 2];
-    sums[0] = hsums(&flat[0]);
-    if P * G > 8 {
-        sums[1] = hsums(&flat[1]);
-    }
-    for j in 0..P {
-        for g in 0..G {
-            *scores.add(g * n + j) = sums[(j * G + g) / 8][(j * G + g) % 8] * scale;
-        }
+    let sums = _mm512_mul_ps(folds(&a), _mm512_set1_ps(scale));
+    let low = ((1u32 << P) - 1) as __mmask16;
+    for g in 0..G {
+        // Head `g`'s `P` scores moved to the first lanes, then stored.
+        let x = if g == 0 {
+            sums
+        } else {
+            _mm512_permutexvar_ps(
+                _mm512_add_epi32(
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                    _mm512_set1_epi32((g * P) as i32),
+                ),
+                sums,
+            )
+        };
+        _mm512_mask_storeu_ps(scores.add(g * n), low, x);
     }
 }
 
