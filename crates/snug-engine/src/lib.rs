@@ -799,8 +799,9 @@ impl<'m> Engine<'m> {
         self.disk.as_ref().map(|d| (d.dir(), d.bytes()))
     }
 
-    /// Seconds per forward of 1, 2, 3, 5 and 9 rows (a decode step, and
-    /// verifies of 1, 2, 4 and 8 draft tokens) on this machine, measured
+    /// Seconds per forward of 1, 2, 3, 5, 9, 13 and 17 rows (a decode
+    /// step, and verifies of 1, 2, 4, 8, 12 and 16 draft tokens) on this
+    /// machine, measured
     /// once per engine by appending rows of `token` to `seq` and rolling
     /// them back: two passes over the row counts, the faster of each
     /// count's two times kept (a first forward can be slowed by cold
@@ -819,7 +820,7 @@ impl<'m> Engine<'m> {
         if held + most > self.options.ctx {
             return Ok(Vec::new());
         }
-        let counts = [1, 2, 3, 5, most];
+        let counts = [1, 2, 3, 5, 9, 13, most];
         let mut best = counts.map(|_| f64::INFINITY);
         for _pass in 0..2 {
             for (i, &rows) in counts.iter().enumerate() {
@@ -841,7 +842,7 @@ impl<'m> Engine<'m> {
 
     /// Forward costs measured earlier on this machine for this model and
     /// thread count (as [`Engine::speculation_costs`] returns them), to use
-    /// instead of measuring. Entries outside 1..=9 rows or not positive are
+    /// instead of measuring. Entries outside 1..=17 rows or not positive are
     /// dropped; fewer than two leave the engine to measure.
     pub fn set_speculation_costs(&mut self, costs: &[(usize, f64)]) {
         let ok: Vec<(usize, f64)> = costs
