@@ -74,6 +74,9 @@ pub struct AttnScratch {
     pub offsets: Vec<f32>,
     /// One page's keys, then its values, decoded (several rows at once).
     pub decoded: Vec<f32>,
+    /// Over F16 pages, a tile of keys, then of values, converted to f32
+    /// once for a block of rows (empty where rows go one by one).
+    pub tile: Vec<f32>,
     /// Rows [`attend_rows`] takes through the pages together.
     pub rows: usize,
 }
@@ -88,12 +91,22 @@ impl AttnScratch {
     }
 
     /// [`AttnScratch::new`], with room for [`attend_rows`] to take `rows`
-    /// rows over lossy pages together (each page decoded once for all of
-    /// them).
+    /// rows together: over lossy pages each page is decoded once for all
+    /// of them; over F16 pages (`ctx > 0`) each tile of keys and values is
+    /// converted to f32 once, and every row's scores are kept (`rows`
+    /// times the scores of one, at most [`BLOCK_SCORES`] or one row's).
     pub fn for_rows(ctx: usize, head_dim: usize, group: usize, page_tokens: usize, rows: usize) -> AttnScratch {
         let (g, rows) = (group.clamp(1, 8), rows.max(1));
+        let one = ctx.max(page_tokens) * group.max(1);
+        // Over F16 pages, room for `rows` rows' scores, up to
+        // BLOCK_SCORES (a block at a long context takes fewer rows).
+        let room = if ctx > 0 {
+            (one * rows).min(one.max(BLOCK_SCORES))
+        } else {
+            one
+        };
         AttnScratch {
-            scores: crate::vec::committed(0.0, ctx.max(page_tokens) * group.max(1)),
+            scores: crate::vec::committed(0.0, room),
             kv: crate::vec::committed(0.0, head_dim),
             rotated: crate::vec::committed(0.0, head_dim * group.max(1).max(rows * g)),
             acc: crate::vec::committed(0.0, head_dim * rows * g),
@@ -103,6 +116,7 @@ impl AttnScratch {
             run: crate::vec::committed(0.0, 2 * rows * g),
             offsets: crate::vec::committed(0.0, page_tokens * g),
             decoded: crate::vec::committed(0.0, 2 * page_tokens * head_dim),
+            tile: crate::vec::committed(0.0, if ctx > 0 && rows > 1 { F16_TILE.max(head_dim) } else { 0 }),
             rows,
         }
     }
@@ -120,6 +134,7 @@ impl AttnScratch {
             &self.run,
             &self.offsets,
             &self.decoded,
+            &self.tile,
         ]
         .iter()
         .map(|v| v.capacity() * 4)
@@ -169,10 +184,21 @@ pub fn attend_group(
     attend_group_generic(kv, layer, kv_head, query, q, scale, out, scratch)
 }
 
+/// Scores (f32) a scratch keeps at most for a block of rows over F16
+/// pages (1 MiB), unless one row at its longest context needs more.
+pub const BLOCK_SCORES: usize = 1 << 18;
+
+/// Elements of keys, then of values, that rows taken together over F16
+/// pages convert to f32 at a time.
+const F16_TILE: usize = 4096;
+
 /// [`attend_group`] for each of `rows`, every row's result the same bits
-/// as alone. Over lossy pages, consecutive rows of one sequence (up to the
-/// scratch's [`AttnScratch::rows`]) go through the pages together, each
-/// page's codes decoded once for all of them.
+/// as alone. Consecutive rows of one sequence (up to the scratch's
+/// [`AttnScratch::rows`]) go through the pages together: over lossy pages
+/// each page's codes are decoded once for all of them; over F16 pages
+/// (AVX-512) each tile of keys and values is converted to f32 once, which
+/// takes the conversions, half the vector work of a row alone, off all
+/// but the first row.
 pub fn attend_rows(
     kv: &KvStorage,
     layer: usize,
@@ -182,6 +208,14 @@ pub fn attend_rows(
     scratch: &mut AttnScratch,
 ) {
     if !coded::takes(kv) {
+        #[cfg(target_arch = "x86_64")]
+        if let (Data::F16(dk), Data::F16(dv), true) = (
+            &kv.k,
+            &kv.v,
+            crate::cpu::simd() >= crate::cpu::Simd::Avx512Vnni && !scratch.tile.is_empty(),
+        ) {
+            return f16_blocks(dk, dv, kv, layer, kv_head, rows, scale, scratch);
+        }
         for r in rows.iter_mut() {
             attend_group(kv, layer, kv_head, &r.query, r.q, scale, r.out, scratch);
         }
@@ -197,6 +231,60 @@ pub fn attend_rows(
             .count();
         let (block, tail) = rest.split_at_mut(n);
         coded::attend(crate::cpu::simd(), kv, layer, kv_head, block, scale, scratch);
+        rest = tail;
+    }
+}
+
+/// [`attend_rows`] over F16 pages with AVX-512: blocks of consecutive
+/// rows of one sequence, with as many query heads each (at most 8) and
+/// every row's scores in the scratch, go together; any other row alone.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn f16_blocks(
+    dk: &[u16],
+    dv: &[u16],
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    rows: &mut [AttnRow],
+    scale: f32,
+    scratch: &mut AttnScratch,
+) {
+    const _: () = assert!(F16_TILE == x86_f16_512::TILE);
+    let hd = kv.shape.head_dim;
+    let mut rest = rows;
+    while !rest.is_empty() {
+        let (pages, width) = (rest[0].query.pages, rest[0].q.len());
+        let mut offs = [0usize; 16];
+        let mut need = 0;
+        let n = rest
+            .iter()
+            .take(scratch.rows.min(16))
+            .take_while(|r| {
+                let fits = std::ptr::eq(r.query.pages, pages)
+                    && r.q.len() == width
+                    && width / hd <= 8
+                    && need + width / hd * (r.query.end - r.query.start) <= scratch.scores.len();
+                if fits {
+                    need += width / hd * (r.query.end - r.query.start);
+                }
+                fits
+            })
+            .count();
+        let (block, tail) = rest.split_at_mut(n.max(1));
+        if n >= 2 {
+            for i in 1..n {
+                offs[i] = offs[i - 1] + width / hd * (block[i - 1].query.end - block[i - 1].query.start);
+            }
+            let AttnScratch { scores, tile, .. } = scratch;
+            // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C are present (checked
+            // by the caller); every row's scores fit (`need`), the tile holds
+            // F16_TILE elements and at least one vector.
+            unsafe { x86_f16_512::attend_rows_f16(dk, dv, kv, layer, kv_head, block, &offs[..n], scale, scores, tile) };
+        } else {
+            let r = &mut block[0];
+            attend_group(kv, layer, kv_head, &r.query, r.q, scale, r.out, scratch);
+        }
         rest = tail;
     }
 }

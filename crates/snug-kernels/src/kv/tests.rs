@@ -455,6 +455,76 @@ fn fused_f16_attention_matches_the_generic_path_bitwise() {
 }
 
 #[test]
+fn f16_rows_taken_together_are_each_the_bits_of_a_row_alone() {
+    // Blocks of rows over F16 pages (a tile of keys and values converted
+    // to f32 once for the block) against each row through the reference:
+    // every group size, both head sizes, contexts across several tiles,
+    // rows of a causal chunk and rows of a sliding window (their starts
+    // move), blocks cut short by the scores' room.
+    for hd in [64, 256] {
+        for group in 1..=9 {
+            let shape = KvShape {
+                layers: 2,
+                kv_heads: 2,
+                head_dim: hd,
+                page_tokens: 16,
+            };
+            let mut kv = KvStorage::new(shape, KvFormat::F16, 12);
+            let mut rnd = uniform(0x0bad_cafe ^ (hd * 131 + group) as u32);
+            let pages = [7u32, 2, 9, 0, 11, 4, 1, 8, 3, 10];
+            for p in 0..160 {
+                let k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+                let v: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+                kv.write(1, slot_at(&pages, p), &k, &v);
+            }
+            let ends: Vec<usize> = (150..160).collect();
+            let qs: Vec<Vec<f32>> = ends
+                .iter()
+                .map(|_| (0..group * hd).map(|_| rnd() * 3.0).collect())
+                .collect();
+            for (window, rows_room) in [(None, 8), (Some(70), 8), (None, 3), (Some(5), 16)] {
+                let start = |end: usize| window.map_or(0, |w: usize| end.saturating_sub(w));
+                let mut want = vec![vec![0f32; group * hd]; ends.len()];
+                for ((&end, q), out) in ends.iter().zip(&qs).zip(want.iter_mut()) {
+                    let query = AttnQuery {
+                        pages: &pages,
+                        twins: &[],
+                        start: start(end),
+                        end,
+                    };
+                    let mut s = AttnScratch::new(160, hd, group, 16);
+                    attend_group_generic(&kv, 1, 1, &query, q, 0.125, out, &mut s);
+                }
+                let mut got = vec![vec![f32::NAN; group * hd]; ends.len()];
+                let mut rows: Vec<AttnRow> = ends
+                    .iter()
+                    .zip(&qs)
+                    .zip(got.iter_mut())
+                    .map(|((&end, q), out)| AttnRow {
+                        query: AttnQuery {
+                            pages: &pages,
+                            twins: &[],
+                            start: start(end),
+                            end,
+                        },
+                        q,
+                        out,
+                    })
+                    .collect();
+                let mut s = AttnScratch::for_rows(160, hd, group, 16, rows_room);
+                attend_rows(&kv, 1, 1, &mut rows, 0.125, &mut s);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "head dim {hd}, group {group}, window {window:?}, room {rows_room}, row {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn a_batch_written_on_the_pool_is_the_rows_written_one_by_one() {
     // Every format and a key basis; twins on some pages; a batch of two
     // sequences, and one where two rows share a slot (the later one wins,

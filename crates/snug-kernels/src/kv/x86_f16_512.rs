@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{softmax_row, AttnQuery, KvStorage};
+use super::{softmax_row, AttnQuery, AttnRow, KvStorage};
 
 /// Positions the prefetch cursor runs ahead of the scores (measured
 /// with `attnbench`, keys and values in memory: 8 to 64 all gain about
@@ -157,11 +157,31 @@ unsafe fn folds(a: &[__m512; 16]) -> __m512 {
     )
 }
 
+/// A 16-element chunk of a key or value, as stored in the pages (F16)
+/// or converted already (f32): the same values either way.
+trait Chunk: Copy {
+    unsafe fn load(p: *const Self) -> __m512;
+}
+
+impl Chunk for u16 {
+    #[inline(always)]
+    unsafe fn load(p: *const u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
+impl Chunk for f32 {
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+
 /// Scores of `P` consecutive positions (keys at `k`, `hd` apart) for
 /// `G` heads, `P * G <= 16`, written to `scores[g * n + j]`.
 #[inline(always)]
-unsafe fn score_block<const G: usize, const P: usize>(
-    k: *const u16,
+unsafe fn score_block<T: Chunk, const G: usize, const P: usize>(
+    k: *const T,
     hd: usize,
     q: *const f32,
     scale: f32,
@@ -175,7 +195,7 @@ unsafe fn score_block<const G: usize, const P: usize>(
     for c in (0..hd).step_by(16) {
         let mut kc = [_mm512_setzero_ps(); P];
         for (j, kj) in kc.iter_mut().enumerate() {
-            *kj = _mm512_cvtph_ps(_mm256_loadu_si256(k.add(j * hd + c) as *const __m256i));
+            *kj = T::load(k.add(j * hd + c));
         }
         for g in 0..G {
             let qv = _mm512_loadu_ps(q.add(g * hd + c));
@@ -203,6 +223,16 @@ unsafe fn score_block<const G: usize, const P: usize>(
     }
 }
 
+/// Positions a block of scores takes: their accumulators fill at most
+/// 16 registers (and the keys at most 8 more).
+const fn per_block(g: usize) -> usize {
+    match g {
+        1 | 2 => 8,
+        3 | 4 => 4,
+        _ => 2,
+    }
+}
+
 /// Attention of `G` heads, value sums `R` registers (`16 * R`
 /// dimensions) wide; `R` divides `head_dim / 16`.
 #[allow(clippy::too_many_arguments)]
@@ -221,15 +251,6 @@ unsafe fn group<const G: usize, const R: usize>(
 ) {
     let hd = kv.shape.head_dim;
     let n = query.end - query.start;
-    // Positions a block of scores takes: their accumulators fill at most
-    // 16 registers (and the keys at most 8 more).
-    const fn per_block(g: usize) -> usize {
-        match g {
-            1 | 2 => 8,
-            3 | 4 => 4,
-            _ => 2,
-        }
-    }
     let sp = scores.as_mut_ptr();
     let mut ahead = Ahead::new(kv, layer, kv_head, query, AHEAD);
     for (i0, off, len) in runs(kv, layer, false, kv_head, query) {
@@ -241,7 +262,7 @@ unsafe fn group<const G: usize, const R: usize>(
                     for _ in 0..$p {
                         ahead.step(dk.as_ptr(), dv.as_ptr());
                     }
-                    score_block::<G, { $p }>(k.add(t * hd), hd, q.as_ptr(), scale, sp.add(i0 + t), n);
+                    score_block::<u16, G, { $p }>(k.add(t * hd), hd, q.as_ptr(), scale, sp.add(i0 + t), n);
                     t += $p;
                 }
             };
@@ -283,6 +304,22 @@ unsafe fn group<const G: usize, const R: usize>(
     }
 }
 
+/// Value registers a head: as many as leave room for the group's
+/// accumulators, the values and a weight in 32 registers, dividing the
+/// head's chunks.
+fn value_registers(hd: usize, group: usize) -> usize {
+    debug_assert_eq!(hd % 16, 0);
+    let most = match group {
+        1 | 2 => 8,
+        3..=6 => 4,
+        _ => 2,
+    };
+    [8, 4, 2, 1]
+        .into_iter()
+        .find(|&r| r <= most && (hd / 16).is_multiple_of(r))
+        .unwrap_or(1)
+}
+
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn attend_group_f16(
@@ -298,20 +335,7 @@ pub(super) unsafe fn attend_group_f16(
     scores: &mut [f32],
 ) {
     let hd = kv.shape.head_dim;
-    debug_assert_eq!(hd % 16, 0);
-    let chunks = hd / 16;
-    // Value registers a head: as many as leave room for the group's
-    // accumulators, the values and a weight in 32 registers, dividing
-    // the head's chunks.
-    let most = match q.len() / hd {
-        1 | 2 => 8,
-        3..=6 => 4,
-        _ => 2,
-    };
-    let r = [8, 4, 2, 1]
-        .into_iter()
-        .find(|&r| r <= most && chunks.is_multiple_of(r))
-        .unwrap_or(1);
+    let r = value_registers(hd, q.len() / hd);
     macro_rules! by_group {
         ($r:literal) => {
             match q.len() / hd {
@@ -328,6 +352,196 @@ pub(super) unsafe fn attend_group_f16(
         };
     }
     match r {
+        8 => by_group!(8),
+        4 => by_group!(4),
+        2 => by_group!(2),
+        _ => by_group!(1),
+    }
+}
+
+/// Elements of keys, then of values, a block of rows converts to f32 at
+/// a time ([`attend_rows_f16`]): 16 KiB, which stay in the first-level
+/// cache while every row of the block reads them (64 positions of a
+/// 64-element head, 16 of a 256-element one).
+pub(super) const TILE: usize = 4096;
+
+/// Converts the vectors of positions `p0..p1` (keys, or values with
+/// `is_v`) of the sequence with `pages` to f32, one after another at
+/// `tile`. F16 to f32 is exact: the values are the ones a row reads
+/// from the pages itself.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn to_f32(
+    d: &[u16],
+    kv: &KvStorage,
+    layer: usize,
+    is_v: bool,
+    kv_head: usize,
+    pages: &[u32],
+    (p0, p1): (usize, usize),
+    tile: *mut f32,
+) {
+    let (pt, hd) = (kv.shape.page_tokens, kv.shape.head_dim);
+    let mut p = p0;
+    while p < p1 {
+        let (index, first) = (p / pt, p % pt);
+        let len = (pt - first).min(p1 - p);
+        let off = kv.offset(pages[index], layer, is_v, kv_head, first);
+        debug_assert!(off + len * hd <= d.len());
+        let (src, dst) = (d.as_ptr().add(off), tile.add((p - p0) * hd));
+        for e in (0..len * hd).step_by(16) {
+            _mm512_storeu_ps(dst.add(e), u16::load(src.add(e)));
+        }
+        p += len;
+    }
+}
+
+/// [`group`] for several rows of one sequence together (up to 16, `G`
+/// query heads each, row `i`'s scores at `offs[i]` of `scores`): each
+/// tile of positions is converted to f32 once for all of them, then
+/// every row runs over it the operations it runs alone, in the same
+/// order (its value sums carried from tile to tile in its output).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn rows_group<const G: usize, const R: usize>(
+    dk: &[u16],
+    dv: &[u16],
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    rows: &mut [AttnRow],
+    offs: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    tile: &mut [f32],
+) {
+    let hd = kv.shape.head_dim;
+    let step = (TILE / hd).max(1);
+    let pages = rows[0].query.pages;
+    let lo = rows.iter().map(|r| r.query.start).min().unwrap_or(0);
+    let hi = rows.iter().map(|r| r.query.end).max().unwrap_or(0);
+    let (sp, tp) = (scores.as_mut_ptr(), tile.as_mut_ptr());
+    let mut p0 = lo;
+    while p0 < hi {
+        let p1 = (p0 + step).min(hi);
+        to_f32(dk, kv, layer, false, kv_head, pages, (p0, p1), tp);
+        for (row, &off) in rows.iter().zip(offs) {
+            let (s, e) = (row.query.start, row.query.end);
+            let (a, b) = (p0.max(s), p1.min(e));
+            if a >= b {
+                continue;
+            }
+            let (n, len) = (e - s, b - a);
+            let k = tp.add((a - p0) * hd) as *const f32;
+            let dst = sp.add(off + a - s);
+            let mut t = 0;
+            macro_rules! blocks {
+                ($p:expr) => {
+                    while t + $p <= len {
+                        score_block::<f32, G, { $p }>(k.add(t * hd), hd, row.q.as_ptr(), scale, dst.add(t), n);
+                        t += $p;
+                    }
+                };
+            }
+            match per_block(G) {
+                8 => blocks!(8),
+                4 => blocks!(4),
+                2 => blocks!(2),
+                _ => {}
+            }
+            blocks!(1);
+        }
+        p0 = p1;
+    }
+    for (row, &off) in rows.iter_mut().zip(offs) {
+        let n = row.query.end - row.query.start;
+        for g in 0..G {
+            softmax_row(&mut scores[off + g * n..off + (g + 1) * n]);
+        }
+        row.out.fill(0.0);
+    }
+    let sp = scores.as_ptr();
+    let mut p0 = lo;
+    while p0 < hi {
+        let p1 = (p0 + step).min(hi);
+        to_f32(dv, kv, layer, true, kv_head, pages, (p0, p1), tp);
+        for (row, &off) in rows.iter_mut().zip(offs) {
+            let (s, e) = (row.query.start, row.query.end);
+            let (a, b) = (p0.max(s), p1.min(e));
+            if a >= b {
+                continue;
+            }
+            let n = e - s;
+            let w = sp.add(off + a - s);
+            let op = row.out.as_mut_ptr();
+            for d0 in (0..hd).step_by(16 * R) {
+                let mut o = [[_mm512_setzero_ps(); R]; G];
+                for (g, og) in o.iter_mut().enumerate() {
+                    for (r, x) in og.iter_mut().enumerate() {
+                        *x = _mm512_loadu_ps(op.add(g * hd + d0 + 16 * r));
+                    }
+                }
+                let v = tp.add((a - p0) * hd + d0) as *const f32;
+                for t in 0..b - a {
+                    let mut vr = [_mm512_setzero_ps(); R];
+                    for (r, x) in vr.iter_mut().enumerate() {
+                        *x = _mm512_loadu_ps(v.add(t * hd + 16 * r));
+                    }
+                    for (g, og) in o.iter_mut().enumerate() {
+                        let w = _mm512_set1_ps(*w.add(g * n + t));
+                        for r in 0..R {
+                            og[r] = _mm512_fmadd_ps(w, vr[r], og[r]);
+                        }
+                    }
+                }
+                for (g, og) in o.iter().enumerate() {
+                    for (r, x) in og.iter().enumerate() {
+                        _mm512_storeu_ps(op.add(g * hd + d0 + 16 * r), *x);
+                    }
+                }
+            }
+        }
+        p0 = p1;
+    }
+}
+
+/// [`attend_group_f16`] of several rows of one sequence, each with the
+/// same number of query heads (at most 8) and the same bits as alone:
+/// row `i`'s scores at `offs[i]` of `scores`, and [`TILE`] elements (at
+/// least one vector) in `tile`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(super) unsafe fn attend_rows_f16(
+    dk: &[u16],
+    dv: &[u16],
+    kv: &KvStorage,
+    layer: usize,
+    kv_head: usize,
+    rows: &mut [AttnRow],
+    offs: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    tile: &mut [f32],
+) {
+    let hd = kv.shape.head_dim;
+    let g = rows[0].q.len() / hd;
+    debug_assert!(tile.len() >= TILE.max(hd) && rows.iter().all(|r| r.q.len() == g * hd));
+    macro_rules! by_group {
+        ($r:literal) => {
+            match g {
+                1 => rows_group::<1, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                2 => rows_group::<2, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                3 => rows_group::<3, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                4 => rows_group::<4, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                5 => rows_group::<5, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                6 => rows_group::<6, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                7 => rows_group::<7, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                8 => rows_group::<8, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
+                g => unreachable!("attention: {g} query heads per KV head take the generic path"),
+            }
+        };
+    }
+    match value_registers(hd, g) {
         8 => by_group!(8),
         4 => by_group!(4),
         2 => by_group!(2),

@@ -17,9 +17,10 @@ use snug_kernels::vec::committed;
 use super::{Backend, Buf, WorkspaceSize};
 use crate::arch::{trace::trace, Activation, BatchRow, Config, Experts, Head, KvView};
 
-/// Rows a thread takes through the pages of a lossy KV cache together.
-/// Each page's codes are decoded once for the block, so a longer block
-/// saves more decoding and holds more rows' state.
+/// Rows a thread takes through the pages together: over a lossy KV cache
+/// each page's codes are decoded once for the block, over F16 pages each
+/// tile of keys and values is converted to f32 once, so a longer block
+/// saves more and holds more rows' state.
 pub const ATTN_ROWS: usize = 8;
 
 /// The buffers, threads and scratch of one engine's forward passes on the
@@ -60,10 +61,11 @@ impl CpuWorkspace {
             bufs: Buf::ALL.map(|b| committed(0.0, rows * b.width(c))),
             attn_threads: (0..threads)
                 .map(|_| {
-                    // Lossy pages (no scratch per position) are read by
-                    // blocks of rows, each page decoded once for the block.
-                    let block = if size.ctx == 0 { ATTN_ROWS } else { 1 };
-                    let group = c.heads / c.kv_heads;
+                    // Rows are read by blocks: over lossy pages each page
+                    // is decoded once for the block; over F16 pages each
+                    // tile is converted once, and the block keeps every
+                    // row's scores (as many rows as fit).
+                    let (group, block) = (c.heads / c.kv_heads, ATTN_ROWS);
                     Mutex::new(AttnScratch::for_rows(
                         size.ctx,
                         c.head_dim,
