@@ -391,26 +391,35 @@ fn coded_attention_is_the_same_bits_at_every_level_and_close_to_the_reference() 
     }
 }
 
+/// F16 storage of two layers of two KV heads of `hd`, 16 positions a
+/// page, `pages.len() + 2` pages (every page named lies below that),
+/// layer 1 holding random keys and values at positions `0..n` of the
+/// sequence with `pages`.
+fn f16_pages(hd: usize, pages: &[u32], n: usize, rnd: &mut impl FnMut() -> f32) -> KvStorage {
+    let shape = KvShape {
+        layers: 2,
+        kv_heads: 2,
+        head_dim: hd,
+        page_tokens: 16,
+    };
+    let mut kv = KvStorage::new(shape, KvFormat::F16, pages.len() + 2);
+    for p in 0..n {
+        let k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
+        kv.write(1, slot_at(pages, p), &k, &v);
+    }
+    kv
+}
+
 #[test]
 fn fused_f16_attention_matches_the_generic_path_bitwise() {
     // Every group size the fused path specializes (1..=8 query heads per
     // KV head, 9 goes generic), at the head sizes of the four models.
     for hd in [64, 256] {
         for group in 1..=9 {
-            let shape = KvShape {
-                layers: 2,
-                kv_heads: 2,
-                head_dim: hd,
-                page_tokens: 16,
-            };
-            let mut kv = KvStorage::new(shape, KvFormat::F16, 6);
             let mut rnd = uniform(0x1234_5678u32 ^ (hd * 31 + group) as u32);
             let pages = [3u32, 0, 5, 1];
-            for p in 0..60 {
-                let k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
-                let v: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
-                kv.write(1, slot_at(&pages, p), &k, &v);
-            }
+            let kv = f16_pages(hd, &pages, 60, &mut rnd);
             let q: Vec<f32> = (0..group * hd).map(|_| rnd() * 3.0).collect();
             for (start, end) in [(0, 1), (0, 60), (13, 47), (5, 6), (31, 58)] {
                 let query = AttnQuery {
@@ -463,20 +472,9 @@ fn f16_rows_taken_together_are_each_the_bits_of_a_row_alone() {
     // move), blocks cut short by the scores' room.
     for hd in [64, 256] {
         for group in 1..=9 {
-            let shape = KvShape {
-                layers: 2,
-                kv_heads: 2,
-                head_dim: hd,
-                page_tokens: 16,
-            };
-            let mut kv = KvStorage::new(shape, KvFormat::F16, 12);
             let mut rnd = uniform(0x0bad_cafe ^ (hd * 131 + group) as u32);
             let pages = [7u32, 2, 9, 0, 11, 4, 1, 8, 3, 10];
-            for p in 0..160 {
-                let k: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
-                let v: Vec<f32> = (0..2 * hd).map(|_| rnd()).collect();
-                kv.write(1, slot_at(&pages, p), &k, &v);
-            }
+            let kv = f16_pages(hd, &pages, 160, &mut rnd);
             let ends: Vec<usize> = (150..160).collect();
             let qs: Vec<Vec<f32>> = ends
                 .iter()

@@ -157,6 +157,32 @@ unsafe fn folds(a: &[__m512; 16]) -> __m512 {
     )
 }
 
+/// `$f::<G, R>(args)` for `$g` query heads (1 to 8) and `$r` value
+/// registers (8, 4, 2, else 1): one compiled body for each pair.
+macro_rules! by_shape {
+    ($f:ident, $g:expr, $r:expr, $args:tt) => {
+        match $r {
+            8 => by_shape!(@g $f, $g, 8, $args),
+            4 => by_shape!(@g $f, $g, 4, $args),
+            2 => by_shape!(@g $f, $g, 2, $args),
+            _ => by_shape!(@g $f, $g, 1, $args),
+        }
+    };
+    (@g $f:ident, $g:expr, $r:literal, ($($a:expr),*)) => {
+        match $g {
+            1 => $f::<1, $r>($($a),*),
+            2 => $f::<2, $r>($($a),*),
+            3 => $f::<3, $r>($($a),*),
+            4 => $f::<4, $r>($($a),*),
+            5 => $f::<5, $r>($($a),*),
+            6 => $f::<6, $r>($($a),*),
+            7 => $f::<7, $r>($($a),*),
+            8 => $f::<8, $r>($($a),*),
+            g => unreachable!("attention: {g} query heads per KV head take the generic path"),
+        }
+    };
+}
+
 /// A 16-element chunk of a key or value, as stored in the pages (F16)
 /// or converted already (f32): the same values either way.
 trait Chunk: Copy {
@@ -336,27 +362,12 @@ pub(super) unsafe fn attend_group_f16(
 ) {
     let hd = kv.shape.head_dim;
     let r = value_registers(hd, q.len() / hd);
-    macro_rules! by_group {
-        ($r:literal) => {
-            match q.len() / hd {
-                1 => group::<1, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                2 => group::<2, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                3 => group::<3, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                4 => group::<4, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                5 => group::<5, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                6 => group::<6, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                7 => group::<7, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                8 => group::<8, $r>(dk, dv, kv, layer, kv_head, query, q, scale, out, scores),
-                g => unreachable!("attention: {g} query heads per KV head take the generic path"),
-            }
-        };
-    }
-    match r {
-        8 => by_group!(8),
-        4 => by_group!(4),
-        2 => by_group!(2),
-        _ => by_group!(1),
-    }
+    by_shape!(
+        group,
+        q.len() / hd,
+        r,
+        (dk, dv, kv, layer, kv_head, query, q, scale, out, scores)
+    );
 }
 
 /// Elements of keys, then of values, a block of rows converts to f32 at
@@ -526,25 +537,10 @@ pub(super) unsafe fn attend_rows_f16(
     let hd = kv.shape.head_dim;
     let g = rows[0].q.len() / hd;
     debug_assert!(tile.len() >= TILE.max(hd) && rows.iter().all(|r| r.q.len() == g * hd));
-    macro_rules! by_group {
-        ($r:literal) => {
-            match g {
-                1 => rows_group::<1, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                2 => rows_group::<2, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                3 => rows_group::<3, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                4 => rows_group::<4, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                5 => rows_group::<5, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                6 => rows_group::<6, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                7 => rows_group::<7, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                8 => rows_group::<8, $r>(dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile),
-                g => unreachable!("attention: {g} query heads per KV head take the generic path"),
-            }
-        };
-    }
-    match value_registers(hd, g) {
-        8 => by_group!(8),
-        4 => by_group!(4),
-        2 => by_group!(2),
-        _ => by_group!(1),
-    }
+    by_shape!(
+        rows_group,
+        g,
+        value_registers(hd, g),
+        (dk, dv, kv, layer, kv_head, rows, offs, scale, scores, tile)
+    );
 }
