@@ -10,6 +10,7 @@
 
 use std::arch::x86_64::*;
 
+use super::attend::F16_TILE as TILE;
 use super::{softmax_row, AttnQuery, AttnRow, KvStorage};
 
 /// Positions the prefetch cursor runs ahead of the scores (measured
@@ -369,12 +370,6 @@ pub(super) unsafe fn attend_group_f16(
         (dk, dv, kv, layer, kv_head, query, q, scale, out, scores)
     );
 }
-
-/// Elements of keys, then of values, a block of rows converts to f32 at
-/// a time ([`attend_rows_f16`]): 16 KiB, which stay in the first-level
-/// cache while every row of the block reads them (64 positions of a
-/// 64-element head, 16 of a 256-element one).
-pub(super) const TILE: usize = 4096;
 
 /// Converts the vectors of positions `p0..p1` (keys, or values with
 /// `is_v`) of the sequence with `pages` to f32, one after another at
