@@ -41,13 +41,7 @@ fn log_softmax(row: &[f32], out: &mut Vec<f64>) {
 }
 
 fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
+    snug_engine::sampling::argmax(row) as usize
 }
 
 /// Runs one window through `engine`, returning the logits of rows

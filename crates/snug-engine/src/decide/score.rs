@@ -301,7 +301,7 @@ pub fn jev_confidence(kind: Kind, p: &[f32]) -> f64 {
 
 /// The index of the first of the highest probabilities.
 pub fn argmax(p: &[f32]) -> usize {
-    p.iter().enumerate().fold(0, |b, (i, &x)| if x > p[b] { i } else { b })
+    crate::sampling::argmax(p) as usize
 }
 
 /// Rounded to 4 decimals, as Laya writes every number.
