@@ -198,9 +198,9 @@ pub(super) const F16_TILE: usize = 4096;
 /// as alone. Consecutive rows of one sequence (up to the scratch's
 /// [`AttnScratch::rows`]) go through the pages together: over lossy pages
 /// each page's codes are decoded once for all of them; over F16 pages
-/// (AVX-512) each tile of keys and values is converted to f32 once, which
-/// takes the conversions (about 40% of a row's vector work alone) off
-/// all but the first row.
+/// (AVX2 or AVX-512) each tile of keys and values is converted to f32
+/// once, which takes the conversions (about 40% of a row's vector work
+/// alone) off all but the first row.
 pub fn attend_rows(
     kv: &KvStorage,
     layer: usize,
@@ -214,9 +214,9 @@ pub fn attend_rows(
         if let (Data::F16(dk), Data::F16(dv), true) = (
             &kv.k,
             &kv.v,
-            crate::cpu::simd() >= crate::cpu::Simd::Avx512Vnni && !scratch.tile.is_empty(),
+            crate::cpu::simd() >= crate::cpu::Simd::Avx2 && !scratch.tile.is_empty(),
         ) {
-            return f16_blocks(dk, dv, kv, layer, kv_head, rows, scale, scratch);
+            return f16_blocks(crate::cpu::simd(), dk, dv, kv, layer, kv_head, rows, scale, scratch);
         }
         for r in rows.iter_mut() {
             attend_group(kv, layer, kv_head, &r.query, r.q, scale, r.out, scratch);
@@ -237,12 +237,15 @@ pub fn attend_rows(
     }
 }
 
-/// [`attend_rows`] over F16 pages with AVX-512: blocks of consecutive
+/// [`attend_rows`] over F16 pages with AVX2 or AVX-512: blocks of consecutive
 /// rows of one sequence, with as many query heads each (at most 8) and
 /// every row's scores in the scratch, go together; any other row alone.
+/// `level` (at least AVX2, and one this CPU runs) picks the kernels of the
+/// blocks.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn f16_blocks(
+pub(super) fn f16_blocks(
+    level: crate::cpu::Simd,
     dk: &[u16],
     dv: &[u16],
     kv: &KvStorage,
@@ -272,10 +275,19 @@ fn f16_blocks(
         let (block, tail) = rest.split_at_mut(n.max(1));
         if n >= 2 {
             let AttnScratch { scores, tile, .. } = scratch;
-            // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C are present (checked
-            // by the caller); every row's scores fit (`need`), the tile holds
-            // F16_TILE elements and at least one vector.
-            unsafe { x86_f16_512::attend_rows_f16(dk, dv, kv, layer, kv_head, block, &offs[..n], scale, scores, tile) };
+            let offs = &offs[..n];
+            assert!(level >= crate::cpu::Simd::Avx2 && level <= crate::cpu::Simd::detect());
+            // SAFETY: the CPU runs `level` (asserted): AVX2, FMA and F16C,
+            // and AVX-512 F/BW at the higher level; every row's scores fit
+            // (`need`), the tile holds F16_TILE elements and at least one
+            // head.
+            unsafe {
+                if level >= crate::cpu::Simd::Avx512Vnni {
+                    x86_f16_512::attend_rows_f16(dk, dv, kv, layer, kv_head, block, offs, scale, scores, tile)
+                } else {
+                    x86::attend_rows_f16(dk, dv, kv, layer, kv_head, block, offs, scale, scores, tile)
+                }
+            }
         } else {
             let r = &mut block[0];
             attend_group(kv, layer, kv_head, &r.query, r.q, scale, r.out, scratch);
