@@ -3,8 +3,9 @@
 # llama.cpp beside it (its CUDA build in the background meanwhile):
 # - bits (gpucheck: logits against the CPU at every step, every
 #   invariance) of the built-in kernels on the synthesized SmolLM2, 1.5B
-#   and 7B files, and of each variant in CHECK_V (kernels.cu macros, `,`
-#   between them) on the SmolLM2 and 1.5B files;
+#   and 7B files (and those named in CHECK_MORE: `g3`, say), and of each
+#   variant in CHECK_V (kernels.cu macros, `,` between them) on the
+#   SmolLM2 and 1.5B files and those of CHECK_MORE;
 # - prefill of 512 (gpucheck --profile-prefill 7) on the 1.5B and 7B
 #   files: the built-in kernels (-) and each variant in TIME_V, ROUNDS
 #   rounds (1 unless set);
@@ -33,7 +34,7 @@ TIME_V=${TIME_V:-MMT_RAW=0 MMT_RAW=2,MMT_S=2,MMT_WO=2 ATT_PVJ=1 MMT_RAW=2,MMT_S=
 defs() { [ "$1" = - ] || echo "$1" | tr ',' '\n' | sed 's/^/--define /' | tr '\n' ' '; }
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  gpu_synth smol 1.5b 7b 2> synth.err
+  gpu_synth smol 1.5b 7b ${CHECK_MORE:-} 2> synth.err
   echo "synthesized $(el)"
   check() {
     ./gpucheck $2.gguf --prompt 45 --gen 6 --pp 512 --tg 8 $(defs $1) --out c.json > /dev/null 2> c.err || tail -3 c.err
@@ -44,8 +45,8 @@ ok = all(v for k, v in d.items() if k.startswith(("batch_inv", "graphs_same", "t
 print(sys.argv[2], "[" + sys.argv[1] + "] bits:", d["logits_bitwise_equal_to_cpu_steps"], "of", d["generated"] + 1,
       "steps the CPU\x27s; invariant", ok)' "$1" $2
   }
-  for m in smol 1.5b 7b; do check - $m; done
-  for v in $CHECK_V; do for m in smol 1.5b; do check $v $m; done; done
+  for m in smol 1.5b 7b ${CHECK_MORE:-}; do check - $m; done
+  for v in $CHECK_V; do for m in smol 1.5b ${CHECK_MORE:-}; do check $v $m; done; done
   echo "checked $(el)"
   for r in $(seq 1 ${ROUNDS:-1}); do
     for m in 7b 1.5b; do

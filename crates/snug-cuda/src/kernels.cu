@@ -2260,6 +2260,289 @@ extern "C" __global__ void attend_f16_rows(const float* q, const u32* table, con
     }
 }
 
+// In a prefill, attention for a group of NR rows of one sequence from one
+// first position and query head blockIdx.y, with the work spread over the
+// block's threads as a product's tiles are (ATT_TILED; the bits of
+// attend_set's, row by row):
+//
+// - Scores: the block's 8 groups of 16 lanes take 4 positions each of a
+//   tile of 32 whose keys are staged in shared memory. Lane e of a group
+//   keeps lane e's share of the rows' queries (elements e, e + 16, ...)
+//   in registers and sums q . k's elements e, e + 16, ... in order into
+//   one accumulator per (row, position): the CPU's lane e. The
+//   accumulators then go through shared memory so that one thread holds
+//   a score's 16 lanes and folds them as attend_set does.
+// - Softmax as attend_set.
+// - Values: thread t sums dimensions 2t' and 2t' + 1 (t' = t mod hd/2)
+//   for a set of the rows, a weight read once for each row and a value
+//   once for the set, each (row, dimension) over the positions in order
+//   with fused multiply-adds.
+//
+// ATT_TILED=1 selects it (attend_f16_tiled64, 128, 256). They compile
+// without spills (124-128 registers), but their bits have not yet been
+// checked against the CPU's on a device, so the default stays 0
+// (attend_f16_rows).
+#ifndef ATT_TILED
+#define ATT_TILED 0
+#endif
+// Positions of a tile of keys, and of a group of lanes in it.
+#define ATT_TP 32
+#define ATT_PT 4
+template <int NR, int KS>
+__device__ __forceinline__ void attend_tiled(const float* q, const u32* table, const u32* row_table,
+                                             const u32* row_start, const u32* row_end, int heads, int kv_heads,
+                                             int layer, int layers, int pt, const u16* kc, const u16* vc,
+                                             float scale, float* scores, int ctx, float* out, int ra, int per,
+                                             float* smem) {
+    constexpr int HD = 16 * KS;
+    constexpr int KST = HD + 8;            // a staged key's halves (rows 16 bytes apart in banks)
+    constexpr int NSC = NR * ATT_TP;       // scores of a tile
+    constexpr int TBS = NSC + 4;           // a lane's row of accumulators
+    constexpr int SPT = NSC / ATT_THREADS;  // scores a thread folds
+    constexpr int TILE = ATT_TILE_BYTES / (HD * 2);
+    constexpr int SETS = ATT_THREADS / (HD / 2);  // row sets of the value sums
+    constexpr int RS = NR / SETS;                 // rows of a set
+    static_assert(SPT >= 1 && NSC % ATT_THREADS == 0, "scores per thread");
+    static_assert(RS >= 1 && NR % SETS == 0, "rows per value set");
+    __shared__ float mx[NR], inv_s[NR];
+    u16* kt = (u16*)smem;                              // ATT_TP keys
+    float* tb = smem + ATT_TP * KST / 2;               // 16 lanes x TBS
+    u16* vt = (u16*)smem;                              // a tile of values (after the scores)
+    float* wt = smem + ATT_TILE_BYTES / 4;             // their weights, [position][row]
+    int tid = threadIdx.x, grp = tid >> 4, e = tid & 15, lane = tid & 31;
+    int h = blockIdx.y;
+    int g = h / (heads / kv_heads);
+    const u32* pages = table + row_table[ra];
+    int start = row_start[ra];
+    int end[NR];
+    int maxend = start;
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        end[i] = i < per ? (int)row_end[ra + i] : start;
+        maxend = max(maxend, end[i]);
+    }
+    float qr[NR][KS];
+#pragma unroll
+    for (int i = 0; i < NR; i++)
+#pragma unroll
+        for (int k = 0; k < KS; k++) qr[i][k] = i < per ? q[((u64)(ra + i) * heads + h) * HD + e + 16 * k] : 0.0f;
+    // The row and positions whose scores this thread folds.
+    int fr = (tid * SPT) / ATT_TP, ft = (tid * SPT) % ATT_TP;
+    int fend = fr < per ? (int)row_end[ra + fr] : start;
+    float m = -__int_as_float(0x7f800000);
+    for (int p0 = start; p0 < maxend; p0 += ATT_TP) {
+        for (int i = tid; i < ATT_TP * (HD / 8); i += ATT_THREADS) {
+            int t = i / (HD / 8), c = i % (HD / 8), p = p0 + t;
+            if (p < maxend) {
+                const u16* src =
+                    kc + ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * HD + 8 * c;
+                att_copy16(kt + t * KST + 8 * c, src);
+            }
+        }
+        att_wait();
+        __syncthreads();
+        float acc[NR][ATT_PT];
+#pragma unroll
+        for (int i = 0; i < NR; i++)
+#pragma unroll
+            for (int j = 0; j < ATT_PT; j++) acc[i][j] = 0.0f;
+        const u16* kg = kt + grp * ATT_PT * KST + e;
+#pragma unroll
+        for (int k = 0; k < KS; k++) {
+            float kv[ATT_PT];
+#pragma unroll
+            for (int j = 0; j < ATT_PT; j++) kv[j] = h2f(kg[j * KST + 16 * k]);
+#pragma unroll
+            for (int i = 0; i < NR; i++)
+#pragma unroll
+                for (int j = 0; j < ATT_PT; j++) acc[i][j] = fmaf(qr[i][k], kv[j], acc[i][j]);
+        }
+#pragma unroll
+        for (int i = 0; i < NR; i++)
+            *(float4*)(tb + e * TBS + i * ATT_TP + grp * ATT_PT) =
+                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        __syncthreads();
+        float l[SPT][16];
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            if (SPT == 2) {
+                float2 two = *(const float2*)(tb + k * TBS + tid * 2);
+                l[0][k] = two.x;
+                l[SPT - 1][k] = two.y;
+            } else {
+#pragma unroll
+                for (int s = 0; s < SPT; s++) l[s][k] = tb[k * TBS + tid * SPT + s];
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < SPT; s++) {
+            int p = p0 + ft + s;
+            if (p < fend) {
+                float f[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) f[k] = l[s][k] + l[s][k + 8];
+                float sc = (((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]))) * scale;
+                scores[((u64)(ra + fr) * heads + h) * ctx + (p - start)] = sc;
+                m = fmaxf(m, sc);
+            }
+        }
+        // The next tile's copies into kt come after this tile's last reads
+        // of it (the barrier above), its writes of tb after every thread's
+        // folds (the barrier after its copies).
+    }
+    // Each row's maximum: its ATT_TP / SPT threads are neighbours in a warp.
+#pragma unroll
+    for (int o = ATT_TP / SPT / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((tid % (ATT_TP / SPT)) == 0) mx[fr] = m;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        if (i >= per) break;
+        float mm = mx[i];
+        float* sc = scores + ((u64)(ra + i) * heads + h) * ctx;
+        for (int k = tid; k < end[i] - start; k += ATT_THREADS) sc[k] = exp_fixed(sc[k] - mm);
+    }
+    __syncthreads();
+    int warp = tid >> 5;
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        // Warp r % 4 sums row r's exponentials as attend_f16's warp 0 does.
+        if (r >= per || warp != r % (ATT_THREADS / 32)) continue;
+        const float* sc = scores + ((u64)(ra + r) * heads + h) * ctx;
+        int n = end[r] - start;
+        float sum = 0.0f;
+        for (int i = lane & 15; i < n; i += 16) sum += sc[i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (lane == 0) inv_s[r] = 1.0f / sum;
+    }
+    __syncthreads();
+    constexpr int PR = HD / 8;  // 16-byte pieces of a value row
+    int dp = tid % (HD / 2), r0 = (tid / (HD / 2)) * RS;
+    int vend[RS];
+#pragma unroll
+    for (int i = 0; i < RS; i++) vend[i] = r0 + i < per ? (int)row_end[ra + r0 + i] : start;
+    float acc[RS][2];
+#pragma unroll
+    for (int i = 0; i < RS; i++) acc[i][0] = acc[i][1] = 0.0f;
+    for (int p0 = start; p0 < maxend; p0 += TILE) {
+        int np = min(TILE, maxend - p0);
+        for (int i = tid; i < np * PR; i += ATT_THREADS) {
+            int p = p0 + i / PR;
+            const u16* src = vc + ((((u64)pages[p / pt] * layers + layer) * kv_heads + g) * pt + (p % pt)) * HD +
+                             8 * (i % PR);
+            att_copy16(vt + 8 * i, src);
+        }
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+            if (i >= per) break;
+            const float* sc = scores + ((u64)(ra + i) * heads + h) * ctx;
+            int ni = min(np, end[i] - p0);
+            for (int j = tid; j < ni; j += ATT_THREADS) wt[j * NR + i] = sc[p0 - start + j] * inv_s[i];
+        }
+        att_wait();
+        __syncthreads();
+        // Row i of the set takes the positions before its end, in order:
+        // all of the set's rows up to the first end, then each its own.
+        int ni[RS], lo = np, hi = 0;
+#pragma unroll
+        for (int i = 0; i < RS; i++) {
+            ni[i] = max(0, min(np, vend[i] - p0));
+            lo = min(lo, ni[i]);
+            hi = max(hi, ni[i]);
+        }
+        const u32* v2 = (const u32*)vt + dp;
+        const float* w = wt + r0;
+        int j = 0;
+        for (; j < lo; j++) {
+            u32 two = v2[j * (HD / 2)];
+            float v0 = h2f((u16)(two & 0xffffu)), v1 = h2f((u16)(two >> 16));
+            float wr[RS];
+            if (RS % 4 == 0) {
+#pragma unroll
+                for (int i = 0; i < RS; i += 4) {
+                    float4 f = *(const float4*)(w + j * NR + i);
+                    wr[i] = f.x;
+                    wr[(i + 1) % RS] = f.y;
+                    wr[(i + 2) % RS] = f.z;
+                    wr[(i + 3) % RS] = f.w;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < RS; i++) wr[i] = w[j * NR + i];
+            }
+#pragma unroll
+            for (int i = 0; i < RS; i++) {
+                acc[i][0] = fmaf(wr[i], v0, acc[i][0]);
+                acc[i][1] = fmaf(wr[i], v1, acc[i][1]);
+            }
+        }
+        for (; j < hi; j++) {
+            u32 two = v2[j * (HD / 2)];
+            float v0 = h2f((u16)(two & 0xffffu)), v1 = h2f((u16)(two >> 16));
+#pragma unroll
+            for (int i = 0; i < RS; i++) {
+                if (j < ni[i]) {
+                    float wgt = w[j * NR + i];
+                    acc[i][0] = fmaf(wgt, v0, acc[i][0]);
+                    acc[i][1] = fmaf(wgt, v1, acc[i][1]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < RS; i++) {
+        if (r0 + i < per) {
+            float* o = out + ((u64)(ra + r0 + i) * heads + h) * HD;
+            o[2 * dp] = acc[i][0];
+            o[2 * dp + 1] = acc[i][1];
+        }
+    }
+}
+
+// attend_f16_rows with attend_tiled<NR, HD / 16> for the groups that
+// share (`group` rows, at most NR), one kernel per head width (each with
+// only its own registers: 128-132).
+template <int NR, int HD>
+__device__ __forceinline__ void attend_tiled_rows(const float* q, const u32* table, const u32* row_table,
+                                                  const u32* row_start, const u32* row_end, int heads, int kv_heads,
+                                                  int layer, int layers, int pt, const u16* kc, const u16* vc,
+                                                  float scale, float* scores, int ctx, float* out, int n_rows,
+                                                  int group) {
+    after_previous();
+    SKIPS(4);
+    extern __shared__ float smem[];
+    int r0 = blockIdx.x * group;
+    int nr = min(group, n_rows - r0);
+    bool share = nr <= NR;
+    for (int i = 1; i < nr; i++) share = share && row_table[r0 + i] == row_table[r0] && row_start[r0 + i] == row_start[r0];
+    if (share) {
+        attend_tiled<NR, HD / 16>(q, table, row_table, row_start, row_end, heads, kv_heads, layer, layers, pt, kc, vc,
+                                  scale, scores, ctx, out, r0, nr, smem);
+        return;
+    }
+    for (int k = 0; k < nr; k++) {
+        attend_set<1>(q, table, row_table, row_start, row_end, heads, kv_heads, HD, layer, layers, pt, kc, vc, scale,
+                      scores, ctx, out, r0 + k, 1, smem);
+        __syncthreads();
+    }
+}
+
+#define ATTEND_TILED(NAME, NR, HD)                                                                                     \
+    extern "C" __global__ void NAME(const float* q, const u32* table, const u32* row_table, const u32* row_start,   \
+                                    const u32* row_end, int heads, int kv_heads, int hd, int layer, int layers,     \
+                                    int pt, const u16* kc, const u16* vc, float scale, float* scores, int ctx,      \
+                                    float* out, int n_rows, int group) {                                            \
+        attend_tiled_rows<NR, HD>(q, table, row_table, row_start, row_end, heads, kv_heads, layer, layers, pt, kc, \
+                                  vc, scale, scores, ctx, out, n_rows, group);                                      \
+    }
+ATTEND_TILED(attend_f16_tiled64, 8, 64)
+ATTEND_TILED(attend_f16_tiled128, 8, 128)
+ATTEND_TILED(attend_f16_tiled256, 4, 256)
+
 // Attention over pages with a coded part (keys and values in F16, Q8 or
 // TQ4, TQ4 keys against the key basis), in the CPU's order for such caches
 // (snug_kernels::kv::coded), a block of

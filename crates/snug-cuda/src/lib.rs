@@ -210,6 +210,9 @@ struct Kernels {
     attend_coded: CudaFunction,
     /// Attention for groups of rows of one sequence (prefill).
     attend_f16_rows: CudaFunction,
+    /// The same with the work of a group's rows tiled over the block's
+    /// threads, for heads of 64, 128 and 256.
+    attend_f16_tiled: [CudaFunction; 3],
     gated: CudaFunction,
     /// The gated activation, quantized for the down projection.
     gated_q8: CudaFunction,
@@ -231,6 +234,9 @@ pub struct Device {
     pub overlap: bool,
     /// Rows per block of `attend_f16_rows` (kernels.cu's ATT_ROWS).
     att_rows: usize,
+    /// Whether a prefill's attention takes `attend_f16_tiled` where the
+    /// head's width allows (kernels.cu's ATT_TILED).
+    att_tiled: bool,
     /// kernels.cu's NORM_EARLY (see `norm_threads`).
     norm_early: bool,
     /// The staged tiles' shape (kernels.cu's MMT_R, MMT_S, MMT_WR,
@@ -323,6 +329,11 @@ impl Device {
             attend_coded: f("attend_coded")?,
             attend_f16: f("attend_f16")?,
             attend_f16_rows: f("attend_f16_rows")?,
+            attend_f16_tiled: [
+                f("attend_f16_tiled64")?,
+                f("attend_f16_tiled128")?,
+                f("attend_f16_tiled256")?,
+            ],
             gated: f("gated")?,
             gated_q8: f("gated_q8")?,
             gather: f("gather")?,
@@ -364,6 +375,7 @@ impl Device {
             name,
             capability,
             att_rows: define(source, defines, "ATT_ROWS") as usize,
+            att_tiled: define(source, defines, "ATT_TILED") != 0,
             norm_early: define(source, defines, "NORM_EARLY") != 0,
             mmt_tile: (
                 define(source, defines, "MMT_R"),
@@ -1274,12 +1286,47 @@ impl Backend for Cuda {
         // a prefill, groups of rows share their keys' and values' loads.
         let tile = ATT_TILE_BYTES / (ws.head_dim * 2);
         let start = |r: &BatchRow| c.window_start(layer, r.pos);
+        let n = rows.len() as i32;
+        if let Some((kernel, group)) =
+            tiled_group(ws.head_dim).filter(|&(_, g)| dev.att_tiled && groups_share(rows, g, start))
+        {
+            let cfg = LaunchConfig {
+                grid_dim: (rows.len().div_ceil(group) as u32, ws.heads as u32, 1),
+                block_dim: (ATT_THREADS, 1, 1),
+                shared_mem_bytes: tiled_shared_bytes(ws.head_dim, group),
+            };
+            let gr = group as i32;
+            launch!(
+                ws,
+                &dev.k.attend_f16_tiled[kernel],
+                cfg,
+                &q,
+                &table,
+                &rt,
+                &st,
+                &en,
+                &heads,
+                &kvh,
+                &hd,
+                &l,
+                &layers,
+                &pt,
+                &kc,
+                &vc,
+                &scale,
+                &sc,
+                &ctx,
+                &out,
+                &n,
+                &gr
+            );
+            return;
+        }
         let (f, group) = if groups_share(rows, dev.att_rows, start) {
             (&dev.k.attend_f16_rows, dev.att_rows)
         } else {
             (&dev.k.attend_f16, 1)
         };
-        let n = rows.len() as i32;
         let cfg = LaunchConfig {
             grid_dim: (rows.len().div_ceil(group) as u32, ws.heads as u32, 1),
             block_dim: (ATT_THREADS, 1, 1),
@@ -1828,6 +1875,33 @@ const ATT_TILE_BYTES: usize = 16384;
 const MMT_AS: u32 = 416;
 const MMT_WS_Q4K: u32 = 160;
 const MMT_WS_Q5K: u32 = 192;
+/// kernels.cu's ATT_TP: positions of a tile of keys in `attend_f16_tiled`.
+const ATT_TP: usize = 32;
+
+/// Which of the `attend_f16_tiled` kernels runs heads of `hd`, and the
+/// rows of its groups (kernels.cu's NR of it): 8, or 4 for heads of 256
+/// (whose queries take twice the registers).
+fn tiled_group(hd: usize) -> Option<(usize, usize)> {
+    match hd {
+        64 => Some((0, 8)),
+        128 => Some((1, 8)),
+        256 => Some((2, 4)),
+        _ => None,
+    }
+}
+
+/// Shared memory of `attend_f16_tiled` for heads of `hd` and groups of
+/// `group` rows: the largest of its scores' part (a tile of keys and the
+/// lanes' accumulators), its values' part (a tile of values and their
+/// weights) and `attend_f16`'s for a group that does not share.
+fn tiled_shared_bytes(hd: usize, group: usize) -> u32 {
+    let tile = ATT_TILE_BYTES / (hd * 2);
+    let scores = ATT_TP * (hd + 8) * 2 + 16 * (group * ATT_TP + 4) * 4;
+    let values = ATT_TILE_BYTES + tile * group * 4;
+    let alone = hd * 4 + tile * 4 + ATT_TILE_BYTES;
+    scores.max(values).max(alone) as u32
+}
+
 /// The batch from which `attend_f16_rows` is used.
 const ATT_GROUP_MIN: usize = 8;
 
@@ -1878,6 +1952,9 @@ mod tests {
                 for k in [
                     "attend_f16",
                     "attend_f16_rows",
+                    "attend_f16_tiled64",
+                    "attend_f16_tiled128",
+                    "attend_f16_tiled256",
                     "quantize_q8",
                     "quantize_q8k",
                     "rms_norm",
@@ -1961,6 +2038,8 @@ mod tests {
     fn the_hosts_knobs_are_the_kernels_defaults() {
         for (name, want) in [
             ("ATT_ROWS", 4),
+            ("ATT_TILED", 0),
+            ("ATT_TP", ATT_TP as u32),
             ("NORM_EARLY", 1),
             ("MMT_R", 2),
             ("MMT_S", 2),
