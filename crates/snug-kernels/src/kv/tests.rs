@@ -493,40 +493,8 @@ fn f16_rows_taken_together_are_each_the_bits_of_a_row_alone() {
                     let mut s = AttnScratch::new(160, hd, group, 16);
                     attend_group_generic(&kv, 1, 1, &query, q, 0.125, out, &mut s);
                 }
-                let mut got = vec![vec![f32::NAN; group * hd]; ends.len()];
-                let mut rows: Vec<AttnRow> = ends
-                    .iter()
-                    .zip(&qs)
-                    .zip(got.iter_mut())
-                    .map(|((&end, q), out)| AttnRow {
-                        query: AttnQuery {
-                            pages: &pages,
-                            twins: &[],
-                            start: start(end),
-                            end,
-                        },
-                        q,
-                        out,
-                    })
-                    .collect();
-                let mut s = AttnScratch::for_rows(160, hd, group, 16, rows_room);
-                attend_rows(&kv, 1, 1, &mut rows, 0.125, &mut s);
-                drop(rows);
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "head dim {hd}, group {group}, window {window:?}, room {rows_room}, row {i}"
-                    );
-                }
-                // The blocks' kernels of every vector level this CPU runs.
-                #[cfg(target_arch = "x86_64")]
-                for level in crate::cpu::Simd::available()
-                    .into_iter()
-                    .filter(|&l| l >= crate::cpu::Simd::Avx2)
-                {
-                    let (Data::F16(dk), Data::F16(dv)) = (&kv.k, &kv.v) else {
-                        unreachable!("F16 pages")
-                    };
+                // Each row of a block through `run` against the row alone.
+                let check = |label: &str, run: &mut dyn FnMut(&mut [AttnRow], &mut AttnScratch)| {
                     let mut got = vec![vec![f32::NAN; group * hd]; ends.len()];
                     let mut rows: Vec<AttnRow> = ends
                         .iter()
@@ -544,14 +512,28 @@ fn f16_rows_taken_together_are_each_the_bits_of_a_row_alone() {
                         })
                         .collect();
                     let mut s = AttnScratch::for_rows(160, hd, group, 16, rows_room);
-                    super::attend::f16_blocks(level, dk, dv, &kv, 1, 1, &mut rows, 0.125, &mut s);
+                    run(&mut rows, &mut s);
                     drop(rows);
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                         assert!(
                             a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                            "{level:?}: head dim {hd}, group {group}, window {window:?}, room {rows_room}, row {i}"
+                            "{label}: head dim {hd}, group {group}, window {window:?}, room {rows_room}, row {i}"
                         );
                     }
+                };
+                check("attend_rows", &mut |rows, s| attend_rows(&kv, 1, 1, rows, 0.125, s));
+                // The blocks' kernels of every vector level this CPU runs.
+                #[cfg(target_arch = "x86_64")]
+                for level in crate::cpu::Simd::available()
+                    .into_iter()
+                    .filter(|&l| l >= crate::cpu::Simd::Avx2)
+                {
+                    let (Data::F16(dk), Data::F16(dv)) = (&kv.k, &kv.v) else {
+                        unreachable!("F16 pages")
+                    };
+                    check(&format!("{level:?}"), &mut |rows, s| {
+                        super::attend::f16_blocks(level, dk, dv, &kv, 1, 1, rows, 0.125, s)
+                    });
                 }
             }
         }
