@@ -665,8 +665,11 @@ impl Engine<'_> {
                 break;
             };
             let rows: Vec<StepRow> = tokens.iter().map(|&t| StepRow::new(seq, t, true)).collect();
-            let logits = self.step(&rows)?.to_vec();
-            d.absorb(self, &logits, true)?;
+            self.step(&rows)?;
+            let logits = self.take_logits();
+            let absorbed = d.absorb(self, &logits, true);
+            self.give_back_logits(logits);
+            absorbed?;
         }
         d.finish(self, tok, on_text)
     }

@@ -493,6 +493,21 @@ impl<'m> Engine<'m> {
         self.step_to(rows, Head::Logits)
     }
 
+    /// The logits of the last [`Engine::step`], taken out of the engine's
+    /// buffer (no copy: a verify's or a batch's rows of logits are
+    /// megabytes) so that they can be read while the engine is used. Give
+    /// the buffer back with [`Engine::give_back_logits`] for the next step
+    /// to reuse; a step without it allocates one.
+    pub fn take_logits(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.logits)
+    }
+
+    /// Returns a buffer [`Engine::take_logits`] took (its contents are
+    /// stale once the next step runs).
+    pub fn give_back_logits(&mut self, logits: Vec<f32>) {
+        self.logits = logits;
+    }
+
     /// [`Engine::step`], handing back what `head` asks for of the rows that
     /// want output (logits, or the normed last hidden states).
     fn step_to(&mut self, rows: &[StepRow], head: Head) -> Result<&[f32], EngineError> {

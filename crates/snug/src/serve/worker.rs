@@ -404,9 +404,9 @@ impl Loop<'_> {
         let mut outcome = Outcome::default();
         if !rows.is_empty() {
             self.lease_head(&rows);
-            let step = engine.step(&rows).map(<[f32]>::to_vec);
+            let step = engine.step(&rows).map(|_| ());
             let logits = match step {
-                Ok(l) => l,
+                Ok(()) => engine.take_logits(),
                 Err(e) => {
                     // Nothing was appended (the engine checks before it
                     // writes); the requests in this step fail.
@@ -446,6 +446,7 @@ impl Loop<'_> {
                 }
                 outcome.gained.push((id, held.saturating_sub(before)));
             }
+            engine.give_back_logits(logits);
             let mut m = locked(&self.metrics);
             m.steps += 1;
             m.rows += rows.len() as u64;
