@@ -15,6 +15,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
 
 def check(cond, what):
@@ -26,7 +27,12 @@ def check(cond, what):
 def wait(what, cond, timeout=120):
     end = time.time() + timeout
     while time.time() < end:
-        v = cond()
+        try:
+            v = cond()
+        except (StaleElementReferenceException, NoSuchElementException):
+            # The page redrew (or has not yet drawn) what the condition
+            # reads; look again on the next poll.
+            v = None
         if v:
             return v
         time.sleep(0.05)
@@ -106,16 +112,27 @@ def main():
         # Reload: both conversations are listed, the newest open.
         time.sleep(0.5)
         driver.refresh()
-        items = wait("the conversation list", lambda: len(driver.find_elements(By.CSS_SELECTOR, "#chats li")) >= 2 and driver.find_elements(By.CSS_SELECTOR, "#chats li"))
-        titles = [li.text.replace("\nx", "").strip() for li in items]
+        # The list and the open conversation may be redrawn while they are
+        # read, so each wait reads texts, not elements kept across polls.
+        def listed():
+            lis = driver.find_elements(By.CSS_SELECTOR, "#chats li")
+            return len(lis) >= 2 and [li.text.replace("\nx", "").strip() for li in lis]
+
+        titles = wait("the conversation list", listed)
         check(any(t.startswith("Write a long story") for t in titles), f"titles {titles}")
         check(any(t.startswith("Name three colours") for t in titles), f"titles {titles}")
-        reopened = wait("the open conversation", lambda: answers() and answers()[0])
-        check(reopened.find_element(By.CLASS_NAME, "text").text == kept, "the stopped answer came back as kept")
+        reopened = wait("the open conversation", lambda: answers() and [answers()[0].find_element(By.CLASS_NAME, "text").text])
+        check(reopened[0] == kept, "the stopped answer came back as kept")
+
         # Open the first conversation again: its answer is the one streamed.
-        for li in driver.find_elements(By.CSS_SELECTOR, "#chats li"):
-            if li.text.startswith("Name three colours"):
-                li.find_element(By.TAG_NAME, "a").click()
+        def open_first():
+            for li in driver.find_elements(By.CSS_SELECTOR, "#chats li"):
+                if li.text.startswith("Name three colours"):
+                    li.find_element(By.TAG_NAME, "a").click()
+                    return True
+            return False
+
+        wait("the first conversation's entry", open_first)
         wait("the first conversation", lambda: answers() and answers()[0].find_element(By.CLASS_NAME, "text").text == text)
         summary["titles"] = titles
         wait("the gauges", lambda: driver.find_element(By.ID, "g-kv").text not in ("", "-"), timeout=10)
