@@ -129,6 +129,152 @@ unsafe fn packed_task(
     }
 }
 
+/// Activation rows an AMX task takes: as many as keep their bytes within
+/// half of a core's L2 for the whole task, in whole groups of 32.
+fn amx_block_rows(k: usize) -> usize {
+    (AMX_BLOCK_BYTES / k).clamp(32, panel::AMX_ROWS) / 32 * 32
+}
+
+/// An AMX task: panel `t` of a product with packed panels (`pk`: `n`
+/// outputs of `k` inputs) against activation rows `r0..r0 + m`, whose
+/// bytes, blocks and aux values `bytes`, `q8` and `aux` hold (all rows').
+///
+/// # Safety
+///
+/// `out` holds `(r0 + m) * n` floats at least; no other task writes
+/// outputs `16 t..16 (t + 1)` of rows `r0..r0 + m` while this one runs.
+#[allow(clippy::too_many_arguments)]
+unsafe fn amx_task(
+    ty: GgmlType,
+    k: usize,
+    n: usize,
+    pk: &[u8],
+    t: usize,
+    r0: usize,
+    m: usize,
+    bytes: &[i8],
+    q8: &[BlockQ8],
+    aux: &[i32],
+    out: *mut f32,
+) {
+    let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
+    let o0 = t * FEATURES_PER_TASK;
+    let lanes = (n - o0).min(FEATURES_PER_TASK);
+    let panel = PanelRef::of_matrix(ty, k, pk, t);
+    // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`, this
+    // task's alone (the caller's promise).
+    unsafe {
+        panel.amx_dot_into(
+            &bytes[r0 * k..],
+            &q8[r0 * nb..(r0 + m) * nb],
+            &aux[r0 * al..(r0 + m) * al],
+            m,
+            lanes,
+            out.add(r0 * n + o0),
+            n,
+        )
+    };
+}
+
+/// A feed-forward block's gate and up products and its activation in
+/// one job: `up_out` = `x` times `wu` transposed, and `gate_out` =
+/// `act(x times wg transposed, up_out)` (`act`: `ops::silu_mul` or
+/// `ops::gelu_mul`, which take `gate` in place). A task multiplies one
+/// panel of each matrix, the same 16 outputs, and applies `act` to them
+/// while they are in its cache, where the products and then a pass of
+/// the activation over every row would write both matrices' outputs out
+/// to memory and read them back. The bits are those of [`matmul_many`]
+/// and then `act` over whole rows: the activation is elementwise, and
+/// `act` gives an element the same bits wherever a slice puts it (its
+/// vector body and its scalar tail compute the same function, tested).
+///
+/// Runs only where both matrices are packed panels of one type and
+/// shape; returns false, having done nothing, otherwise.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_gated(
+    pool: &ThreadPool,
+    wg: &Weight,
+    wu: &Weight,
+    x: &[f32],
+    n_rows: usize,
+    gate_out: &mut [f32],
+    up_out: &mut [f32],
+    act: fn(&mut [f32], &[f32]),
+    scratch: &mut MatmulScratch,
+) -> bool {
+    let (ty, k, n) = (wg.ty, wg.cols, wg.rows);
+    let (Some(pg), Some(pu)) = (wg.packed, wu.packed) else {
+        return false;
+    };
+    if wu.ty != ty || wu.cols != k || wu.rows != n || is_float(ty) || !supports(ty) || !panel::available(ty) {
+        return false;
+    }
+    assert_eq!(x.len(), n_rows * k, "matmul: input shape");
+    assert_eq!(gate_out.len(), n_rows * n, "matmul: output shape");
+    assert_eq!(up_out.len(), n_rows * n, "matmul: output shape");
+    let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
+    if scratch.q8.len() < n_rows * nb {
+        scratch.q8.resize(n_rows * nb, BlockQ8::default());
+    }
+    if scratch.aux.len() < n_rows * al {
+        scratch.aux.resize(n_rows * al, 0);
+    }
+    let amx = n_rows >= AMX_MIN_ROWS && panel::amx_available(ty);
+    if amx && scratch.bytes.len() < n_rows.next_multiple_of(32) * k {
+        scratch.bytes.resize(n_rows.next_multiple_of(32) * k, 0);
+    }
+    quantize_acts(pool, ty, x, n_rows, k, scratch, true, amx);
+    let q8 = &scratch.q8[..n_rows * nb];
+    let aux = &scratch.aux[..n_rows * al];
+    let (gp, up) = (SendPtr(gate_out.as_mut_ptr()), SendPtr(up_out.as_mut_ptr()));
+    let tasks = n.div_ceil(FEATURES_PER_TASK);
+    // The activation of rows `r0..r1`, outputs of panel `t`.
+    let activate = |t: usize, r0: usize, r1: usize| {
+        let (gp, up) = (&gp, &up);
+        let o0 = t * FEATURES_PER_TASK;
+        let lanes = (n - o0).min(FEATURES_PER_TASK);
+        for r in r0..r1 {
+            // SAFETY: these outputs are the calling task's alone, and
+            // both buffers hold n_rows x n floats.
+            let (g, u) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(gp.0.add(r * n + o0), lanes),
+                    std::slice::from_raw_parts(up.0.add(r * n + o0), lanes),
+                )
+            };
+            act(g, u);
+        }
+    };
+    if amx {
+        let block = amx_block_rows(k);
+        let n_blocks_rows = n_rows.div_ceil(block);
+        let bytes = &scratch.bytes[..n_rows.next_multiple_of(32) * k];
+        pool.run(n_blocks_rows * tasks, &|task| {
+            let (gp, up) = (&gp, &up);
+            let (r0, t) = (task / tasks * block, task % tasks);
+            let m = (n_rows - r0).min(block);
+            // SAFETY: each (r, o) of either output is written by exactly
+            // one task.
+            unsafe {
+                amx_task(ty, k, n, pg, t, r0, m, bytes, q8, aux, gp.0);
+                amx_task(ty, k, n, pu, t, r0, m, bytes, q8, aux, up.0);
+            }
+            activate(t, r0, r0 + m);
+        });
+    } else {
+        pool.run(tasks, &|t| {
+            let (gp, up) = (&gp, &up);
+            // SAFETY: each task writes its own outputs of either buffer.
+            unsafe {
+                packed_task(ty, k, n, pg, t, n_rows, q8, aux, gp.0);
+                packed_task(ty, k, n, pu, t, n_rows, q8, aux, up.0);
+            }
+            activate(t, 0, n_rows);
+        });
+    }
+    true
+}
+
 /// The most products [`matmul_many`] runs as one job (more run one at a
 /// time).
 const MANY_MAX: usize = 4;
@@ -351,29 +497,14 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
         // Tasks: blocks of activation rows (as many as keep their bytes
         // within half of a core's L2 for the whole task) times panels,
         // block by block, so that each thread's claims keep to a block.
-        let block = (AMX_BLOCK_BYTES / k).clamp(32, panel::AMX_ROWS) / 32 * 32;
+        let block = amx_block_rows(k);
         let n_blocks_rows = n_rows.div_ceil(block);
         let bytes = &scratch.bytes[..n_rows.next_multiple_of(32) * k];
         pool.run(n_blocks_rows * tasks, &|task| {
             let op = &out_ptr;
             let (r0, t) = (task / tasks * block, task % tasks);
-            let m = (n_rows - r0).min(block);
-            let o0 = t * FEATURES_PER_TASK;
-            let lanes = (n - o0).min(FEATURES_PER_TASK);
-            let panel = PanelRef::of_matrix(ty, k, pk, t);
-            // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`;
-            // each (r, o) is written by exactly one task.
-            unsafe {
-                panel.amx_dot_into(
-                    &bytes[r0 * k..],
-                    &q8[r0 * nb..(r0 + m) * nb],
-                    &aux[r0 * al..(r0 + m) * al],
-                    m,
-                    lanes,
-                    op.0.add(r0 * n + o0),
-                    n,
-                )
-            };
+            // SAFETY: each (r, o) is written by exactly one task.
+            unsafe { amx_task(ty, k, n, pk, t, r0, (n_rows - r0).min(block), bytes, q8, aux, op.0) };
         });
         return;
     }
@@ -661,6 +792,119 @@ mod tests {
                     assert_eq!(want, one_packed[o].to_bits(), "{ty} packed alone, row {r} out {o}");
                 }
             }
+        }
+    }
+
+    /// A matrix of `n` random-looking rows of type `ty`, `k` wide, with
+    /// sane scales (`seed` varies the levels), and its packed panels.
+    fn test_matrix(ty: GgmlType, n: usize, k: usize, seed: usize) -> (Vec<u8>, Vec<u8>) {
+        let mut data = vec![0u8; n * ty.bytes_for(k as u64).unwrap() as usize];
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = ((i + seed) * 131 % 251) as u8;
+        }
+        let scale_at: &[usize] = match ty {
+            GgmlType::Q8_0 | GgmlType::Q5_0 => &[0],
+            GgmlType::Q6K => &[208],
+            _ => &[0, 2],
+        };
+        for blk in data.chunks_exact_mut(ty.type_size()) {
+            for &a in scale_at {
+                blk[a] = 0x00;
+                blk[a + 1] = 0x2c; // f16 0.0625
+            }
+        }
+        let mut pk = vec![0u8; panel::packed_matrix_bytes(ty, n, k)];
+        panel::pack_matrix(ty, &data, n, k, &mut pk);
+        (data, pk)
+    }
+
+    #[test]
+    fn gate_and_up_with_their_activation_in_one_job_keep_the_bits() {
+        // The fused job against the two products and then the activation
+        // over whole rows: one row (decode), a few (panels), and 17 and 40
+        // (the AMX tiles, where the CPU has them, for the K-quants); 37
+        // outputs, so the last panel is partial.
+        let (k, n) = (512, 37);
+        let pool = ThreadPool::new(2);
+        type Act = fn(&mut [f32], &[f32]);
+        let acts: [(Act, &str); 2] = [(crate::ops::silu_mul, "silu"), (crate::ops::gelu_mul, "gelu")];
+        for ty in [
+            GgmlType::Q8_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+        ] {
+            let (dg, pg) = test_matrix(ty, n, k, 0);
+            let (du, pu) = test_matrix(ty, n, k, 7);
+            let wg = Weight {
+                ty,
+                rows: n,
+                cols: k,
+                data: &dg,
+                packed: Some(&pg),
+            };
+            let wu = Weight {
+                data: &du,
+                packed: Some(&pu),
+                ..wg
+            };
+            for m in [1, 3, 17, 40] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+                for (act, name) in acts {
+                    let (mut g0, mut u0) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    matmul_many(
+                        &pool,
+                        &[&wg, &wu],
+                        &x,
+                        m,
+                        &mut [&mut g0, &mut u0],
+                        &mut MatmulScratch::default(),
+                    );
+                    act(&mut g0, &u0);
+                    let (mut g1, mut u1) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+                    let ran = matmul_gated(
+                        &pool,
+                        &wg,
+                        &wu,
+                        &x,
+                        m,
+                        &mut g1,
+                        &mut u1,
+                        act,
+                        &mut MatmulScratch::default(),
+                    );
+                    assert!(ran, "{ty}: packed panels of one type run fused");
+                    assert!(
+                        g1.iter().zip(&g0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty} {name}, {m} rows: gate"
+                    );
+                    assert!(
+                        u1.iter().zip(&u0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty} {name}, {m} rows: up"
+                    );
+                }
+            }
+            // Unpacked weights are left to the caller, outputs untouched.
+            let bare = Weight { packed: None, ..wg };
+            let mut g = vec![1.5f32; n];
+            let mut u = vec![2.5f32; n];
+            let x = vec![0.5f32; k];
+            let ran = matmul_gated(
+                &pool,
+                &bare,
+                &wu,
+                &x,
+                1,
+                &mut g,
+                &mut u,
+                acts[0].0,
+                &mut MatmulScratch::default(),
+            );
+            assert!(
+                !ran && g.iter().all(|&v| v == 1.5) && u.iter().all(|&v| v == 2.5),
+                "{ty}"
+            );
         }
     }
 }

@@ -200,6 +200,23 @@ pub trait CpuArithmetic: Sync + Send + 'static {
     fn attend(kv: &KvStorage, layer: usize, kv_head: usize, rows: &mut [AttnRow], scale: f32, s: &mut AttnScratch);
     /// `gate = act(gate) * up`, rows of `width`.
     fn gated(pool: &ThreadPool, act: Activation, gate: &mut [f32], up: &[f32], width: usize);
+    /// The gate and up products of `x` and then [`CpuArithmetic::gated`]
+    /// in one job, with the bits of the three steps; false, having done
+    /// nothing, where this arithmetic or these weights do not allow it.
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up(
+        _pool: &ThreadPool,
+        _act: Activation,
+        _wg: &Weight,
+        _wu: &Weight,
+        _x: &[f32],
+        _n: usize,
+        _gate: &mut [f32],
+        _up: &mut [f32],
+        _s: &mut MatmulScratch,
+    ) -> bool {
+        false
+    }
     /// A row's `sel.len()` experts from its router `logits`, best first,
     /// and their weights (`probs`: scratch as long as `logits`).
     fn route(logits: &[f32], probs: &mut [f32], sel: &mut [usize], weights: &mut [f32]);
@@ -257,14 +274,33 @@ impl CpuArithmetic for Native {
     }
 
     fn gated(pool: &ThreadPool, act: Activation, gate: &mut [f32], up: &[f32], _width: usize) {
-        match act {
-            Activation::Silu => par_zip(pool, gate, up, ops::silu_mul),
-            Activation::Gelu => par_zip(pool, gate, up, ops::gelu_mul),
-        }
+        par_zip(pool, gate, up, native_act(act))
+    }
+
+    fn gate_up(
+        pool: &ThreadPool,
+        act: Activation,
+        wg: &Weight,
+        wu: &Weight,
+        x: &[f32],
+        n: usize,
+        gate: &mut [f32],
+        up: &mut [f32],
+        s: &mut MatmulScratch,
+    ) -> bool {
+        snug_kernels::matmul::matmul_gated(pool, wg, wu, x, n, gate, up, native_act(act), s)
     }
 
     fn route(logits: &[f32], probs: &mut [f32], sel: &mut [usize], weights: &mut [f32]) {
         ops::route_experts(logits, probs, sel, weights)
+    }
+}
+
+/// snug's own activation, as the gated product in place.
+fn native_act(act: Activation) -> fn(&mut [f32], &[f32]) {
+    match act {
+        Activation::Silu => ops::silu_mul,
+        Activation::Gelu => ops::gelu_mul,
     }
 }
 
@@ -513,6 +549,34 @@ impl<A: CpuArithmetic> Backend for Cpu<A> {
         let (i, j) = (Buf::Up as usize, Buf::Gate as usize);
         let (up, gate) = split2(&mut ws.bufs, i, j);
         A::gated(&ws.pool, act, &mut gate[..len], &up[..len], width)
+    }
+
+    fn gate_up(
+        ws: &mut CpuWorkspace,
+        gate: &Weight,
+        up: &Weight,
+        from: Buf,
+        rows: usize,
+        width: usize,
+        act: Activation,
+    ) {
+        let (i, g, u) = (from as usize, Buf::Gate as usize, Buf::Up as usize);
+        assert!(i != g && i != u, "a buffer read and written at once");
+        let base = ws.bufs.as_mut_ptr();
+        // SAFETY: the three buffers are distinct (Gate and Up are two
+        // buffers; `from` is neither, checked above).
+        let (x, go, uo) = unsafe {
+            (
+                (*base.add(i)).as_slice(),
+                &mut (*base.add(g)).as_mut_slice()[..rows * width],
+                &mut (*base.add(u)).as_mut_slice()[..rows * width],
+            )
+        };
+        let x = &x[..rows * gate.cols];
+        if !A::gate_up(&ws.pool, act, gate, up, x, rows, go, uo, &mut ws.mm) {
+            Self::matmul_many(ws, &[gate, up], from, &[Buf::Gate, Buf::Up], rows);
+            Self::gated(ws, act, rows, width);
+        }
     }
 
     fn experts(ws: &mut CpuWorkspace, e: &Experts<Weight<'_>>, c: &Config, n: usize) {

@@ -227,6 +227,23 @@ pub trait Backend: Sync {
     /// `gate = act(gate) * up` over the first `rows` rows.
     fn gated(ws: &mut Self::Workspace, act: Activation, rows: usize, width: usize);
 
+    /// A feed-forward block's gate and up products of the first `rows`
+    /// rows of `from`, into [`Buf::Gate`] and [`Buf::Up`], then
+    /// [`Backend::gated`]: the bits of those two steps, which a backend
+    /// may run as one.
+    fn gate_up<'w>(
+        ws: &mut Self::Workspace,
+        gate: &Self::Matrix<'w>,
+        up: &Self::Matrix<'w>,
+        from: Buf,
+        rows: usize,
+        width: usize,
+        act: Activation,
+    ) {
+        Self::matmul_many(ws, &[gate, up], from, &[Buf::Gate, Buf::Up], rows);
+        Self::gated(ws, act, rows, width);
+    }
+
     /// Copies rows `which` (ascending) of `from` to rows `0..` of `to`.
     fn gather_rows(ws: &mut Self::Workspace, from: Buf, to: Buf, width: usize, which: &[usize]);
 
