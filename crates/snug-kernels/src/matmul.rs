@@ -90,6 +90,21 @@ impl MatmulScratch {
 
 use crate::pool::SendPtr;
 
+/// Task `t`'s panel of a product with panels packed at load (`pk`: `n`
+/// outputs of `k` inputs), with the blocks and aux values an activation
+/// row has, the task's first output and its number of outputs.
+fn task_panel(ty: GgmlType, k: usize, n: usize, pk: &[u8], t: usize) -> (usize, usize, usize, usize, PanelRef<'_>) {
+    let o0 = t * FEATURES_PER_TASK;
+    let panel = PanelRef::of_matrix(ty, k, pk, t);
+    (
+        k / QK8,
+        aux_len(ty, k / QK8),
+        o0,
+        (n - o0).min(FEATURES_PER_TASK),
+        panel,
+    )
+}
+
 /// Task `t` of a product with panels packed at load (`pk`: `n` outputs of
 /// `k` inputs): its 16 outputs for every activation row, the rows handed
 /// to the kernel in tiles (`panel::tiles`).
@@ -110,10 +125,7 @@ unsafe fn packed_task(
     aux: &[i32],
     out: *mut f32,
 ) {
-    let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
-    let o0 = t * FEATURES_PER_TASK;
-    let lanes = (n - o0).min(FEATURES_PER_TASK);
-    let panel = PanelRef::of_matrix(ty, k, pk, t);
+    let (nb, al, o0, lanes, panel) = task_panel(ty, k, n, pk, t);
     for (r0, m) in panel::tiles(n_rows) {
         let acts: [&[BlockQ8]; panel::TILE_ROWS] = std::array::from_fn(|i| {
             let r = r0 + i.min(m - 1);
@@ -157,10 +169,7 @@ unsafe fn amx_task(
     aux: &[i32],
     out: *mut f32,
 ) {
-    let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
-    let o0 = t * FEATURES_PER_TASK;
-    let lanes = (n - o0).min(FEATURES_PER_TASK);
-    let panel = PanelRef::of_matrix(ty, k, pk, t);
+    let (nb, al, o0, lanes, panel) = task_panel(ty, k, n, pk, t);
     // SAFETY: rows r0..r0 + m, outputs o0..o0 + lanes of `out`, this
     // task's alone (the caller's promise).
     unsafe {
