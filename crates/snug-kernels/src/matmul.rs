@@ -708,21 +708,7 @@ mod tests {
         let n = 37;
         let rows = 17;
         for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
-            let mut data = vec![0u8; n * ty.bytes_for(k as u64).unwrap() as usize];
-            for (i, b) in data.iter_mut().enumerate() {
-                *b = (i * 131 % 251) as u8;
-            }
-            let scale_at: &[usize] = match ty {
-                GgmlType::Q8_0 => &[0],
-                GgmlType::Q6K => &[208],
-                _ => &[0, 2],
-            };
-            for blk in data.chunks_exact_mut(ty.type_size()) {
-                for &a in scale_at {
-                    blk[a] = 0x00;
-                    blk[a + 1] = 0x2c; // f16 0.0625
-                }
-            }
+            let (data, pk) = test_matrix(ty, n, k, 0);
             let w = Weight {
                 ty,
                 rows: n,
@@ -737,8 +723,6 @@ mod tests {
             matmul(&p2, &w, &x, rows, &mut all, &mut MatmulScratch::default());
             // The same matrix packed into panels, as a model packs it at
             // load: every row count runs on the panels.
-            let mut pk = vec![0u8; panel::packed_matrix_bytes(ty, n, k)];
-            panel::pack_matrix(ty, &data, n, k, &mut pk);
             let wp = Weight { packed: Some(&pk), ..w };
             let mut all_packed = vec![0f32; rows * n];
             matmul(&p2, &wp, &x, rows, &mut all_packed, &mut MatmulScratch::default());
