@@ -222,16 +222,7 @@ pub fn matmul_gated(
     assert_eq!(gate_out.len(), n_rows * n, "matmul: output shape");
     assert_eq!(up_out.len(), n_rows * n, "matmul: output shape");
     let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
-    if scratch.q8.len() < n_rows * nb {
-        scratch.q8.resize(n_rows * nb, BlockQ8::default());
-    }
-    if scratch.aux.len() < n_rows * al {
-        scratch.aux.resize(n_rows * al, 0);
-    }
     let amx = n_rows >= AMX_MIN_ROWS && panel::amx_available(ty);
-    if amx && scratch.bytes.len() < n_rows.next_multiple_of(32) * k {
-        scratch.bytes.resize(n_rows.next_multiple_of(32) * k, 0);
-    }
     quantize_acts(pool, ty, x, n_rows, k, scratch, true, amx);
     let q8 = &scratch.q8[..n_rows * nb];
     let aux = &scratch.aux[..n_rows * al];
@@ -324,12 +315,6 @@ pub fn matmul_many(
         assert_eq!(out.len(), n_rows * w.rows, "matmul: output shape");
     }
     let (nb, al) = (k / QK8, aux_len(ty, k / QK8));
-    if scratch.q8.len() < n_rows * nb {
-        scratch.q8.resize(n_rows * nb, BlockQ8::default());
-    }
-    if scratch.aux.len() < n_rows * al {
-        scratch.aux.resize(n_rows * al, 0);
-    }
     quantize_acts(pool, ty, x, n_rows, k, scratch, true, false);
     let (q8, aux) = (&scratch.q8[..n_rows * nb], &scratch.aux[..n_rows * al]);
     // Each product's first task, and where its outputs go.
@@ -355,7 +340,7 @@ pub fn matmul_many(
 }
 
 /// Quantizes the `n_rows` activation rows of `x` (`k` wide) for weights of
-/// type `ty` into `scratch` (sized by the caller): their blocks, with
+/// type `ty` into `scratch` (grown here where it is short): their blocks, with
 /// `use_panel` the aux values panels read, with `amx` their bytes where
 /// the tiles read them.
 #[allow(clippy::too_many_arguments)]
@@ -371,6 +356,15 @@ fn quantize_acts(
 ) {
     let nb = k / QK8;
     let al = if use_panel { aux_len(ty, nb) } else { 0 };
+    if scratch.q8.len() < n_rows * nb {
+        scratch.q8.resize(n_rows * nb, BlockQ8::default());
+    }
+    if scratch.aux.len() < n_rows * al {
+        scratch.aux.resize(n_rows * al, 0);
+    }
+    if amx && scratch.bytes.len() < n_rows.next_multiple_of(32) * k {
+        scratch.bytes.resize(n_rows.next_multiple_of(32) * k, 0);
+    }
     let format = act_format(ty);
     if n_rows <= SERIAL_QUANTIZE_ROWS {
         // A few rows quantize faster than a hand-off to the pool.
@@ -483,22 +477,13 @@ pub fn matmul(pool: &ThreadPool, w: &Weight, x: &[f32], n_rows: usize, out: &mut
     }
     assert!(supports(w.ty), "matmul: unsupported weight type {}", w.ty);
     let nb = k / QK8;
-    if scratch.q8.len() < n_rows * nb {
-        scratch.q8.resize(n_rows * nb, BlockQ8::default());
-    }
     // Packed panels serve every product; otherwise tasks pack their rows
     // from a few activation rows on.
     let packed = w.packed.filter(|_| panel::available(w.ty));
     let use_panel = packed.is_some() || (n_rows >= PANEL_MIN_ROWS && panel::available(w.ty));
     let al = if use_panel { aux_len(w.ty, nb) } else { 0 };
-    if scratch.aux.len() < n_rows * al {
-        scratch.aux.resize(n_rows * al, 0);
-    }
     let ty = w.ty;
     let amx = packed.is_some() && n_rows >= AMX_MIN_ROWS && panel::amx_available(ty);
-    if amx && scratch.bytes.len() < n_rows.next_multiple_of(32) * k {
-        scratch.bytes.resize(n_rows.next_multiple_of(32) * k, 0);
-    }
     quantize_acts(pool, ty, x, n_rows, k, scratch, use_panel, amx);
     let q8 = &scratch.q8[..n_rows * nb];
     let aux = &scratch.aux[..n_rows * al];
